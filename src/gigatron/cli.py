@@ -1,0 +1,73 @@
+"""The `gigatron` command: one subcommand per step of the workflow.
+
+Each subcommand lives in its own module as `main(argv) -> int`; this file only dispatches, so
+that `gigatron preprocess` never imports the model code (and the reverse).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+from gigatron.errors import GigatronError
+
+# name -> (module:function, one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": (
+        "gigatron.training.quickstart:main",
+        "train a small GPT on a built-in corpus, end to end",
+    ),
+    "preprocess": ("gigatron.data.preprocess:main", "tokenize JSON lines into .bin/.idx datasets"),
+    "merge": ("gigatron.data.merge:main", "concatenate indexed datasets into one"),
+    "train-tokenizer": (
+        "gigatron.data.train_tokenizer:main",
+        "train a BPE or WordPiece tokenizer on JSON lines",
+    ),
+    "pretrain": (
+        "gigatron.training.pretrain:main",
+        "pretrain a model: gigatron pretrain gpt [flags]",
+    ),
+    "presets": ("gigatron.models.presets:main", "list the named model shapes"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = [
+        "usage: gigatron <command> [flags]   (gigatron <command> --help for its flags)",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {description}" for name, (_, description) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        from gigatron import __version__
+
+        print(f"gigatron {__version__}")
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"gigatron: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, function_name = COMMANDS[name][0].split(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+        return int(function(rest) or 0)
+    except GigatronError as error:
+        print(f"gigatron {name}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"gigatron {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Dataset options (what to read, how to split and shape it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from gigatron.config.fields import flag_field
+
+
+@dataclass
+class DataConfig:
+    data_path: Optional[list[str]] = flag_field(
+        None, "dataset prefix, or weighted prefixes '0.3 a 0.7 b'", nargs="*"
+    )
+    split: Optional[str] = flag_field(None, "train,valid,test proportions, e.g. 969,30,1")
+    train_data_path: Optional[list[str]] = flag_field(None, "training prefixes", nargs="*")
+    valid_data_path: Optional[list[str]] = flag_field(None, "validation prefixes", nargs="*")
+    test_data_path: Optional[list[str]] = flag_field(None, "test prefixes", nargs="*")
+    mock_data: bool = flag_field(False, "synthetic tokens instead of files")
+    data_cache_path: Optional[str] = flag_field(None, "where dataset indices are cached")
+    mid_level_dataset_surplus: float = flag_field(0.005, "extra samples asked of blended members")
+    num_workers: int = flag_field(2, "data-loader worker processes")
+    eod_mask_loss: bool = flag_field(False, "no loss on end-of-document tokens")
+    reset_position_ids: bool = flag_field(False, "restart position ids after each end of document")
+    reset_attention_mask: bool = flag_field(False, "no attention across end of document")
+    create_attention_mask_in_dataloader: bool = flag_field(
+        True,
+        "leave the attention mask to the model",
+        store_false=True,
+        flag="--no-create-attention-mask-in-dataloader",
+    )

@@ -1,0 +1,66 @@
+"""Model shape and architecture options (Megatron's transformer flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from gigatron.config.fields import flag_field
+
+
+@dataclass
+class ModelConfig:
+    num_layers: Optional[int] = flag_field(None, "number of transformer layers")
+    hidden_size: Optional[int] = flag_field(None, "transformer hidden size")
+    ffn_hidden_size: Optional[int] = flag_field(
+        None, "MLP hidden size; default 4*hidden, or the SwiGLU size with --swiglu"
+    )
+    num_attention_heads: Optional[int] = flag_field(None, "number of attention heads")
+    group_query_attention: bool = flag_field(False, "use grouped-query attention")
+    num_query_groups: int = flag_field(1, "number of key/value groups with --group-query-attention")
+    kv_channels: Optional[int] = flag_field(None, "projection size per head; default hidden/heads")
+    seq_length: Optional[int] = flag_field(None, "sequence length of a training sample")
+    max_position_embeddings: Optional[int] = flag_field(
+        None, "size of the position table; default --seq-length"
+    )
+    position_embedding_type: str = flag_field(
+        "learned_absolute", "position encoding", choices=["learned_absolute", "rope", "none"]
+    )
+    rotary_percent: float = flag_field(1.0, "fraction of each head's channels that RoPE rotates")
+    rotary_base: int = flag_field(10000, "RoPE base period")
+    normalization: str = flag_field("LayerNorm", "norm layer", choices=["LayerNorm", "RMSNorm"])
+    layernorm_epsilon: float = flag_field(1e-5, "epsilon of the norm layers", flag="--norm-epsilon")
+    swiglu: bool = flag_field(False, "gated SiLU MLP (Llama style)")
+    add_bias_linear: bool = flag_field(
+        True, "drop the biases of all linear layers", flag="--disable-bias-linear", store_false=True
+    )
+    untie_embeddings_and_output_weights: bool = flag_field(
+        False, "give the output layer its own weight instead of the input embedding"
+    )
+    attention_dropout: float = flag_field(0.1, "dropout on attention probabilities")
+    hidden_dropout: float = flag_field(0.1, "dropout on the residual branches")
+    apply_query_key_layer_scaling: bool = flag_field(
+        False, "scale Q.K by 1/layer_number (numerical safety in fp16)"
+    )
+    attention_softmax_in_fp32: bool = flag_field(False, "compute the attention softmax in fp32")
+    init_method_std: float = flag_field(0.02, "std of the normal weight initialisation")
+    make_vocab_size_divisible_by: int = flag_field(
+        128, "pad the vocabulary to a multiple of this times the tensor-parallel size"
+    )
+    padded_vocab_size: Optional[int] = flag_field(None, "use exactly this padded vocabulary size")
+    use_flash_attn: bool = flag_field(False, "use the flash-attn package when it is installed")
+    model_preset: Optional[str] = flag_field(
+        None,
+        "named model shape (see `gigatron presets`), overridden by explicit flags",
+        flag="--model-preset",
+    )
+    recompute_granularity: Optional[str] = flag_field(
+        None, "activation recomputation", choices=["full", "selective"]
+    )
+    recompute_method: Optional[str] = flag_field(
+        None, "which layers to recompute with full granularity", choices=["uniform", "block"]
+    )
+    recompute_num_layers: Optional[int] = flag_field(None, "layers per recompute unit or block")
+    recompute_activations: bool = flag_field(
+        False, "shorthand for --recompute-granularity selective"
+    )

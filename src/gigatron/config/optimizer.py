@@ -1,0 +1,47 @@
+"""Optimizer and learning-rate schedule options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from gigatron.config.fields import flag_field
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = flag_field("adam", "optimizer", choices=["adam", "sgd"])
+    lr: Optional[float] = flag_field(None, "peak learning rate")
+    min_lr: float = flag_field(0.0, "learning rate at the end of the decay")
+    lr_decay_style: str = flag_field(
+        "linear",
+        "decay shape",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+    )
+    lr_wsd_decay_style: str = flag_field(
+        "exponential",
+        "decay shape of WSD's final phase",
+        choices=["exponential", "linear", "cosine", "minus_sqrt"],
+    )
+    lr_decay_iters: Optional[int] = flag_field(None, "iterations of decay; default --train-iters")
+    lr_decay_samples: Optional[int] = flag_field(None, "samples of decay; default --train-samples")
+    lr_wsd_decay_iters: Optional[int] = flag_field(None, "iterations of WSD's final decay")
+    lr_wsd_decay_samples: Optional[int] = flag_field(None, "samples of WSD's final decay")
+    lr_warmup_iters: int = flag_field(0, "iterations of linear warm-up")
+    lr_warmup_fraction: Optional[float] = flag_field(None, "warm-up as a fraction of the decay")
+    lr_warmup_samples: int = flag_field(0, "samples of linear warm-up")
+    lr_warmup_init: float = flag_field(0.0, "learning rate at the start of warm-up")
+    override_opt_param_scheduler: bool = flag_field(
+        False,
+        "take the schedule from the flags, not the checkpoint",
+        flag="--override-opt_param-scheduler",
+    )
+    use_checkpoint_opt_param_scheduler: bool = flag_field(
+        False, "take the schedule from the checkpoint", flag="--use-checkpoint-opt_param-scheduler"
+    )
+    weight_decay: float = flag_field(0.01, "decoupled weight decay (not on biases and norms)")
+    clip_grad: float = flag_field(1.0, "clip the global gradient norm to this (0 = off)")
+    adam_beta1: float = flag_field(0.9, "Adam beta1")
+    adam_beta2: float = flag_field(0.999, "Adam beta2")
+    adam_eps: float = flag_field(1e-8, "Adam epsilon")
+    sgd_momentum: float = flag_field(0.9, "SGD momentum")

@@ -1,0 +1,59 @@
+"""Parallel layout and distributed runtime options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from gigatron.config.fields import flag_field
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = flag_field(1, "tensor-parallel size (tp)")
+    pipeline_model_parallel_size: int = flag_field(1, "pipeline-parallel size (pp)")
+    context_parallel_size: int = flag_field(1, "context-parallel size (cp)")
+    expert_model_parallel_size: int = flag_field(1, "expert-parallel size (ep)")
+    sequence_parallel: bool = flag_field(
+        False, "shard norms and dropout along the sequence over tp"
+    )
+    num_layers_per_virtual_pipeline_stage: Optional[int] = flag_field(
+        None, "layers in each virtual pipeline stage (interleaved 1F1B)"
+    )
+    num_virtual_stages_per_pipeline_rank: Optional[int] = flag_field(
+        None, "model chunks per pipeline rank (interleaved 1F1B)"
+    )
+    microbatch_group_size_per_vp_stage: Optional[int] = flag_field(
+        None,
+        "micro-batches run per virtual stage before switching (default pp)",
+        flag="--microbatch-group-size-per-virtual-pipeline-stage",
+    )
+    decoder_first_pipeline_num_layers: Optional[int] = flag_field(
+        None, "layers on the first pipeline stage (uneven split)"
+    )
+    decoder_last_pipeline_num_layers: Optional[int] = flag_field(
+        None, "layers on the last pipeline stage (uneven split)"
+    )
+    distributed_backend: str = flag_field(
+        "auto",
+        "torch.distributed backend; auto = nccl on GPU, gloo on CPU",
+        choices=["auto", "nccl", "gloo"],
+    )
+    device: str = flag_field("auto", "where to run", choices=["auto", "cuda", "cpu"])
+    distributed_timeout_minutes: int = flag_field(10, "timeout of collective operations")
+    use_distributed_optimizer: bool = flag_field(
+        False, "shard optimizer state and fp32 main params over data-parallel ranks"
+    )
+    overlap_grad_reduce: bool = flag_field(
+        False, "reduce gradient buckets during the backward pass"
+    )
+    overlap_param_gather: bool = flag_field(
+        False, "gather updated parameters during the next forward pass (distributed optimizer)"
+    )
+    ddp_bucket_size: Optional[int] = flag_field(None, "elements per gradient bucket")
+    accumulate_allreduce_grads_in_fp32: bool = flag_field(
+        False, "accumulate and reduce gradients in fp32 under bf16/fp16"
+    )
+    calculate_per_token_loss: bool = flag_field(
+        False, "average the loss over all tokens of the global batch instead of per micro-batch"
+    )

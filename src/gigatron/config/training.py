@@ -1,0 +1,37 @@
+"""The training loop: batches, length, precision, evaluation, exits, determinism."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from gigatron.config.fields import flag_field
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: Optional[int] = flag_field(
+        None, "samples per micro-batch per data-parallel rank"
+    )
+    global_batch_size: Optional[int] = flag_field(None, "samples per iteration over all ranks")
+    rampup_batch_size: Optional[list[int]] = flag_field(
+        None, "start increment samples: grow the global batch linearly", nargs=3
+    )
+    train_iters: Optional[int] = flag_field(None, "iterations to train")
+    train_samples: Optional[int] = flag_field(None, "samples to train (instead of --train-iters)")
+    eval_interval: Optional[int] = flag_field(None, "iterations between evaluations")
+    eval_iters: int = flag_field(100, "iterations per evaluation")
+    full_validation: bool = flag_field(False, "evaluate on the whole validation set")
+    skip_train: bool = flag_field(False, "only evaluate")
+    exit_interval: Optional[int] = flag_field(None, "stop at an iteration divisible by this")
+    exit_duration_in_mins: Optional[float] = flag_field(None, "stop after this many minutes")
+    exit_signal_handler: bool = flag_field(False, "on SIGTERM, save a checkpoint and exit")
+    seed: int = flag_field(1234, "random seed")
+    deterministic_mode: bool = flag_field(False, "bitwise-reproducible runs")
+    fp16: bool = flag_field(False, "fp16 parameters with dynamic loss scaling")
+    bf16: bool = flag_field(False, "bf16 parameters")
+    loss_scale: Optional[float] = flag_field(None, "static loss scale (fp16); default dynamic")
+    initial_loss_scale: float = flag_field(2.0**32, "initial dynamic loss scale")
+    min_loss_scale: float = flag_field(1.0, "smallest dynamic loss scale")
+    loss_scale_window: int = flag_field(1000, "iterations without overflow before the scale grows")
+    hysteresis: int = flag_field(2, "overflows tolerated before the scale shrinks")

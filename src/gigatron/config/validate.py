@@ -1,0 +1,208 @@
+"""Derived defaults and every cross-field rule, in one place.
+
+Each rule that fails adds one line naming the flags and the fix; all lines are reported together.
+"""
+
+from __future__ import annotations
+
+from gigatron.config.root import GigatronConfig
+from gigatron.errors import GigatronError
+
+
+def data_parallel_size(cfg: GigatronConfig, world_size: int) -> int:
+    p = cfg.parallel
+    model_parallel = (
+        p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    )
+    return world_size // model_parallel
+
+
+def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> GigatronConfig:
+    """Fill the values Megatron derives from others (ffn size, kv channels, batch sizes, ...)."""
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    if m.model_preset:
+        from gigatron.models.presets import apply_preset
+
+        apply_preset(cfg, m.model_preset)
+    if m.recompute_activations:
+        m.recompute_granularity = "selective"
+    if m.hidden_size is not None and m.ffn_hidden_size is None:
+        if m.swiglu:
+            # Keeps the parameter count of a 4h GeLU MLP, rounded down to a multiple of 64.
+            m.ffn_hidden_size = int((4 * m.hidden_size * 2 / 3) / 64) * 64
+        else:
+            m.ffn_hidden_size = 4 * m.hidden_size
+    if (
+        m.hidden_size is not None
+        and m.num_attention_heads
+        and m.kv_channels is None
+        and m.hidden_size % m.num_attention_heads == 0
+    ):
+        m.kv_channels = m.hidden_size // m.num_attention_heads
+    if not m.group_query_attention and m.num_attention_heads:
+        m.num_query_groups = m.num_attention_heads
+    if m.max_position_embeddings is None and m.seq_length is not None:
+        m.max_position_embeddings = m.seq_length
+    if world_size is not None and t.micro_batch_size is not None and t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * max(1, data_parallel_size(cfg, world_size))
+    if p.num_virtual_stages_per_pipeline_rank is None and p.num_layers_per_virtual_pipeline_stage:
+        if m.num_layers and p.pipeline_model_parallel_size:
+            per_stage = m.num_layers // p.pipeline_model_parallel_size
+            p.num_virtual_stages_per_pipeline_rank = max(
+                1, per_stage // p.num_layers_per_virtual_pipeline_stage
+            )
+    return cfg
+
+
+def _positive(problems: list[str], value: int | float | None, flag: str) -> None:
+    if value is not None and value <= 0:
+        problems.append(f"{flag} is {value}; it must be positive")
+
+
+def validate_config(
+    cfg: GigatronConfig, world_size: int | None = None, for_training: bool = False
+) -> None:
+    """Raise GigatronError listing every broken rule; `for_training` also requires the flags a
+    training run cannot do without."""
+    m, t, p, o = cfg.model, cfg.training, cfg.parallel, cfg.optimizer
+    problems: list[str] = []
+
+    if for_training:
+        for value, flag in (
+            (m.num_layers, "--num-layers"),
+            (m.hidden_size, "--hidden-size"),
+            (m.num_attention_heads, "--num-attention-heads"),
+            (m.seq_length, "--seq-length"),
+            (t.micro_batch_size, "--micro-batch-size"),
+            (o.lr, "--lr"),
+        ):
+            if value is None:
+                problems.append(f"{flag} is required to train (or give --model-preset / --config)")
+        if t.train_iters is None and t.train_samples is None:
+            problems.append("give the training length with --train-iters or --train-samples")
+
+    for value, flag in (
+        (m.num_layers, "--num-layers"),
+        (m.hidden_size, "--hidden-size"),
+        (m.num_attention_heads, "--num-attention-heads"),
+        (m.seq_length, "--seq-length"),
+        (t.micro_batch_size, "--micro-batch-size"),
+        (t.global_batch_size, "--global-batch-size"),
+        (t.train_iters, "--train-iters"),
+        (p.tensor_model_parallel_size, "--tensor-model-parallel-size"),
+        (p.pipeline_model_parallel_size, "--pipeline-model-parallel-size"),
+        (p.context_parallel_size, "--context-parallel-size"),
+        (p.expert_model_parallel_size, "--expert-model-parallel-size"),
+    ):
+        _positive(problems, value, flag)
+
+    if t.train_iters is not None and t.train_samples is not None:
+        problems.append("--train-iters and --train-samples both given; keep one")
+    if t.fp16 and t.bf16:
+        problems.append("--fp16 and --bf16 both given; choose one precision")
+    if m.hidden_size and m.num_attention_heads and m.kv_channels is None:
+        if m.hidden_size % m.num_attention_heads:
+            problems.append(
+                f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                f"{m.num_attention_heads}; change one, or set --kv-channels"
+            )
+    if (
+        m.num_attention_heads
+        and m.group_query_attention
+        and m.num_attention_heads % m.num_query_groups
+    ):
+        problems.append(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--num-query-groups {m.num_query_groups}"
+        )
+    tp = p.tensor_model_parallel_size
+    if m.num_attention_heads and tp > 0 and m.num_attention_heads % tp:
+        problems.append(
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole heads"
+        )
+    if m.num_attention_heads and tp > 0 and m.num_query_groups % tp and tp % m.num_query_groups:
+        problems.append(
+            f"--num-query-groups {m.num_query_groups} and --tensor-model-parallel-size {tp}: "
+            "one must divide the other"
+        )
+    if m.ffn_hidden_size and tp > 0 and m.ffn_hidden_size % tp:
+        problems.append(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by tp {tp}")
+    if (
+        m.seq_length is not None
+        and m.max_position_embeddings is not None
+        and m.position_embedding_type == "learned_absolute"
+        and m.seq_length > m.max_position_embeddings
+    ):
+        problems.append(
+            f"--seq-length {m.seq_length} exceeds --max-position-embeddings "
+            f"{m.max_position_embeddings}; raise the latter"
+        )
+    if not 0.0 < m.rotary_percent <= 1.0:
+        problems.append(f"--rotary-percent {m.rotary_percent} must lie in (0, 1]")
+    for value, flag in (
+        (m.attention_dropout, "--attention-dropout"),
+        (m.hidden_dropout, "--hidden-dropout"),
+    ):
+        if not 0.0 <= value < 1.0:
+            problems.append(f"{flag} {value} must lie in [0, 1)")
+    if p.sequence_parallel and tp == 1:
+        problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
+        problems.append(
+            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
+        )
+    if p.num_layers_per_virtual_pipeline_stage and p.num_virtual_stages_per_pipeline_rank:
+        derived = (
+            m.num_layers
+            // p.pipeline_model_parallel_size
+            // p.num_layers_per_virtual_pipeline_stage
+            if m.num_layers
+            else None
+        )
+        if derived != p.num_virtual_stages_per_pipeline_rank:
+            problems.append(
+                "give only one of --num-layers-per-virtual-pipeline-stage and "
+                "--num-virtual-stages-per-pipeline-rank"
+            )
+    if m.recompute_granularity == "full" and (
+        m.recompute_method is None or m.recompute_num_layers is None
+    ):
+        problems.append(
+            "--recompute-granularity full needs --recompute-method and --recompute-num-layers"
+        )
+    if o.lr_warmup_fraction is not None and (o.lr_warmup_iters or o.lr_warmup_samples):
+        problems.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples both given")
+    if o.lr is not None and o.min_lr > o.lr:
+        problems.append(f"--min-lr {o.min_lr} is above --lr {o.lr}")
+    if (
+        t.train_samples is not None
+        and t.train_samples > 0
+        and (o.lr_decay_iters or o.lr_warmup_iters)
+    ):
+        problems.append(
+            "with --train-samples, give the schedule in samples (--lr-decay-samples, "
+            "--lr-warmup-samples), not in iterations"
+        )
+    if t.rampup_batch_size is not None and t.train_iters is not None:
+        problems.append("--rampup-batch-size works with --train-samples; replace --train-iters")
+
+    if world_size is not None:
+        model_parallel = tp * p.pipeline_model_parallel_size * p.context_parallel_size
+        if model_parallel > 0 and world_size % model_parallel:
+            problems.append(
+                f"world size {world_size} is not divisible by tp {tp} x pp "
+                f"{p.pipeline_model_parallel_size} x cp {p.context_parallel_size} = {model_parallel}; "
+                "change the parallel sizes or the number of processes"
+            )
+        elif model_parallel > 0 and t.micro_batch_size and t.global_batch_size:
+            dp = world_size // model_parallel
+            if t.global_batch_size % (t.micro_batch_size * dp):
+                problems.append(
+                    f"--global-batch-size {t.global_batch_size} is not divisible by "
+                    f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = "
+                    f"{t.micro_batch_size * dp}"
+                )
+
+    if problems:
+        raise GigatronError("invalid configuration:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,61 @@
+"""Finishing the gradients of one iteration before the optimizer step.
+
+Three reductions, each in the group where a weight is replicated:
+1. data parallel: every chunk wrapped in DistributedDataParallel finishes its bucket reductions;
+2. sequence parallel: weights that see only this rank's slice of the sequence (norms, and biases
+   of row-parallel layers) are marked `param.sequence_parallel = True`; their gradients are summed
+   over the tensor-parallel group;
+3. tied embeddings: the word embedding on the first pipeline stage and the output layer weight on
+   the last are the same weight held twice; both are marked `param.shared_embedding = True` and
+   their gradients are summed over the embedding group.
+The reductions are linear, so their order does not change the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gigatron.parallel.context import ParallelContext
+
+
+def gradient_of(param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient the optimizer will read: the DDP buffer view when there is one."""
+    return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+
+
+def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(synced)
+
+
+def _marked_grads(model_chunks: Iterable[nn.Module], attribute: str) -> list[torch.Tensor]:
+    grads = []
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if param.requires_grad and getattr(param, attribute, False):
+                grad = gradient_of(param)
+                if grad is not None:
+                    grads.append(grad)
+    return grads
+
+
+def finalize_model_grads(model_chunks: list[nn.Module], pctx: ParallelContext) -> None:
+    """Make every gradient the full-model, full-batch gradient (see the module docstring)."""
+    for chunk in model_chunks:
+        finish = getattr(chunk, "finish_grad_sync", None)
+        if finish is not None:
+            finish()
+    if pctx.tp_size > 1:
+        _all_reduce_coalesced(_marked_grads(model_chunks, "sequence_parallel"), pctx.group("tp"))
+    if pctx.pp_size > 1 and pctx.size("embedding") > 1:
+        _all_reduce_coalesced(
+            _marked_grads(model_chunks, "shared_embedding"), pctx.group("embedding")
+        )

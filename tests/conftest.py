@@ -1,0 +1,21 @@
+"""Shared test fixtures: paths to the real data files in ../shared/data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("GIGATRON_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"shared data directory {SHARED_DATA} is missing (set GIGATRON_SHARED_DATA)")
+    return SHARED_DATA

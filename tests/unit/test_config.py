@@ -1,0 +1,77 @@
+import pytest
+import yaml
+
+from gigatron.config import config_from_dict, parse_config
+from gigatron.errors import GigatronError
+
+BASE = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+]
+
+
+def test_megatron_flag_names_and_derived_values():
+    cfg = parse_config([*BASE, "--swiglu", "--disable-bias-linear", "--norm-epsilon", "1e-6"])
+    assert cfg.model.add_bias_linear is False
+    assert cfg.model.layernorm_epsilon == 1e-6
+    assert cfg.model.ffn_hidden_size == 128  # int(4*64*2/3 / 64) * 64
+    assert cfg.model.kv_channels == 16
+    assert cfg.model.num_query_groups == 4  # no GQA: one group per head
+    assert cfg.model.max_position_embeddings == 32
+
+
+def test_yaml_then_flags_override(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"num_layers": 6, "hidden_size": 64}, "lr": 3e-4}))
+    cfg = parse_config(["--config", str(path), "--num-layers", "3", "--num-attention-heads", "4"])
+    assert cfg.model.num_layers == 3
+    assert cfg.model.hidden_size == 64
+    assert cfg.optimizer.lr == 3e-4
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    with pytest.raises(GigatronError, match="hiden_size"):
+        config_from_dict({"hiden_size": 3})
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(GigatronError) as info:
+        parse_config(
+            [
+                "--num-layers",
+                "2",
+                "--hidden-size",
+                "65",
+                "--num-attention-heads",
+                "4",
+                "--fp16",
+                "--bf16",
+                "--sequence-parallel",
+            ]
+        )
+    message = str(info.value)
+    assert "--fp16 and --bf16" in message
+    assert "--hidden-size 65 is not divisible by --num-attention-heads 4" in message
+    assert "--sequence-parallel needs --tensor-model-parallel-size > 1" in message
+
+
+def test_world_size_arithmetic_is_shown():
+    with pytest.raises(
+        GigatronError, match=r"world size 6 is not divisible by tp 4 x pp 1 x cp 1 = 4"
+    ):
+        parse_config([*BASE, "--tensor-model-parallel-size", "4"], world_size=6)
+
+
+def test_global_batch_default_and_divisibility():
+    cfg = parse_config(
+        [*BASE, "--micro-batch-size", "2", "--tensor-model-parallel-size", "2"], world_size=8
+    )
+    assert cfg.training.global_batch_size == 8
+    with pytest.raises(GigatronError, match="--global-batch-size 6 is not divisible"):
+        parse_config([*BASE, "--micro-batch-size", "2", "--global-batch-size", "6"], world_size=4)
