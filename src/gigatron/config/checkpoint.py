@@ -18,4 +18,7 @@ class CheckpointConfig:
     no_save_rng: bool = flag_field(False, "do not save the random states")
     no_load_optim: bool = flag_field(False, "do not load the optimizer state")
     no_load_rng: bool = flag_field(False, "do not load the random states")
+    ckpt_step: Optional[int] = flag_field(
+        None, "load this iteration instead of the one in latest_checkpointed_iteration.txt"
+    )
     ckpt_format: str = flag_field("torch", "checkpoint format", choices=["torch", "torch_dist"])

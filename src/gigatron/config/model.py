@@ -34,6 +34,12 @@ class ModelConfig:
     add_bias_linear: bool = flag_field(
         True, "drop the biases of all linear layers", flag="--disable-bias-linear", store_false=True
     )
+    add_qkv_bias: bool = flag_field(
+        False, "keep a bias on the QKV projection even with --disable-bias-linear"
+    )
+    openai_gelu: bool = flag_field(
+        False, "tanh approximation of GeLU (what GPT-2 used; needed to import GPT-2 weights)"
+    )
     untie_embeddings_and_output_weights: bool = flag_field(
         False, "give the output layer its own weight instead of the input embedding"
     )

@@ -35,11 +35,26 @@ class OptimizerConfig:
         False,
         "take the schedule from the flags, not the checkpoint",
         flag="--override-opt_param-scheduler",
+        aliases=("--override-opt-param-scheduler",),
     )
     use_checkpoint_opt_param_scheduler: bool = flag_field(
-        False, "take the schedule from the checkpoint", flag="--use-checkpoint-opt_param-scheduler"
+        False,
+        "take the schedule from the checkpoint",
+        flag="--use-checkpoint-opt_param-scheduler",
+        aliases=("--use-checkpoint-opt-param-scheduler",),
     )
     weight_decay: float = flag_field(0.01, "decoupled weight decay (not on biases and norms)")
+    start_weight_decay: Optional[float] = flag_field(
+        None, "weight decay at the start of training; default --weight-decay"
+    )
+    end_weight_decay: Optional[float] = flag_field(
+        None, "weight decay at the end of training; default --weight-decay"
+    )
+    weight_decay_incr_style: str = flag_field(
+        "constant",
+        "how weight decay moves from --start-weight-decay to --end-weight-decay",
+        choices=["constant", "linear", "cosine"],
+    )
     clip_grad: float = flag_field(1.0, "clip the global gradient norm to this (0 = off)")
     adam_beta1: float = flag_field(0.9, "Adam beta1")
     adam_beta2: float = flag_field(0.999, "Adam beta2")

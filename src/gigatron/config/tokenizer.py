@@ -38,3 +38,9 @@ class TokenizerConfig:
         None, "tiktoken split pattern", choices=["v1", "v2"]
     )
     tiktoken_num_special_tokens: int = flag_field(1000, "special tokens reserved by TikTokenizer")
+    vocab_extra_ids: int = flag_field(
+        0, "extra <extra_id_i> tokens appended to BERT / SentencePiece vocabularies (T5 sentinels)"
+    )
+    tokenizer_hf_no_include_special_tokens: bool = flag_field(
+        False, "HuggingFaceTokenizer: do not add the tokenizer's own special tokens (e.g. BOS)"
+    )

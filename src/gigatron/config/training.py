@@ -21,6 +21,9 @@ class TrainingConfig:
     train_samples: Optional[int] = flag_field(None, "samples to train (instead of --train-iters)")
     eval_interval: Optional[int] = flag_field(None, "iterations between evaluations")
     eval_iters: int = flag_field(100, "iterations per evaluation")
+    eval_at_start: bool = flag_field(
+        False, "also evaluate on the validation set before the first iteration (gigatron extra)"
+    )
     full_validation: bool = flag_field(False, "evaluate on the whole validation set")
     skip_train: bool = flag_field(False, "only evaluate")
     exit_interval: Optional[int] = flag_field(None, "stop at an iteration divisible by this")

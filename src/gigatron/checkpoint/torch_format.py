@@ -1,0 +1,495 @@
+"""Megatron's legacy per-rank `torch` checkpoint format: atomic saves, safe loads.
+
+Layout (as Megatron-LM writes it):
+    <dir>/latest_checkpointed_iteration.txt      the iteration number, or "release"
+    <dir>/iter_0000100/mp_rank_00/model_optim_rng.pt          pp = 1: mp_rank_{tp:02d}
+    <dir>/iter_0000100/mp_rank_00_001/model_optim_rng.pt      pp > 1: mp_rank_{tp:02d}_{pp:03d}
+
+Each file is a dict of tensors and plain Python values only: `checkpoint_version` 3.0,
+`iteration`, `model` (or `model0`, `model1`, ... one per virtual pipeline chunk), `optimizer`,
+`opt_param_scheduler`, `rng_state`, `consumed_train_samples`, `consumed_valid_samples`,
+`num_floating_point_operations_so_far`, and `args` = the gigatron config as a nested dict (not an
+argparse Namespace, so that `torch.load(weights_only=True)` reads it).
+
+Saving is atomic: every rank writes into `iter_XXXXXXX.tmp/`; after a barrier rank 0 renames it
+to `iter_XXXXXXX/` and then replaces `latest_checkpointed_iteration.txt` (temp file +
+os.replace). A crash at any point leaves the previous checkpoint and tracker file intact.
+Loading never unpickles code: `torch.load(weights_only=True)`; a file that needs more is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pickle
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from gigatron.errors import GigatronError
+from gigatron.parallel.context import ParallelContext
+
+CHECKPOINT_VERSION = 3.0
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CHECKPOINT_FILENAME = "model_optim_rng.pt"
+TMP_SUFFIX = ".tmp"
+# Keys the format owns; `extra` may not overwrite them.
+RESERVED_KEYS = {
+    "checkpoint_version",
+    "iteration",
+    "args",
+    "optimizer",
+    "opt_param_scheduler",
+    "rng_state",
+}
+_MP_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+def iteration_dir_name(iteration: int, release: bool = False) -> str:
+    return "release" if release else f"iter_{iteration:07d}"
+
+
+def mp_rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    if pp_size == 1:
+        return f"mp_rank_{tp_rank:02d}"
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def checkpoint_file(
+    root: str | Path, iteration: int, pctx: ParallelContext, release: bool = False
+) -> Path:
+    """Path of this rank's `model_optim_rng.pt` for `iteration`."""
+    return (
+        Path(root)
+        / iteration_dir_name(iteration, release)
+        / mp_rank_dir_name(pctx.tp_rank, pctx.pp_rank, pctx.pp_size)
+        / CHECKPOINT_FILENAME
+    )
+
+
+def convert_command_hint(load_dir: str | Path, tp: int, pp: int) -> str:
+    return (
+        f"gigatron convert-checkpoint --load {load_dir} --save <new dir> "
+        f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
+    )
+
+
+# ---- random states --------------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    """Tuples -> lists recursively (the python RNG state is nested tuples of ints)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _tuples(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
+def get_rng_state(rng_tracker: Any = None) -> dict[str, Any]:
+    """Every random stream of this process, as tensors and plain values."""
+    algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state: dict[str, Any] = {
+        "random_rng_state": _plain(random.getstate()),
+        "np_rng_state": {
+            "algorithm": str(algorithm),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": None,
+    }
+    if rng_tracker is not None:
+        if hasattr(rng_tracker, "get_states"):
+            state["rng_tracker_states"] = dict(rng_tracker.get_states())
+        else:
+            state["rng_tracker_states"] = {"model-parallel-rng": rng_tracker.get_state()}
+    return state
+
+
+def set_rng_state(state: dict[str, Any], rng_tracker: Any = None) -> None:
+    random.setstate(_tuples(state["random_rng_state"]))
+    np_state = state["np_rng_state"]
+    np.random.set_state(
+        (
+            np_state["algorithm"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    torch.set_rng_state(state["torch_rng_state"])
+    if state.get("cuda_rng_state") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tracker_states = state.get("rng_tracker_states")
+    if rng_tracker is not None and tracker_states is not None:
+        if hasattr(rng_tracker, "set_states"):
+            rng_tracker.set_states(tracker_states)
+        else:
+            rng_tracker.set_state(tracker_states["model-parallel-rng"])
+
+
+# ---- config as plain data -------------------------------------------------------------------
+def _plain_value(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_value(v) for v in value]
+    # Anything else (a dtype, a path) is stored by its text so the file stays weights-only.
+    return str(value)
+
+
+def config_as_dict(cfg: Any) -> dict[str, Any]:
+    """The config as nested dicts of plain values."""
+    if cfg is None:
+        return {}
+    if dataclasses.is_dataclass(cfg):
+        return _plain_value(dataclasses.asdict(cfg))
+    if isinstance(cfg, argparse.Namespace):
+        return _plain_value(vars(cfg))
+    return _plain_value(dict(cfg))
+
+
+# ---- save -----------------------------------------------------------------------------------
+def _barrier(pctx: ParallelContext) -> None:
+    if pctx.world_size > 1:
+        pctx.barrier()
+
+
+def _writes_checkpoint(pctx: ParallelContext) -> bool:
+    """One rank per (tp, pp) position writes: data- and context-parallel rank 0."""
+    return pctx.rank_in("dp_cp") == 0
+
+
+def _model_state(model_chunks: list[nn.Module]) -> dict[str, Any]:
+    if len(model_chunks) == 1:
+        return {"model": model_chunks[0].state_dict()}
+    return {f"model{i}": chunk.state_dict() for i, chunk in enumerate(model_chunks)}
+
+
+def _write_file(state: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+
+
+def _publish(save_dir: Path, iteration: int) -> None:
+    """Rank 0: make the finished `.tmp` directory the checkpoint, then point the tracker at it."""
+    final = save_dir / iteration_dir_name(iteration)
+    tmp = save_dir / (final.name + TMP_SUFFIX)
+    if final.exists():
+        # Re-saving an iteration: move the old copy aside first so a crash keeps one of the two.
+        old = save_dir / (final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    tracker_tmp = save_dir / (TRACKER_FILENAME + TMP_SUFFIX)
+    tracker_tmp.write_text(f"{iteration}\n")
+    os.replace(tracker_tmp, save_dir / TRACKER_FILENAME)
+
+
+def save_checkpoint(
+    save_dir: str | Path,
+    iteration: int,
+    model_chunks: list[nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    pctx: ParallelContext,
+    cfg: Any,
+    extra: dict[str, Any] | None = None,
+    rng_tracker: Any = None,
+) -> Path:
+    """Save this rank's part of the checkpoint for `iteration` (collective: every rank calls it).
+
+    `extra` adds top-level keys, e.g. `consumed_train_samples`, `consumed_valid_samples`,
+    `num_floating_point_operations_so_far`. Returns the iteration directory.
+    """
+    extra = dict(extra or {})
+    clash = RESERVED_KEYS.intersection(extra)
+    if clash:
+        raise ValueError(f"save_checkpoint: extra may not set {sorted(clash)}")
+    ckpt_cfg = getattr(cfg, "checkpoint", None)
+    no_save_optim = bool(getattr(ckpt_cfg, "no_save_optim", False))
+    no_save_rng = bool(getattr(ckpt_cfg, "no_save_rng", False))
+    save_dir = Path(save_dir)
+    final = save_dir / iteration_dir_name(iteration)
+    tmp = save_dir / (final.name + TMP_SUFFIX)
+
+    if pctx.rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crashed save
+        tmp.mkdir()
+    _barrier(pctx)
+
+    rank_dir = tmp / mp_rank_dir_name(pctx.tp_rank, pctx.pp_rank, pctx.pp_size)
+    # A sharded (distributed) optimizer writes its own per-rank state (collective over dp).
+    sharded_optimizer = optimizer is not None and hasattr(optimizer, "save_sharded_state")
+    if sharded_optimizer and not no_save_optim:
+        optimizer.save_sharded_state(rank_dir)
+    if _writes_checkpoint(pctx):
+        state: dict[str, Any] = {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            "args": config_as_dict(cfg),
+            "consumed_train_samples": 0,
+            "consumed_valid_samples": 0,
+            "num_floating_point_operations_so_far": 0,
+        }
+        state.update(extra)
+        state.update(_model_state(model_chunks))
+        if not no_save_optim:
+            if optimizer is not None:
+                state["optimizer"] = optimizer.state_dict()
+            if scheduler is not None:
+                state["opt_param_scheduler"] = scheduler.state_dict()
+        if not no_save_rng:
+            state["rng_state"] = get_rng_state(rng_tracker)
+        _write_file(state, rank_dir / CHECKPOINT_FILENAME)
+    _barrier(pctx)
+    if pctx.rank == 0:
+        _publish(save_dir, iteration)
+    _barrier(pctx)
+    return final
+
+
+# ---- load -----------------------------------------------------------------------------------
+def read_tracker(load_dir: Path) -> tuple[int, bool] | None:
+    """(iteration, release) from the tracker file, or None when there is none."""
+    tracker = load_dir / TRACKER_FILENAME
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if text == "release":
+        return 0, True
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise GigatronError(
+            f"{tracker}: holds {text!r}, not an iteration number or 'release'; fix or delete it"
+        ) from None
+    if iteration < 0:
+        raise GigatronError(f"{tracker}: iteration {iteration} is negative; fix or delete it")
+    return iteration, False
+
+
+def saved_layout(iteration_dir: Path) -> tuple[int, int] | None:
+    """(tp, pp) sizes read from the `mp_rank_*` directory names, or None when there are none."""
+    tp_ranks, pp_ranks = set(), set()
+    for entry in iteration_dir.iterdir():
+        match = _MP_RANK_DIR.match(entry.name)
+        if match and entry.is_dir():
+            tp_ranks.add(int(match.group(1)))
+            pp_ranks.add(int(match.group(2)) if match.group(2) is not None else 0)
+    if not tp_ranks:
+        return None
+    return max(tp_ranks) + 1, max(pp_ranks) + 1
+
+
+def safe_load(path: Path) -> dict[str, Any]:
+    """torch.load with weights_only=True; anything needing arbitrary unpickling is refused."""
+    try:
+        # argparse.Namespace is plain data (Megatron-written files keep their args in one).
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message also suggests weights_only=False; keep only the line naming the culprit.
+        lines = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
+        culprit = f" ({lines[0]})" if lines else ""
+        raise GigatronError(
+            f"{path}: refused to load: the file contains pickled Python objects or code, not "
+            f"only tensors and plain values{culprit}. gigatron never runs code from a "
+            "checkpoint; if you trust the file, re-save its tensors with a trusted tool"
+        ) from None
+    except (RuntimeError, OSError, EOFError, ValueError) as exc:
+        raise GigatronError(
+            f"{path}: not a readable checkpoint file ({type(exc).__name__}: {exc}); it may be "
+            "truncated or corrupt: load an earlier iteration with --ckpt-step"
+        ) from None
+    if not isinstance(state, dict):
+        raise GigatronError(f"{path}: not a gigatron/Megatron checkpoint (top level is not a dict)")
+    return state
+
+
+def _parallel_sizes(args: Any) -> dict[str, int | None]:
+    """tp / pp / virtual chunk counts from a saved config (ours nested, Megatron's flat)."""
+    if isinstance(args, argparse.Namespace):
+        args = vars(args)
+    if not isinstance(args, dict):
+        return {}
+    flat = dict(args.get("parallel", {})) if isinstance(args.get("parallel"), dict) else {}
+    flat.update({k: v for k, v in args.items() if not isinstance(v, dict)})
+    return {
+        "tp": flat.get("tensor_model_parallel_size"),
+        "pp": flat.get("pipeline_model_parallel_size"),
+        "vp": flat.get("num_virtual_stages_per_pipeline_rank")
+        or flat.get("virtual_pipeline_model_parallel_size"),
+    }
+
+
+def _layout_error(load_dir: Path, saved: str, pctx: ParallelContext, now: str) -> GigatronError:
+    return GigatronError(
+        f"--load {load_dir}: the checkpoint was saved with {saved} but this run uses {now}; "
+        "a torch-format checkpoint loads only into the layout it was saved with. Run with the "
+        "saved layout, or convert it: " + convert_command_hint(load_dir, pctx.tp_size, pctx.pp_size)
+    )
+
+
+def _load_model(state: dict[str, Any], model_chunks: list[nn.Module], path: Path) -> None:
+    keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
+    for key, chunk in zip(keys, model_chunks):
+        if key not in state:
+            raise GigatronError(f"{path}: has no '{key}' entry; it holds {sorted(state)}")
+        try:
+            chunk.load_state_dict(state[key], strict=True)
+        except RuntimeError as exc:
+            raise GigatronError(
+                f"{path}: the saved weights do not fit this model ({exc}); check the model flags "
+                "(--num-layers, --hidden-size, ...) against the checkpoint"
+            ) from None
+
+
+def load_checkpoint(
+    load_dir: str | Path,
+    model_chunks: list[nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    pctx: ParallelContext,
+    cfg: Any,
+    rng_tracker: Any = None,
+    iteration: int | None = None,
+) -> dict[str, Any]:
+    """Load this rank's part of the checkpoint in `load_dir` into the model (and optimizer,
+    schedule and random states unless `--finetune`, `--no-load-optim`, `--no-load-rng`).
+
+    Returns `{loaded, iteration, consumed_train_samples, consumed_valid_samples,
+    num_floating_point_operations_so_far, args, path, release}`. A directory without a tracker
+    file (a fresh run) gives a warning and iteration 0 with `loaded` False.
+    """
+    load_dir = Path(load_dir)
+    ckpt_cfg = getattr(cfg, "checkpoint", None)
+    finetune = bool(getattr(ckpt_cfg, "finetune", False))
+    no_load_optim = bool(getattr(ckpt_cfg, "no_load_optim", False))
+    no_load_rng = bool(getattr(ckpt_cfg, "no_load_rng", False))
+    if iteration is None:
+        iteration = getattr(ckpt_cfg, "ckpt_step", None)
+    result: dict[str, Any] = {
+        "loaded": False,
+        "iteration": 0,
+        "consumed_train_samples": 0,
+        "consumed_valid_samples": 0,
+        "num_floating_point_operations_so_far": 0,
+        "args": None,
+        "path": None,
+        "release": False,
+    }
+    tracked = read_tracker(load_dir) if load_dir.is_dir() else None
+    release = False
+    if iteration is None:
+        if tracked is None:
+            warnings.warn(
+                f"--load {load_dir}: no {TRACKER_FILENAME} there; starting from scratch at "
+                "iteration 0",
+                stacklevel=2,
+            )
+            return result
+        iteration, release = tracked
+    iteration_dir = load_dir / iteration_dir_name(iteration, release)
+    if not iteration_dir.is_dir():
+        raise GigatronError(
+            f"--load {load_dir}: iteration directory {iteration_dir.name} is missing; check "
+            f"{TRACKER_FILENAME} or --ckpt-step"
+        )
+
+    layout = saved_layout(iteration_dir)
+    if layout is None:
+        raise GigatronError(
+            f"--load {load_dir}: {iteration_dir.name} holds no mp_rank_* directories; it is not a "
+            "torch-format checkpoint (for torch_dist use --ckpt-format torch_dist)"
+        )
+    if layout != (pctx.tp_size, pctx.pp_size):
+        raise _layout_error(
+            load_dir,
+            f"tensor-parallel {layout[0]}, pipeline-parallel {layout[1]}",
+            pctx,
+            f"tensor-parallel {pctx.tp_size}, pipeline-parallel {pctx.pp_size}",
+        )
+    path = iteration_dir / mp_rank_dir_name(pctx.tp_rank, pctx.pp_rank, pctx.pp_size)
+    path = path / CHECKPOINT_FILENAME
+    if not path.is_file():
+        raise GigatronError(f"--load {load_dir}: {path} is missing; the checkpoint is incomplete")
+    state = safe_load(path)
+
+    sizes = _parallel_sizes(state.get("args"))
+    saved_chunks = sum(1 for k in state if re.fullmatch(r"model\d+", k)) or 1
+    if saved_chunks != len(model_chunks):
+        raise _layout_error(
+            load_dir,
+            f"{saved_chunks} virtual pipeline chunk(s) per rank (vp {sizes.get('vp')})",
+            pctx,
+            f"{len(model_chunks)}",
+        )
+
+    _load_model(state, model_chunks, path)
+
+    if not release and not finetune and not no_load_optim:
+        if optimizer is not None:
+            if "optimizer" not in state:
+                raise GigatronError(
+                    f"{path}: has no optimizer state (saved with --no-save-optim); pass "
+                    "--no-load-optim or --finetune"
+                )
+            optimizer.load_state_dict(state["optimizer"])
+            if hasattr(optimizer, "load_sharded_state"):
+                optimizer.load_sharded_state(path.parent)
+        if scheduler is not None:
+            key = "opt_param_scheduler" if "opt_param_scheduler" in state else "lr_scheduler"
+            if key not in state:
+                raise GigatronError(
+                    f"{path}: has no learning-rate schedule state; pass --no-load-optim"
+                )
+            scheduler.load_state_dict(state[key])
+    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        # Weights only: the fp32 main params must start from the loaded model weights.
+        optimizer.reload_model_params()
+
+    if not release and not finetune and not no_load_rng:
+        rng = state.get("rng_state")
+        if rng is None:
+            raise GigatronError(
+                f"{path}: has no random states (saved with --no-save-rng); pass --no-load-rng"
+            )
+        if isinstance(rng, list):  # Megatron's per-data-parallel-rank list
+            rng = rng[pctx.dp_rank] if len(rng) > pctx.dp_rank else rng[0]
+        set_rng_state(rng, rng_tracker)
+
+    saved_iteration = int(state.get("iteration", state.get("total_iters", iteration)))
+    result.update(
+        loaded=True,
+        args=state.get("args"),
+        path=str(path),
+        release=release,
+        num_floating_point_operations_so_far=state.get("num_floating_point_operations_so_far", 0),
+    )
+    if not finetune and not release:
+        result["iteration"] = saved_iteration
+        result["consumed_train_samples"] = int(state.get("consumed_train_samples", 0))
+        result["consumed_valid_samples"] = int(state.get("consumed_valid_samples", 0))
+    return result

@@ -1,0 +1,136 @@
+"""Global gradient norm, clipping, zero counting and the fp16 overflow check, across every
+parallel group.
+
+Each weight is counted once in the norm:
+- a weight replicated over tensor parallelism (no `tensor_model_parallel = True`) only on tp
+  rank 0; tensor-parallel shards on every tp rank (together they are the full tensor);
+- a weight held on two pipeline stages (`shared_embedding = True`: the word embedding and the
+  tied output layer) only on the first stage.
+The squared sums are then all-reduced over the model group (tp x pp). Ranks of one data-parallel
+group hold the same gradients, so dp is reduced only when the gradients are sharded over it (the
+distributed optimizer passes `sharded_group`, e.g. "dp" or "dp_cp").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from gigatron.parallel.context import ParallelContext
+
+
+def counts_in_norm(param: torch.Tensor, pctx: ParallelContext) -> bool:
+    """True when this rank's copy of `param` is the one counted in global statistics."""
+    if getattr(param, "shared_embedding", False) and not pctx.is_pipeline_first_stage():
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or pctx.tp_rank == 0
+
+
+def grads_for_norm(params: Iterable[torch.Tensor], pctx: ParallelContext) -> list[torch.Tensor]:
+    """The `.grad` of each parameter counted in the norm on this rank (see module docstring)."""
+    return [p.grad for p in params if p.grad is not None and counts_in_norm(p, pctx)]
+
+
+def _stat_groups(pctx: ParallelContext, sharded_group: str | None) -> list[str]:
+    names = ["model"]
+    if sharded_group is not None:
+        names.append(sharded_group)
+    return names
+
+
+def get_grad_norm(
+    grads: list[torch.Tensor],
+    pctx: ParallelContext,
+    norm_type: float = 2.0,
+    sharded_group: str | None = None,
+) -> float:
+    """Norm of the gradients of the whole model (all ranks), accumulated in fp32."""
+    device = grads[0].device if grads else pctx.device
+    if norm_type == float("inf"):
+        local = [g.detach().abs().max().float() for g in grads]
+        total = torch.stack(local).max() if local else torch.zeros((), device=device)
+        total = total.reshape(1).to(torch.float32)
+        for name in _stat_groups(pctx, sharded_group):
+            pctx.all_reduce(total, name, op=dist.ReduceOp.MAX)
+        return float(total.item())
+    powered = torch.zeros(1, dtype=torch.float32, device=device)
+    if grads:
+        # One fused kernel per list (fp32 accumulation for low-precision gradients).
+        fp32 = [g.detach() for g in grads if g.dtype == torch.float32]
+        other = [g.detach().float() for g in grads if g.dtype != torch.float32]
+        norms = [
+            n for group in (fp32, other) if group for n in torch._foreach_norm(group, norm_type)
+        ]
+        powered += torch.stack(norms).pow(norm_type).sum().to(device)
+    for name in _stat_groups(pctx, sharded_group):
+        pctx.all_reduce(powered, name)
+    return float(powered.item() ** (1.0 / norm_type))
+
+
+def clip_grads_by_norm(params: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
+    """Scale every `.grad` in `params` by min(1, max_norm / (total_norm + 1e-6)); returns it."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coeff)
+    return min(coeff, 1.0)
+
+
+def clip_grad_norm(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    pctx: ParallelContext,
+    norm_type: float = 2.0,
+    sharded_group: str | None = None,
+) -> float:
+    """Global grad norm of `params` (before clipping), then clip them to `max_norm` (if > 0)."""
+    params = list(params)
+    total = get_grad_norm(grads_for_norm(params, pctx), pctx, norm_type, sharded_group)
+    if max_norm > 0.0:
+        clip_grads_by_norm(params, max_norm, total)
+    return total
+
+
+def count_zeros(
+    params: Iterable[torch.Tensor], pctx: ParallelContext, sharded_group: str | None = None
+) -> int:
+    """Number of exactly-zero gradient entries over the whole model (each weight counted once)."""
+    params = list(params)
+    total = torch.zeros(1, dtype=torch.float64)
+    grads = grads_for_norm(params, pctx)
+    if grads:
+        total = total.to(grads[0].device)
+        for g in grads:
+            total += g.numel() - torch.count_nonzero(g)
+    total = total.to(pctx.device)
+    for name in _stat_groups(pctx, sharded_group):
+        pctx.all_reduce(total, name)
+    return int(total.item())
+
+
+def unscale_and_check_overflow(
+    grads: list[torch.Tensor],
+    inv_scale: torch.Tensor,
+    pctx: ParallelContext,
+    sharded_group: str | None = None,
+) -> bool:
+    """Multiply `grads` by `inv_scale` in place; True if any rank of the model (and of
+    `sharded_group`) saw an inf or nan, so that every rank skips the same step."""
+    device = grads[0].device if grads else pctx.device
+    found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+    if grads:
+        by_device_dtype: dict[tuple, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device_dtype.setdefault((g.device, g.dtype), []).append(g)
+        for group in by_device_dtype.values():
+            # The fused kernel does both in one pass and exists on CPU and CUDA.
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, found_inf, inv_scale.to(device=group[0].device, dtype=torch.float32)
+            )
+    found_inf = found_inf.to(pctx.device)
+    for name in _stat_groups(pctx, sharded_group):
+        pctx.all_reduce(found_inf, name, op=dist.ReduceOp.MAX)
+    return bool(found_inf.item() > 0)

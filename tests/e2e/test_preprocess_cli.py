@@ -1,0 +1,282 @@
+"""`gigatron preprocess` and `gigatron merge` driven as a user does, checked token by token."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gigatron.config.tokenizer import TokenizerConfig
+from gigatron.data.indexed import IndexedDataset
+from gigatron.data.sentences import split_sentences
+from gigatron.data.tokenizers import build_tokenizer
+
+EXTRA_DOCUMENTS = [
+    {"text": "Mr. Smith went to Washington. He arrived at 3.30 p.m. on Monday. It rained!"},
+    {"text": ""},  # empty: skipped and counted
+    {"text": "Ünïcödé façade — 東京. Second sentence here."},
+]
+
+
+def gpt2_flags(shared_data) -> list[str]:
+    return [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        str(shared_data / "gpt2-vocab.json"),
+        "--merge-file",
+        str(shared_data / "gpt2-merges.txt"),
+    ]
+
+
+def gigatron(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gigatron.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, shared_data):
+    """60 LAMBADA passages plus hand-written documents, as JSON lines."""
+    directory = tmp_path_factory.mktemp("corpus")
+    lines = (shared_data / "lambada_test.jsonl").read_text().splitlines()[:60]
+    documents = [json.loads(line) for line in lines] + EXTRA_DOCUMENTS
+    path = directory / "corpus.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in documents))
+    return path, [d["text"] for d in documents]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(shared_data):
+    return build_tokenizer(
+        TokenizerConfig(
+            tokenizer_type="GPT2BPETokenizer",
+            vocab_file=str(shared_data / "gpt2-vocab.json"),
+            merge_file=str(shared_data / "gpt2-merges.txt"),
+        )
+    )
+
+
+def test_documents_match_direct_tokenization(tmp_path, shared_data, corpus, tokenizer):
+    path, texts = corpus
+    prefix = tmp_path / "out"
+    result = gigatron(
+        "preprocess",
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(prefix),
+        "--append-eod",
+        "--workers",
+        "2",
+        *gpt2_flags(shared_data),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "skipped empty:    1" in result.stdout
+    assert sorted(os.listdir(tmp_path)) == ["out_text_document.bin", "out_text_document.idx"]
+    dataset = IndexedDataset(f"{prefix}_text_document")
+    assert dataset.dtype == np.uint16
+    expected = [tokenizer.tokenize(t) + [tokenizer.eod] for t in texts if t]
+    assert len(dataset) == len(expected)
+    assert dataset.document_indices.tolist() == list(range(len(expected) + 1))
+    for sequence, ids in zip(dataset[:], expected):
+        assert sequence.tolist() == ids
+
+    # --partitions 2 writes the same bytes (and leaves no partition files behind).
+    parted = tmp_path / "parted"
+    result = gigatron(
+        "preprocess",
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(parted),
+        "--append-eod",
+        "--workers",
+        "1",
+        "--partitions",
+        "2",
+        *gpt2_flags(shared_data),
+    )
+    assert result.returncode == 0, result.stderr
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"parted_text_document.{ext}").read_bytes() == (
+            tmp_path / f"out_text_document.{ext}"
+        ).read_bytes()
+    assert len(os.listdir(tmp_path)) == 4
+
+    # merge: two copies concatenated equal a dataset of the doubled corpus.
+    result = gigatron(
+        "merge",
+        "--input",
+        f"{prefix}_text_document",
+        f"{parted}_text_document",
+        "--output-prefix",
+        str(tmp_path / "merged"),
+    )
+    assert result.returncode == 0, result.stderr
+    merged = IndexedDataset(tmp_path / "merged")
+    assert len(merged) == 2 * len(expected)
+    assert merged.document_indices.tolist() == list(range(2 * len(expected) + 1))
+    assert [s.tolist() for s in merged[:]] == expected + expected
+
+
+def test_split_sentences_and_gzip_and_keys(tmp_path, shared_data, tokenizer):
+    documents = [
+        {"text": "Mr. Smith went to Washington. He arrived at 3.30 p.m. on Monday.", "title": "A"},
+        {"text": "One sentence only", "title": ""},
+        {"text": "", "title": "B"},  # empty text, non-empty title: kept as an empty document
+    ]
+    path = tmp_path / "docs.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as stream:
+        stream.writelines(json.dumps(d) + "\n" for d in documents)
+    result = gigatron(
+        "preprocess",
+        "--input",
+        str(tmp_path / "*.jsonl.gz"),
+        "--output-prefix",
+        str(tmp_path / "s"),
+        "--json-keys",
+        "text",
+        "title",
+        "--split-sentences",
+        "--workers",
+        "1",
+        *gpt2_flags(shared_data),
+    )
+    assert result.returncode == 0, result.stderr
+    text = IndexedDataset(tmp_path / "s_text_sentence")
+    sentences = [split_sentences(d["text"]) for d in documents]
+    assert sentences[0] == ["Mr. Smith went to Washington.", "He arrived at 3.30 p.m. on Monday."]
+    expected = [tokenizer.tokenize(s) for doc in sentences for s in doc]
+    assert [s.tolist() for s in text[:]] == expected
+    assert text.document_indices.tolist() == [0, 2, 3, 3]
+    title = IndexedDataset(tmp_path / "s_title_sentence")
+    assert [s.tolist() for s in title[:]] == [tokenizer.tokenize("A"), tokenizer.tokenize("B")]
+    assert title.document_indices.tolist() == [0, 1, 1, 2]
+
+
+BAD_LINES = [
+    (b'{"text": "fine"}\n{"text": "broken\n', "malformed JSON", "2"),
+    (b'{"text": "fine"}\n{"body": "no text key"}\n', "missing key 'text'", "1"),
+    (b'{"text": "fine"}\n{"text": "caf\xe9"}\n', "invalid UTF-8", "1"),
+]
+
+
+@pytest.mark.parametrize(("content", "message", "workers"), BAD_LINES, ids=["json", "key", "utf8"])
+def test_bad_line_stops_with_file_and_line(tmp_path, shared_data, content, message, workers):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "first"}\n' + content)
+    result = gigatron(
+        "preprocess",
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--workers",
+        workers,
+        *gpt2_flags(shared_data),
+    )
+    assert result.returncode == 2
+    assert f"{path}:3: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == ["bad.jsonl"]  # nothing half-written
+
+
+def test_skip_invalid_counts(tmp_path, shared_data, tokenizer):
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(
+        b'{"text": "good one"}\n'
+        b"not json\n"
+        b'{"other": 1}\n'
+        b'{"text": "caf\xe9"}\n'
+        b'{"text": 5}\n'
+        b"\n"
+        b'{"text": "good two"}\n'
+    )
+    result = gigatron(
+        "preprocess",
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--skip-invalid",
+        "--workers",
+        "1",
+        *gpt2_flags(shared_data),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "skipped invalid:  4" in result.stdout
+    assert "skipped empty:    1" in result.stdout
+    assert f"{path}:2: malformed JSON" in result.stderr
+    dataset = IndexedDataset(tmp_path / "out_text_document")
+    assert [s.tolist() for s in dataset[:]] == [
+        tokenizer.tokenize("good one"),
+        tokenizer.tokenize("good two"),
+    ]
+
+
+def test_missing_tokenizer_file_and_input(tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "x"}\n')
+    result = gigatron(
+        "preprocess",
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+    )
+    assert result.returncode == 2
+    assert "--vocab-file is required" in result.stderr
+    result = gigatron(
+        "preprocess",
+        "--input",
+        str(tmp_path / "none*.jsonl"),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "10",
+    )
+    assert result.returncode == 2
+    assert "matches no file" in result.stderr
+    assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
+def test_merge_rejects_mixed_dtypes(tmp_path):
+    from gigatron.data.indexed import write_dataset
+
+    write_dataset(tmp_path / "a", [[[1, 2]]], dtype=np.uint16)
+    write_dataset(tmp_path / "b", [[[3]]], dtype=np.int32)
+    result = gigatron(
+        "merge", "--input-dir", str(tmp_path), "--output-prefix", str(tmp_path / "out")
+    )
+    assert result.returncode == 2
+    assert "different token dtypes" in result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["a.bin", "a.idx", "b.bin", "b.idx"]
+
+
+def test_null_tokenizer_ids_out_of_range(tmp_path, capsys):
+    from gigatron.data.preprocess import main
+    from gigatron.errors import GigatronError
+
+    path = tmp_path / "ids.jsonl"
+    path.write_text('{"text": "1 2 3"}\n{"text": "4 50"}\n{"text": "x y"}\n{"text": "5"}\n')
+    flags = ["--input", str(path), "--output-prefix", str(tmp_path / "n")]
+    flags += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--workers", "1"]
+    with pytest.raises(GigatronError, match=r"ids\.jsonl:2: token id outside the vocabulary"):
+        main(flags)
+    assert os.listdir(tmp_path) == ["ids.jsonl"]
+    assert main([*flags, "--skip-invalid", "--append-eod"]) == 0
+    assert "skipped invalid:  2" in capsys.readouterr().out
+    dataset = IndexedDataset(tmp_path / "n_text_document")
+    assert [s.tolist() for s in dataset[:]] == [[1, 2, 3, 9], [5, 9]]
