@@ -121,10 +121,10 @@ def validate_config(
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole heads"
         )
-    if m.num_attention_heads and tp > 0 and m.num_query_groups % tp and tp % m.num_query_groups:
+    if m.group_query_attention and tp > 1 and m.num_query_groups % tp:
         problems.append(
-            f"--num-query-groups {m.num_query_groups} and --tensor-model-parallel-size {tp}: "
-            "one must divide the other"
+            f"--num-query-groups {m.num_query_groups} is not divisible by "
+            f"--tensor-model-parallel-size {tp}; each tensor-parallel rank needs whole key/value groups"
         )
     if m.ffn_hidden_size and tp > 0 and m.ffn_hidden_size % tp:
         problems.append(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by tp {tp}")

@@ -3,6 +3,11 @@ point-to-point exchange of activations and gradients between stages."""
 
 from __future__ import annotations
 
+import time
+
+import torch
+import torch.distributed as dist
+
 from gigatron.errors import GigatronError
 
 
@@ -65,3 +70,222 @@ def chunk_layer_ranges(
         [range((v * pp_size + r) * per_stage, (v * pp_size + r + 1) * per_stage) for v in range(vp)]
         for r in range(pp_size)
     ]
+
+
+# ---- point-to-point exchange between stages -------------------------------------------------
+#
+# A message is identified by (kind, chunk, micro-batch) where `chunk` is the model chunk that
+# consumes it. Every shape is known ahead from the schedule configuration, so nothing is exchanged
+# to learn them. On Gloo the tag encodes the message, so sends and receives match whatever order
+# they are posted in; NCCL ignores tags, which is fine because both ends post a given direction's
+# messages in the same order (the schedules guarantee it), and the ops one step issues together
+# go through batch_isend_irecv (one NCCL group, so a send and a receive cannot wait on each other).
+
+ACTIVATION = 0
+GRADIENT = 1
+
+
+def pipeline_tensor_shape(
+    seq_length: int,
+    micro_batch_size: int,
+    hidden_size: int,
+    tp_size: int = 1,
+    cp_size: int = 1,
+    sequence_parallel: bool = False,
+) -> tuple[int, int, int]:
+    """Shape of the hidden states between stages: [seq / cp (/ tp with SP), batch, hidden]."""
+    seq = seq_length // cp_size
+    if sequence_parallel:
+        seq //= tp_size
+    return (seq, micro_batch_size, hidden_size)
+
+
+def deallocate_output(output: torch.Tensor | None) -> None:
+    """Free the storage of a stage output that has been sent, keeping its autograd graph.
+
+    Backward from this output needs only its grad_fn and the gradient received from the next
+    stage, not its values; `backward_from_output` runs that backward. Views are left alone: their
+    storage belongs to the base tensor, so replacing the view's data would free nothing.
+    """
+    if output is None or output._base is not None or output.numel() <= 1:
+        return
+    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+
+def backward_from_output(output: torch.Tensor, grad_output: torch.Tensor | None) -> None:
+    """Backward from `output` with `grad_output`, also when `deallocate_output` freed `output`.
+
+    torch.autograd.backward checks that the gradient's shape equals the output's, which no longer
+    holds once the output's data is a 1-element placeholder; the engine call below skips that
+    check and otherwise does the same.
+    """
+    if grad_output is None:
+        output.backward()
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=(output,),
+        grad_tensors=(grad_output,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+class PipelineCommunicator:
+    """Activations forward and gradients backward for one call of a pipeline schedule.
+
+    `chunk` arguments name the model chunk on THIS rank that produced or consumes the tensor;
+    the communicator works out the peer rank and the peer's chunk (with virtual stages the last
+    rank's chunk k feeds the first rank's chunk k + 1). Receives are posted early with
+    `post_recv` (so they overlap compute) and waited for with `recv`. A sent output is
+    deallocated at once: the send holds its own reference to the storage, which is released as
+    soon as the send has completed.
+    """
+
+    def __init__(
+        self,
+        pctx,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        num_microbatches: int,
+        num_chunks: int = 1,
+    ) -> None:
+        self.pctx = pctx
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.num_microbatches = num_microbatches
+        self.num_chunks = num_chunks
+        self.use_batched = pctx.backend == "nccl"
+        self._recvs: dict[tuple[int, int, int], tuple[torch.Tensor, list]] = {}
+        # (work handles, tensor being sent): dropped once the send has completed
+        self._sends: dict[tuple[int, int, int], tuple[list, torch.Tensor]] = {}
+        self.recv_wait_s = 0.0
+
+    def _tag(self, kind: int, chunk: int, microbatch: int) -> int:
+        return (kind * self.num_chunks + chunk) * self.num_microbatches + microbatch
+
+    def _start(self, ops: list[tuple[str, torch.Tensor, int, int]]) -> list:
+        """Start ('send' | 'recv', tensor, peer, tag) ops; returns their work handles."""
+        if self.use_batched:
+            p2p = [
+                dist.P2POp(dist.isend if op == "send" else dist.irecv, tensor, peer, tag=tag)
+                for op, tensor, peer, tag in ops
+            ]
+            return list(dist.batch_isend_irecv(p2p)) if p2p else []
+        return [
+            dist.isend(tensor, dst=peer, tag=tag)
+            if op == "send"
+            else dist.irecv(tensor, src=peer, tag=tag)
+            for op, tensor, peer, tag in ops
+        ]
+
+    # --- receives --------------------------------------------------------------------------
+    def _recv_key_and_peer(self, kind: int, chunk: int, microbatch: int) -> tuple[tuple, int, int]:
+        pp_rank, pp_size = self.pctx.pp_rank, self.pctx.pp_size
+        if kind == ACTIVATION:
+            # Input of (this rank, chunk) comes from the previous stage of the model.
+            peer_chunk = chunk if pp_rank > 0 else chunk - 1
+            peer = self.pctx.prev_pipeline_rank
+        else:
+            # Gradient for (this rank, chunk)'s output comes from the next stage of the model.
+            peer_chunk = chunk if pp_rank < pp_size - 1 else chunk + 1
+            peer = self.pctx.next_pipeline_rank
+        return (kind, chunk, microbatch), peer, self._tag(kind, peer_chunk, microbatch)
+
+    def post_recv(self, kind: int, chunk: int, microbatch: int) -> None:
+        """Start receiving the tensor (kind, chunk, microbatch) unless already started."""
+        self._start_ops(None, (kind, chunk, microbatch))
+
+    def _start_ops(self, send: tuple | None, recv: tuple[int, int, int] | None) -> None:
+        """Start one send (kind, chunk, microbatch, payload) and/or one receive together: on
+        NCCL they form one group, so the two peers' sends cannot block each other."""
+        ops, keys = [], []
+        if send is not None:
+            kind, chunk, microbatch, payload = send
+            peer = (
+                self.pctx.next_pipeline_rank if kind == ACTIVATION else self.pctx.prev_pipeline_rank
+            )
+            ops.append(("send", payload, peer, self._tag(kind, chunk, microbatch)))
+            keys.append(("send", (kind, chunk, microbatch), payload))
+        if recv is not None:
+            key, peer, tag = self._recv_key_and_peer(*recv)
+            if key not in self._recvs:
+                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.pctx.device)
+                ops.append(("recv", buffer, peer, tag))
+                keys.append(("recv", key, buffer))
+        if not ops:
+            return
+        works = self._start(ops)
+        for index, (op, key, tensor) in enumerate(keys):
+            # A coalesced (NCCL) batch may return one handle for all its ops.
+            handles = [works[index]] if len(works) == len(ops) else works
+            if op == "send":
+                self._sends[key] = (handles, tensor)
+            else:
+                self._recvs[key] = (tensor, handles)
+
+    def recv(self, kind: int, chunk: int, microbatch: int) -> torch.Tensor:
+        """Wait for the tensor (kind, chunk, microbatch), posting the receive if needed."""
+        self.post_recv(kind, chunk, microbatch)
+        buffer, works = self._recvs.pop((kind, chunk, microbatch))
+        began = time.perf_counter()
+        for work in works:
+            work.wait()
+        self.recv_wait_s += time.perf_counter() - began
+        self.poll_sends()
+        return buffer
+
+    # --- sends -----------------------------------------------------------------------------
+    def send(
+        self,
+        kind: int,
+        chunk: int,
+        microbatch: int,
+        tensor: torch.Tensor,
+        free_after: torch.Tensor | None = None,
+        then_recv: tuple[int, int, int] | None = None,
+    ) -> None:
+        """Start sending `tensor`, and the receive `then_recv` (kind, chunk, microbatch) with it;
+        `free_after` (the stage output) has its storage released as soon as the send completes."""
+        if tuple(tensor.shape) != self.shape:
+            raise GigatronError(
+                f"pipeline stage output of shape {tuple(tensor.shape)} does not match the shape "
+                f"{self.shape} set by --seq-length / --micro-batch-size / --hidden-size (divided "
+                "by cp, and by tp with --sequence-parallel); stages must return hidden states "
+                "[seq, batch, hidden]"
+            )
+        payload = tensor.detach()
+        if payload.dtype != self.dtype or not payload.is_contiguous():
+            payload = payload.to(self.dtype).contiguous()
+        self._start_ops((kind, chunk, microbatch, payload), then_recv)
+        # `payload` shares the output's storage and keeps it alive until the send completes;
+        # the output itself no longer needs it (see deallocate_output).
+        deallocate_output(free_after)
+        self.poll_sends()
+
+    def poll_sends(self) -> None:
+        """Free the outputs whose sends have completed."""
+        for key in [
+            k for k, (works, _) in self._sends.items() if all(w.is_completed() for w in works)
+        ]:
+            self._finish_send(key)
+
+    def wait_send(self, kind: int, chunk: int, microbatch: int) -> None:
+        """Wait for one send (e.g. before the backward of the output it carried)."""
+        if (kind, chunk, microbatch) in self._sends:
+            self._finish_send((kind, chunk, microbatch), wait=True)
+
+    def _finish_send(self, key: tuple, wait: bool = False) -> None:
+        works, _ = self._sends.pop(key)
+        if wait:
+            for work in works:
+                work.wait()
+
+    def finish(self) -> None:
+        """Wait for every outstanding send; every receive must have been consumed."""
+        for key in list(self._sends):
+            self._finish_send(key, wait=True)
+        if self._recvs:
+            raise RuntimeError(f"pipeline receives posted but never used: {sorted(self._recvs)}")

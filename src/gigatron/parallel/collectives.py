@@ -1,0 +1,200 @@
+"""Collectives that autograd sees, for tensor and sequence parallelism.
+
+Each function is the forward of a `torch.autograd.Function` whose backward is the conjugate
+collective (an all-reduce's conjugate is the identity, an all-gather's is a reduce-scatter, ...).
+They take the ParallelContext whose tensor-parallel group they talk in, and are the identity when
+that group has a single member. Layouts: "tensor-parallel region" tensors are split along the last
+dimension (hidden or vocabulary); "sequence-parallel region" tensors are split along dimension 0
+(the sequence, in the [seq, batch, hidden] layout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gigatron.parallel.context import ParallelContext
+
+# torch 2.13 renamed the single-tensor collectives; older versions (>= 2.4) only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _tp(pctx: ParallelContext) -> tuple[Any, int, int]:
+    return pctx.group("tp"), pctx.tp_size, pctx.tp_rank
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split_last(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+def _gather_last(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_first(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    if x.shape[0] % size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tp size {size}")
+    return x.chunk(size, dim=0)[rank].contiguous()
+
+
+def _gather_first(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_first(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    # Gloo gained reduce_scatter for tensors in recent torch versions (checked on 2.13: it works);
+    # a native reduce-scatter moves 1/size of the data an all-reduce + slice would.
+    x = x.contiguous()
+    if x.shape[0] % size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by tp size {size}")
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, x, group=group)
+    return out
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None, None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.group, ctx.size = group, size
+        return _split_last(x, size, rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last(grad, ctx.group, ctx.size), None, None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.size, ctx.rank = size, rank
+        return _gather_last(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last(grad, ctx.size, ctx.rank), None, None, None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.group, ctx.size = group, size
+        return _split_first(x, size, rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group, ctx.size), None, None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank, reduce_grads):
+        ctx.group, ctx.size, ctx.rank, ctx.reduce_grads = group, size, rank, reduce_grads
+        return _gather_first(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grads:
+            return _reduce_scatter_first(grad, ctx.group, ctx.size), None, None, None, None
+        return _split_first(grad, ctx.size, ctx.rank), None, None, None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.group, ctx.size = group, size
+        return _reduce_scatter_first(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group, ctx.size), None, None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient over tp (input of a column-parallel layer)."""
+    if pctx.tp_size == 1:
+        return x
+    return _CopyToTP.apply(x, *_tp(pctx))
+
+
+def reduce_from_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """All-reduce forward over tp, identity backward (output of a row-parallel layer)."""
+    if pctx.tp_size == 1:
+        return x
+    return _ReduceFromTP.apply(x, *_tp(pctx))
+
+
+def scatter_to_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension; the gradient is all-gathered."""
+    if pctx.tp_size == 1:
+        return x
+    return _ScatterToTP.apply(x, *_tp(pctx))
+
+
+def gather_from_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """All-gather along the last dimension; the gradient is split."""
+    if pctx.tp_size == 1:
+        return x
+    return _GatherFromTP.apply(x, *_tp(pctx))
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """Keep this rank's slice of dimension 0 (the sequence); the gradient is all-gathered."""
+    if pctx.tp_size == 1:
+        return x
+    return _ScatterToSP.apply(x, *_tp(pctx))
+
+
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, pctx: ParallelContext, reduce_grads: bool = True
+) -> torch.Tensor:
+    """All-gather along dimension 0. The backward reduce-scatters the gradient (the gathered
+    tensor fed a tensor-parallel computation whose partial gradients must be summed) or, with
+    `reduce_grads=False`, just keeps this rank's slice."""
+    if pctx.tp_size == 1:
+        return x
+    return _GatherFromSP.apply(x, *_tp(pctx), reduce_grads)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, pctx: ParallelContext
+) -> torch.Tensor:
+    """Sum over tp and keep this rank's slice of dimension 0; the gradient is all-gathered."""
+    if pctx.tp_size == 1:
+        return x
+    return _ReduceScatterToSP.apply(x, *_tp(pctx))
