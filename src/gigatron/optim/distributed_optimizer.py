@@ -1,0 +1,336 @@
+"""The distributed optimizer (`--use-distributed-optimizer`): optimizer state and fp32 main
+parameters sharded over the data-parallel ranks (ZeRO stage 1, Megatron's layout).
+
+Layout. DistributedDataParallel (built with `use_distributed_optimizer`) pads every gradient
+bucket to a multiple of the data-parallel size; rank r owns the r-th equal slice of each bucket.
+A parameter may straddle slices, so a rank owns, per parameter, the part of it that falls into its
+slices. For each owned part this optimizer keeps
+- an fp32 main copy (for bf16/fp16 parameters; fp32 parameters are stepped in place through a view
+  of the parameter buffer, so they need no copy),
+- the inner optimizer's state (Adam's exp_avg, exp_avg_sq),
+- its gradient: a view of the reduce-scattered gradient buffer when that is fp32, else an fp32
+  copy made at each step.
+
+Step. DDP reduce-scatters the buckets (each rank receives the summed slice it owns); the shared
+template of `GigatronOptimizer.step` unscales and checks overflow over model + dp ranks, computes
+the global norm (squared sums reduced over model + dp, since the grads are sharded), clips, and
+runs torch's AdamW/SGD on the shards; the updated shards are copied into the model's parameter
+buffer and all-gathered per bucket (left in flight and waited for by each module's pre-forward
+hook with `--overlap-param-gather`).
+
+Bytes per parameter (Megatron's table; measured by `memory_bytes_per_rank`):
+    params / grads   plain   distributed (d = dp size)
+    fp16 / fp16        20      4 + 16/d
+    bf16 / fp32        18      6 + 12/d
+    fp32 / fp32        16      8 +  8/d
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gigatron.errors import GigatronError
+from gigatron.optim.grad_scaler import GradScaler
+from gigatron.optim.optimizer import (
+    GigatronOptimizer,
+    copy_param_attributes,
+    get_param_groups,
+    make_torch_optimizer,
+)
+from gigatron.parallel.context import ParallelContext
+
+# Dense gradients are sharded over dp x cp, expert gradients over expert-dp (a subgroup of
+# dp x cp whose complement, ep, holds different experts); reducing statistics over dp x cp
+# therefore counts every element once in both cases.
+SHARDED_GROUP = "dp_cp"
+DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
+
+
+@dataclass
+class ShardedParam:
+    """The part [start, end) (flat indices) of one model parameter owned by this rank."""
+
+    model_param: nn.Parameter
+    start: int
+    end: int
+    main: torch.Tensor  # fp32; a view of the model parameter when that is fp32
+
+    @property
+    def model_view(self) -> torch.Tensor:
+        return self.model_param.detach().view(-1)[self.start : self.end]
+
+    @property
+    def grad_view(self) -> torch.Tensor:
+        return self.model_param.main_grad.view(-1)[self.start : self.end]
+
+
+class DistributedOptimizer(GigatronOptimizer):
+    """Same interface as the other optimizers (see gigatron.optim.optimizer)."""
+
+    sharded_group = SHARDED_GROUP
+
+    def __init__(
+        self,
+        cfg: Any,
+        model_chunks: list[nn.Module],
+        pctx: ParallelContext,
+        grad_scaler: GradScaler | None = None,
+    ) -> None:
+        if cfg.training.fp16 and grad_scaler is None:
+            raise GigatronError("--fp16 needs a loss scaler (dynamic by default, or --loss-scale)")
+        for chunk in model_chunks:
+            buffers = getattr(chunk, "grad_buffers", None)
+            if buffers is None or not all(b.sharded for b in buffers):
+                raise GigatronError(
+                    "--use-distributed-optimizer: every model chunk must be wrapped in "
+                    "DistributedDataParallel built with the same parallel config "
+                    "(use_distributed_optimizer=True)"
+                )
+        self.shards: list[ShardedParam] = []
+        owned: dict[int, list[ShardedParam]] = {}
+        for chunk in model_chunks:
+            for buffer in chunk.grad_buffers:
+                for bucket in buffer.buckets:
+                    begin, end = bucket.shard_range(buffer.group_rank)
+                    for param in bucket.params:
+                        p_begin, p_end = buffer.param_range[id(param)]
+                        lo, hi = max(p_begin, begin), min(p_end, end)
+                        if lo >= hi:
+                            continue
+                        shard = self._make_shard(param, lo - p_begin, hi - p_begin)
+                        self.shards.append(shard)
+                        owned.setdefault(id(param), []).append(shard)
+        # Same groups (weight decay on matrices only) as the plain optimizer, over the shards.
+        groups = []
+        for group in get_param_groups(model_chunks):
+            mains = [s.main for p in group["params"] for s in owned.get(id(p), [])]
+            groups.append({**group, "params": mains})
+        # Every rank keeps the same groups (possibly empty) so that the schedule and the
+        # checkpoint layout agree across ranks.
+        optimizer = make_torch_optimizer(cfg, groups)
+        super().__init__(optimizer, cfg, model_chunks, pctx, grad_scaler)
+
+    @staticmethod
+    def _make_shard(param: nn.Parameter, start: int, end: int) -> ShardedParam:
+        view = param.detach().view(-1)[start:end]
+        main = view if param.dtype == torch.float32 else view.float().clone()
+        copy_param_attributes(param, main)
+        return ShardedParam(param, start, end, main)
+
+    # ---- the step template's pieces --------------------------------------------------------
+    def prepare_grads(self) -> bool:
+        for chunk in self.model_chunks:
+            # The next update writes the parameter buffer: no all-gather may still be running.
+            chunk.finish_param_sync()
+        for shard in self.shards:
+            # An fp32 grad buffer is used in place; fp16/bf16 grads get an fp32 copy.
+            shard.main.grad = shard.grad_view.float()
+        return self.unscale_and_check_overflow()
+
+    def step_with_ready_grads(self) -> bool:
+        self.optimizer.step()
+        for shard in self.shards:
+            if shard.main is not shard.model_param and shard.main.dtype != shard.model_param.dtype:
+                shard.model_view.copy_(shard.main)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync()
+        return True
+
+    def reload_model_params(self) -> None:
+        with torch.no_grad():
+            for shard in self.shards:
+                if shard.model_param.dtype != torch.float32:
+                    shard.main.copy_(shard.model_view.float())
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    # The checkpoint code (checkpoint/torch_format.py) writes `state_dict()` from data-parallel
+    # rank 0 only, and calls `save_sharded_state(dir)` on every rank. So `state_dict()` holds
+    # what all ranks share (hyper-parameters, loss scale), and the sharded part (fp32 main params,
+    # Adam moments) is gathered into full per-parameter tensors written once per (tp, pp)
+    # position as `distrib_optim.pt`: a file that loads at any data-parallel size or bucket size.
+    def state_dict(self) -> dict[str, Any]:
+        """What every data-parallel rank shares: group hyper-parameters and the loss scale."""
+        groups = [
+            {key: value for key, value in group.items() if key != "params"}
+            for group in self.optimizer.param_groups
+        ]
+        state: dict[str, Any] = {"param_groups": groups, "sharded_state": DISTRIB_OPTIM_FILENAME}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        groups = state.get("param_groups")
+        if groups is None or len(groups) != len(self.optimizer.param_groups):
+            raise GigatronError(
+                "optimizer state: not a distributed-optimizer state (or one for a different "
+                "number of parameter groups); resume with --use-distributed-optimizer as saved, "
+                "or pass --no-load-optim"
+            )
+        for group, saved in zip(self.optimizer.param_groups, groups):
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        if self.grad_scaler is not None and "grad_scaler" in state:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+    def _state_keys(self) -> list[str]:
+        """Per-element state tensors of the inner optimizer (same on every rank)."""
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return ["momentum_buffer"] if self.optimizer.defaults.get("momentum") else []
+        return ["exp_avg", "exp_avg_sq"]
+
+    def full_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], float] | None:
+        """(name -> {"param", moments...} full fp32 tensors, step) on data-parallel rank 0,
+        None elsewhere. Collective over the data-parallel group."""
+        keys = self._state_keys()
+        step = torch.zeros(1, dtype=torch.float64)
+        for shard in self.shards:
+            entry = self.optimizer.state.get(shard.main, {})
+            if "step" in entry:
+                step = torch.maximum(step, torch.as_tensor(entry["step"], dtype=torch.float64))
+        self.pctx.all_reduce(step, SHARDED_GROUP, op=torch.distributed.ReduceOp.MAX)
+        full: dict[str, dict[str, torch.Tensor]] = {}
+        is_writer = self.pctx.rank_in(SHARDED_GROUP) == 0
+        for chunk_index, chunk in enumerate(self.model_chunks):
+            for buffer in chunk.grad_buffers:
+                mine = [s for s in self.shards if id(s.model_param) in buffer.param_range]
+                for key in ["param", *keys]:
+                    flat = torch.zeros(buffer.numel, dtype=torch.float32, device=self.pctx.device)
+                    for shard in mine:
+                        begin = buffer.param_range[id(shard.model_param)][0]
+                        value = self._shard_value(shard, key)
+                        if value is not None:
+                            flat[begin + shard.start : begin + shard.end] = value
+                    # Each element is owned by exactly one rank (the others hold zeros there).
+                    if buffer.group_size > 1:
+                        torch.distributed.all_reduce(flat, group=buffer.group)
+                    if not is_writer:
+                        continue
+                    for param in buffer.params:
+                        begin, end = buffer.param_range[id(param)]
+                        name = f"chunk{chunk_index}.{chunk.param_name(param)}"
+                        full.setdefault(name, {})[key] = flat[begin:end].view(param.shape).clone()
+        return (full, float(step.item())) if is_writer else None
+
+    def _shard_value(self, shard: ShardedParam, key: str) -> torch.Tensor | None:
+        if key == "param":
+            return shard.main.detach()
+        return self.optimizer.state.get(shard.main, {}).get(key)
+
+    def save_sharded_state(self, directory: str | Path) -> None:
+        """Write `distrib_optim.pt` into `directory` (collective; data-parallel rank 0 writes)."""
+        gathered = self.full_state()
+        if gathered is None:
+            return
+        full, step = gathered
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {"version": 1, "step": step, "state_keys": self._state_keys(), "params": full}
+        tmp = directory / (DISTRIB_OPTIM_FILENAME + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, directory / DISTRIB_OPTIM_FILENAME)
+
+    def load_sharded_state(self, directory: str | Path) -> None:
+        """Read `distrib_optim.pt` from `directory` and keep this rank's shards of it."""
+        from gigatron.checkpoint.torch_format import safe_load
+
+        path = Path(directory) / DISTRIB_OPTIM_FILENAME
+        if not path.is_file():
+            raise GigatronError(
+                f"{path} is missing: the checkpoint was saved without "
+                "--use-distributed-optimizer (or is incomplete); pass --no-load-optim to load "
+                "the weights only"
+            )
+        self.load_full_state(safe_load(path), str(path))
+
+    def load_full_state(self, state: dict[str, Any], source: str = "optimizer state") -> None:
+        """Take this rank's shards from a gathered state (see `full_state`)."""
+        params = state["params"]
+        keys = self._state_keys()
+        if list(state.get("state_keys", keys)) != keys:
+            raise GigatronError(
+                f"{source}: holds optimizer state {state.get('state_keys')} but --optimizer "
+                f"{self.cfg.optimizer.optimizer} needs {keys}; resume with the same optimizer "
+                "or pass --no-load-optim"
+            )
+        names = {}
+        for chunk_index, chunk in enumerate(self.model_chunks):
+            for buffer in chunk.grad_buffers:
+                for param in buffer.params:
+                    names[id(param)] = f"chunk{chunk_index}.{chunk.param_name(param)}"
+        with torch.no_grad():
+            for shard in self.shards:
+                name = names[id(shard.model_param)]
+                saved = params.get(name)
+                if saved is None or saved["param"].numel() != shard.model_param.numel():
+                    raise GigatronError(
+                        f"{source}: no state of the right size for parameter {name}; the "
+                        "checkpoint was saved from a different model (pass --no-load-optim)"
+                    )
+                shard.main.copy_(saved["param"].reshape(-1)[shard.start : shard.end])
+                entry: dict[str, torch.Tensor] = {}
+                if "exp_avg" in keys:
+                    entry["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                for key in keys:
+                    value = saved.get(key)
+                    if value is not None:
+                        entry[key] = (
+                            value.reshape(-1)[shard.start : shard.end]
+                            .to(device=shard.main.device, dtype=torch.float32)
+                            .clone()
+                        )
+                if len(entry) > 1 or (entry and "step" not in entry):
+                    self.optimizer.state[shard.main] = entry
+                if shard.model_param.dtype != torch.float32:
+                    shard.model_view.copy_(shard.main)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(force_sync=True)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return (str(tensor.device), tensor.untyped_storage().data_ptr())
+
+
+def _add_storages(tensors: Iterable[torch.Tensor | None], seen: dict[tuple[str, int], int]) -> int:
+    total = 0
+    for tensor in tensors:
+        if tensor is None or not torch.is_tensor(tensor):
+            continue
+        key = _storage_key(tensor)
+        if key in seen:
+            continue
+        seen[key] = nbytes = tensor.untyped_storage().nbytes()
+        total += nbytes
+    return total
+
+
+def memory_bytes_per_rank(model_chunks: list[nn.Module], optimizer: Any) -> dict[str, int]:
+    """Bytes this rank holds, measured from the unique tensor storages (not computed):
+    `params` (model parameters), `grads` (DDP gradient buffers, and fp32 gradient copies the
+    optimizer holds), `optimizer_state` (fp32 main parameters and the inner optimizer's state),
+    and `total`. A storage shared by several tensors is counted once, in the first category."""
+    seen: dict[tuple[str, int], int] = {}
+    model_params = [p for chunk in model_chunks for p in chunk.parameters()]
+    params = _add_storages((p.detach() for p in model_params), seen)
+    grads = _add_storages((getattr(p, "main_grad", None) for p in model_params), seen)
+    grads += _add_storages((p.grad for p in model_params), seen)
+    inner = getattr(optimizer, "optimizer", optimizer) if optimizer is not None else None
+    main_params = [p for group in inner.param_groups for p in group["params"]] if inner else []
+    grads += _add_storages((p.grad for p in main_params), seen)
+    optimizer_state = _add_storages(main_params, seen)
+    if inner is not None:
+        optimizer_state += _add_storages(
+            (value for per_param in inner.state.values() for value in per_param.values()), seen
+        )
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer_state": optimizer_state,
+        "total": params + grads + optimizer_state,
+    }
