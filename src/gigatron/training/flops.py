@@ -1,0 +1,96 @@
+"""Model FLOPs per iteration and model FLOPs utilisation (MFU).
+
+The count follows the Megatron-LM papers (Narayanan et al. 2021; Korthikanti et al. 2022): only
+matrix multiplications count, a multiply-add is 2 FLOPs, and the backward pass costs twice the
+forward pass, so one training iteration is 3x the forward FLOPs. For a plain GPT (hidden h, MLP 4h,
+full multi-head attention) this is
+
+    72 * B * s * l * h^2 * (1 + s / (6h) + V / (12 * l * h))
+
+(B samples, s tokens each, l layers, V padded vocabulary). Attention is counted over the full s x s
+score matrix (no causal halving), as Megatron does. Activation recomputation is not counted: MFU
+measures useful model work. The general form below also covers grouped-query attention
+(fewer key/value heads), SwiGLU (three MLP matrices) and a kv_channels other than h/heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Dense (no sparsity) peak matrix throughput in FLOP/s, by device name fragment and precision.
+# fp32 means plain fp32 matmuls (TF32 off, torch's default for matmul on Ampere and later).
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+}
+
+
+def forward_flops_per_token(
+    num_layers: int,
+    hidden_size: int,
+    seq_length: int,
+    vocab_size: int,
+    ffn_hidden_size: int | None = None,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    kv_channels: int | None = None,
+    swiglu: bool = False,
+) -> float:
+    """Matmul FLOPs of one token's forward pass through the whole model (logits included)."""
+    h = hidden_size
+    heads = num_attention_heads or 1
+    channels = kv_channels or h // heads
+    groups = num_query_groups or heads
+    query_size = heads * channels
+    kv_size = groups * channels
+    ffn = ffn_hidden_size or 4 * h
+    qkv = 2 * h * (query_size + 2 * kv_size)
+    # Q.K^T and probabilities.V, each 2 * s * query_size per token.
+    attention = 2 * 2 * seq_length * query_size
+    projection = 2 * query_size * h
+    mlp = 2 * (3 if swiglu else 2) * h * ffn
+    logits = 2 * h * vocab_size
+    return num_layers * (qkv + attention + projection + mlp) + logits
+
+
+def model_flops_per_iteration(model_cfg: Any, global_batch_size: int, vocab_size: int) -> float:
+    """Training FLOPs (forward + backward) of one iteration of `global_batch_size` samples."""
+    m = model_cfg
+    per_token = forward_flops_per_token(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        seq_length=m.seq_length,
+        vocab_size=vocab_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups if m.group_query_attention else None,
+        kv_channels=m.kv_channels,
+        swiglu=m.swiglu,
+    )
+    return 3.0 * per_token * global_batch_size * m.seq_length
+
+
+def precision_name(bf16: bool, fp16: bool) -> str:
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+
+def device_peak_flops(device: torch.device | str, precision: str) -> float | None:
+    """Peak FLOP/s of one device of this kind, or None when unknown (CPUs, unlisted GPUs)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    for fragment, peaks in PEAK_FLOPS.items():
+        if fragment in name:
+            return peaks.get(precision)
+    return None
+
+
+def mfu(flops_per_iteration: float, iteration_time_s: float, num_devices: int, peak: float | None):
+    """Achieved FLOP/s over the peak of all devices; None when the peak is unknown."""
+    if peak is None or iteration_time_s <= 0 or num_devices <= 0:
+        return None
+    return flops_per_iteration / iteration_time_s / (peak * num_devices)

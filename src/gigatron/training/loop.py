@@ -1,0 +1,386 @@
+"""The training loop (Megatron's semantics): iterations of micro-batches through the schedule,
+gradient finalisation, optimizer and learning-rate steps, logging, evaluation, checkpoints and
+the exit conditions.
+
+`train(run)` and `evaluate(...)` know nothing about GPT: the model-specific part is the
+`forward_step` in `run` (see training/gpt_step.py), and everything is built by
+training/pretrain.py.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gigatron.errors import GigatronError
+from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.grad_sync import finalize_model_grads
+from gigatron.parallel.schedules import ScheduleConfig, forward_backward
+from gigatron.training.flops import mfu, model_flops_per_iteration
+from gigatron.training.metrics import MetricsLogger
+from gigatron.training.timers import Timers
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved in and restored from checkpoints."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    floating_point_operations_so_far: float = 0.0
+
+
+@dataclass
+class Run:
+    """Everything the loop works on (built by training/pretrain.py)."""
+
+    cfg: Any
+    pctx: ParallelContext
+    model: list[nn.Module]
+    optimizer: Any
+    scheduler: Any
+    batch_calculator: Any
+    forward_step: Callable[[Iterator | None, nn.Module], Any]
+    schedule_config: ScheduleConfig
+    metrics: MetricsLogger
+    train_iters: int
+    vocab_size: int
+    train_iterator: Iterator | None = None
+    valid_iterator: Iterator | None = None
+    test_iterator: Iterator | None = None
+    state: TrainState = field(default_factory=TrainState)
+    save_checkpoint: Callable[[TrainState], None] | None = None
+    peak_flops: float | None = None
+    timers: Timers = field(default_factory=Timers)
+    startup_record: Callable[[], dict[str, Any]] | None = None
+    # Validate once more when an exit condition stops the run early (quickstart wants a final
+    # validation loss; Megatron's default is to exit at once).
+    evaluate_on_early_exit: bool = False
+
+
+@dataclass
+class TrainResult:
+    """How a run ended, for callers (quickstart, tests)."""
+
+    iteration: int
+    exit_reason: str  # "finished", "exit-interval", "exit-duration", "signal"
+    train_losses: dict[int, float] = field(default_factory=dict)
+    valid_losses: dict[int, float] = field(default_factory=dict)
+    test_loss: float | None = None
+    last_saved_iteration: int | None = None
+
+
+class ExitSignal:
+    """Records that SIGTERM arrived (with --exit-signal-handler) so the loop can save and stop
+    at the end of the current iteration instead of dying half-way through a step."""
+
+    def __init__(self, enabled: bool, signum: int = signal.SIGTERM) -> None:
+        self.enabled = enabled
+        self.signum = signum
+        self.received = False
+        self._previous: Any = None
+
+    def __enter__(self) -> ExitSignal:
+        if self.enabled:
+            self._previous = signal.signal(self.signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            signal.signal(self.signum, self._previous)
+
+
+def _any_rank(flag: bool, pctx: ParallelContext) -> bool:
+    """True on every rank when `flag` is true on at least one."""
+    if not dist.is_initialized() or pctx.world_size == 1:
+        return flag
+    # On the run's device: NCCL reduces only CUDA tensors.
+    value = torch.tensor([1.0 if flag else 0.0], device=pctx.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def reduce_loss_reports(
+    reports: list[dict[str, Any]], pctx: ParallelContext
+) -> tuple[float, float]:
+    """(loss sum, token count) of one iteration over all micro-batches and data-parallel ranks.
+
+    Every rank calls this (stages without the loss contribute zeros) so the collective matches.
+    """
+    total = torch.zeros(2, dtype=torch.float64, device=pctx.device)
+    for report in reports:
+        value = report.get("lm_loss")
+        if value is not None:
+            total += value.detach().to(pctx.device, torch.float64)
+    if pctx.size("dp") > 1:
+        dist.all_reduce(total, group=pctx.group("dp"))
+    loss_sum, num_tokens = total.tolist()
+    return loss_sum, num_tokens
+
+
+def train_step(run: Run, num_microbatches: int) -> dict[str, Any]:
+    """One iteration: forward-backward over the micro-batches, gradient sync, optimizer step."""
+    pctx = run.pctx
+    run.optimizer.zero_grad()  # also zeroes the DDP gradient buffers
+    run.timers("forward-backward").start()
+    reports = forward_backward(
+        run.forward_step,
+        run.train_iterator,
+        run.model,
+        num_microbatches,
+        pctx,
+        run.schedule_config,
+    )
+    run.timers("forward-backward").stop()
+    finalize_model_grads(run.model, pctx)
+    loss_sum, num_tokens = reduce_loss_reports(reports, pctx)
+    has_loss = num_tokens > 0
+    loss = loss_sum / num_tokens if has_loss else None
+    # Only the last pipeline stage sees the loss; every rank must take the same decision.
+    bad_loss = _any_rank(has_loss and not math.isfinite(loss_sum), pctx)
+    if bad_loss and not run.cfg.training.fp16:
+        raise _non_finite_error(run, "loss", loss)
+    run.timers("optimizer").start()
+    success, grad_norm, num_zeros = run.optimizer.step()
+    run.timers("optimizer").stop()
+    if success and grad_norm is not None and not math.isfinite(grad_norm):
+        raise _non_finite_error(run, "gradient norm", grad_norm)
+    return {
+        "loss": loss,
+        "loss_sum": loss_sum,
+        "num_tokens": num_tokens,
+        "success": bool(success),
+        "grad_norm": grad_norm,
+        "num_zeros": num_zeros,
+    }
+
+
+def _non_finite_error(run: Run, what: str, value: float | None) -> GigatronError:
+    iteration = run.state.iteration + 1
+    saved = run.cfg.checkpoint.save
+    kept = (
+        f"the last good checkpoint in {saved} is kept (this state was not saved)"
+        if saved
+        else "nothing was saved"
+    )
+    return GigatronError(
+        f"iteration {iteration}: the {what} is {value} (not finite); training stopped and {kept}. "
+        "Lower --lr, raise --lr-warmup-iters, set --clip-grad, or try --bf16/--fp16 loss scaling"
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    run: Run, data_iterator: Iterator, eval_iters: int, num_microbatches: int
+) -> tuple[float, float]:
+    """Mean token loss over `eval_iters` batches (model in eval mode: no dropout) and its
+    perplexity."""
+    for chunk in run.model:
+        chunk.eval()
+    total_sum, total_tokens = 0.0, 0.0
+    try:
+        for _ in range(eval_iters):
+            reports = forward_backward(
+                run.forward_step,
+                data_iterator,
+                run.model,
+                num_microbatches,
+                run.pctx,
+                run.schedule_config,
+                forward_only=True,
+            )
+            loss_sum, num_tokens = reduce_loss_reports(reports, run.pctx)
+            total_sum += loss_sum
+            total_tokens += num_tokens
+    finally:
+        for chunk in run.model:
+            chunk.train()
+    loss = total_sum / total_tokens if total_tokens else float("nan")
+    return loss, math.exp(min(loss, 700.0))
+
+
+def _evaluate_and_log(run: Run, split: str, iterator: Iterator, result: TrainResult) -> float:
+    t = run.cfg.training
+    calc = run.batch_calculator
+    global_batch = calc.global_batch_size
+    num_microbatches = global_batch // (calc.micro_batch_size * run.pctx.dp_size)
+    start = time.perf_counter()
+    loss, ppl = evaluate(run, iterator, t.eval_iters, num_microbatches)
+    if split == "valid":
+        run.state.consumed_valid_samples += t.eval_iters * global_batch
+        result.valid_losses[run.state.iteration] = loss
+    else:
+        result.test_loss = loss
+    run.metrics.log_evaluation(
+        {
+            "iteration": run.state.iteration,
+            "split": split,
+            "lm_loss": loss,
+            "ppl": ppl,
+            "eval_iters": t.eval_iters,
+            "eval_time_s": time.perf_counter() - start,
+        }
+    )
+    return loss
+
+
+def _save(run: Run, result: TrainResult) -> None:
+    if run.save_checkpoint is None or result.last_saved_iteration == run.state.iteration:
+        return
+    run.timers("save-checkpoint").start()
+    run.save_checkpoint(run.state)
+    run.timers("save-checkpoint").stop()
+    result.last_saved_iteration = run.state.iteration
+    run.metrics.message(
+        f"saved checkpoint at iteration {run.state.iteration} to {run.cfg.checkpoint.save}"
+    )
+
+
+def _current_lr(run: Run) -> float:
+    groups = run.optimizer.param_groups
+    return float(groups[0]["lr"]) if groups else 0.0
+
+
+def train(run: Run) -> TrainResult:
+    """Train from `run.state` to `run.train_iters` (or an exit condition); see module docstring."""
+    cfg, pctx, state = run.cfg, run.pctx, run.state
+    t, ckpt, log = cfg.training, cfg.checkpoint, cfg.logging
+    calc = run.batch_calculator
+    result = TrainResult(iteration=state.iteration, exit_reason="finished")
+    if state.iteration > 0:
+        result.last_saved_iteration = state.iteration  # we resumed from exactly that checkpoint
+    seq_length = cfg.model.seq_length
+    start_time = time.perf_counter()
+    window = {"loss": 0.0, "iterations": 0, "losses": 0, "time": 0.0, "samples": 0, "flops": 0.0}
+    startup_logged = False
+    for chunk in run.model:
+        chunk.train()
+
+    if t.eval_at_start and state.iteration == 0 and run.valid_iterator is not None:
+        _evaluate_and_log(run, "valid", run.valid_iterator, result)
+
+    with ExitSignal(t.exit_signal_handler) as exit_signal:
+        while (
+            not t.skip_train
+            and state.iteration < run.train_iters
+            and run.train_iterator is not None
+        ):
+            calc.update(state.consumed_train_samples)
+            global_batch = calc.get_current_global_batch_size()
+            iteration_start = time.perf_counter()
+            step = train_step(run, calc.get())
+            iteration_time = time.perf_counter() - iteration_start
+            state.iteration += 1
+            state.consumed_train_samples += global_batch
+            if step["success"]:
+                run.scheduler.step(increment=global_batch)
+            else:
+                state.skipped_iterations += 1
+            flops = model_flops_per_iteration(cfg.model, global_batch, run.vocab_size)
+            state.floating_point_operations_so_far += flops
+            if step["loss"] is not None:
+                # Skipped (fp16 overflow) iterations count too: their loss is still a real one.
+                result.train_losses[state.iteration] = step["loss"]
+                window["loss"] += step["loss"]
+                window["losses"] += 1
+            window["iterations"] += 1
+            window["time"] += iteration_time
+            window["samples"] += global_batch
+            window["flops"] += flops
+
+            if not startup_logged:
+                # After the first step, so that lazily created optimizer state is measured.
+                startup_logged = True
+                if run.startup_record is not None:
+                    run.metrics.log_startup(run.startup_record())
+
+            if state.iteration % log.log_interval == 0 or state.iteration == run.train_iters:
+                average_time = window["time"] / window["iterations"]
+                tokens_per_s = window["samples"] * seq_length / window["time"]
+                # Over the whole window: the batch (and so the FLOPs) may grow during ramp-up.
+                utilisation = mfu(window["flops"], window["time"], pctx.world_size, run.peak_flops)
+                run.metrics.log_iteration(
+                    {
+                        "iteration": state.iteration,
+                        "consumed_samples": state.consumed_train_samples,
+                        "lm_loss": window["loss"] / window["losses"] if window["losses"] else None,
+                        "lr": _current_lr(run),
+                        "grad_norm": step["grad_norm"],
+                        "loss_scale": float(run.optimizer.get_loss_scale()),
+                        "iteration_time_s": average_time,
+                        "tokens_per_s": tokens_per_s,
+                        "mfu": utilisation,
+                        "tflops_per_s": window["flops"] / window["time"] / 1e12,
+                        "skipped_iterations": state.skipped_iterations,
+                        "num_zeros": step["num_zeros"],
+                        "global_batch_size": global_batch,
+                        **{f"time_{k}_ms": v for k, v in run.timers.elapsed_ms().items()},
+                    },
+                    train_iters=run.train_iters,
+                )
+                window = {
+                    "loss": 0.0,
+                    "iterations": 0,
+                    "losses": 0,
+                    "time": 0.0,
+                    "samples": 0,
+                    "flops": 0.0,
+                }
+
+            if (
+                t.eval_interval
+                and state.iteration % t.eval_interval == 0
+                and run.valid_iterator is not None
+            ):
+                _evaluate_and_log(run, "valid", run.valid_iterator, result)
+
+            if ckpt.save and ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
+                _save(run, result)
+
+            # Exit conditions, decided together by all ranks.
+            reason = None
+            if _any_rank(exit_signal.received, pctx):
+                reason = "signal"
+            elif t.exit_duration_in_mins is not None and _any_rank(
+                (time.perf_counter() - start_time) / 60.0 > t.exit_duration_in_mins, pctx
+            ):
+                reason = "exit-duration"
+            elif t.exit_interval and state.iteration % t.exit_interval == 0:
+                reason = "exit-interval"
+            if reason is not None:
+                if ckpt.save:
+                    _save(run, result)
+                if (
+                    run.evaluate_on_early_exit
+                    and run.valid_iterator is not None
+                    and t.eval_iters > 0
+                    and state.iteration not in result.valid_losses
+                ):
+                    _evaluate_and_log(run, "valid", run.valid_iterator, result)
+                run.metrics.message(f"exiting at iteration {state.iteration} ({reason})")
+                result.exit_reason = reason
+                result.iteration = state.iteration
+                return result
+
+    result.iteration = state.iteration
+    if ckpt.save and state.iteration > 0:
+        _save(run, result)
+    if run.valid_iterator is not None and t.eval_iters > 0:
+        if state.iteration not in result.valid_losses:
+            _evaluate_and_log(run, "valid", run.valid_iterator, result)
+    if run.test_iterator is not None and t.eval_iters > 0:
+        _evaluate_and_log(run, "test", run.test_iterator, result)
+    return result

@@ -1,0 +1,319 @@
+"""Where a run reports: metrics.jsonl (always), TensorBoard and Weights & Biases (when installed
+and asked for), and the terminal (a progress bar on a TTY, plain log lines otherwise).
+
+Only one process writes: the last global rank, which sits on the last pipeline stage where the
+loss is known (Megatron logs from the same rank). Every record is one JSON object per line, with
+a `type` of `startup`, `train` or `eval`, so the file can be read with
+`[json.loads(line) for line in open("metrics.jsonl")]`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gigatron.parallel.context import ParallelContext
+
+
+def default_metrics_path(metrics_file: str | None, save_dir: str | None) -> str:
+    """--metrics-file, else metrics.jsonl inside --save, else in the working directory."""
+    if metrics_file:
+        return metrics_file
+    return os.path.join(save_dir or os.getcwd(), "metrics.jsonl")
+
+
+def _json_value(value: Any) -> Any:
+    """Plain JSON for tensors and numbers; NaN and inf become null (JSON has no such numbers)."""
+    if torch.is_tensor(value):
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLogger:
+    """One run's reporting. Call the log_* methods on every rank; only the writer rank writes."""
+
+    def __init__(
+        self,
+        path: str,
+        pctx: ParallelContext,
+        train_iters: int | None = None,
+        start_iteration: int = 0,
+        tensorboard_dir: str | None = None,
+        wandb_project: str | None = None,
+        wandb_exp_name: str | None = None,
+        progress_bar: bool | None = None,
+        stream: Any = None,
+    ) -> None:
+        self.path = path
+        self.pctx = pctx
+        self.is_writer = pctx.rank == pctx.world_size - 1
+        self.stream = stream or sys.stdout
+        self._file = None
+        self._tensorboard = None
+        self._wandb = None
+        self._bar = None
+        if not self.is_writer:
+            return
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        # Append: a resumed run continues the same file.
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+        if tensorboard_dir:
+            self._tensorboard = _open_tensorboard(tensorboard_dir, self.message)
+        if wandb_project:
+            self._wandb = _open_wandb(wandb_project, wandb_exp_name, self.message)
+        if progress_bar is None:
+            progress_bar = bool(getattr(self.stream, "isatty", lambda: False)())
+        if progress_bar and train_iters:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=train_iters, initial=start_iteration, file=self.stream, unit="it",
+                dynamic_ncols=True,
+            )  # fmt: skip
+
+    # ---- writing --------------------------------------------------------------------------
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record to metrics.jsonl (writer rank only)."""
+        if self._file is None:
+            return
+        clean = {key: _json_value(value) for key, value in record.items()}
+        clean.setdefault("time", round(time.time(), 3))
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def message(self, text: str) -> None:
+        """A line for the user, above the progress bar when there is one."""
+        if not self.is_writer:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def log_startup(self, record: dict[str, Any]) -> None:
+        self.write({"type": "startup", **record})
+        if self.is_writer:
+            params = record.get("parameters")
+            per_rank = record.get("bytes_per_rank") or []
+            if params is not None:
+                self.message(f"> model parameters: {params:,}")
+            for entry in per_rank:
+                self.message(
+                    "> rank {rank}: parameters {p:.1f} MiB, gradients {g:.1f} MiB, "
+                    "optimizer state {o:.1f} MiB".format(
+                        rank=entry["rank"],
+                        p=entry["parameter_bytes"] / 2**20,
+                        g=entry["gradient_bytes"] / 2**20,
+                        o=entry["optimizer_state_bytes"] / 2**20,
+                    )
+                )
+
+    def log_iteration(self, record: dict[str, Any], train_iters: int | None = None) -> None:
+        """A training record: metrics.jsonl, TensorBoard, W&B, and a log line or the bar."""
+        self.write({"type": "train", **record})
+        if not self.is_writer:
+            return
+        iteration = record["iteration"]
+        scalars = {
+            "lm loss": record.get("lm_loss"),
+            "learning-rate": record.get("lr"),
+            "grad-norm": record.get("grad_norm"),
+            "loss-scale": record.get("loss_scale"),
+            "batch-size": record.get("global_batch_size"),
+            "iteration-time": record.get("iteration_time_s"),
+            "throughput/tokens_per_s": record.get("tokens_per_s"),
+        }
+        self._scalars(scalars, iteration)
+        if self._bar is not None:
+            self._bar.update(iteration - self._bar.n)
+            loss = record.get("lm_loss")
+            self._bar.set_postfix_str(
+                f"loss {loss:.4f} lr {record.get('lr', 0):.2e}" if loss is not None else ""
+            )
+        else:
+            self.message(format_log_line(record, train_iters))
+
+    def log_evaluation(self, record: dict[str, Any]) -> None:
+        self.write({"type": "eval", **record})
+        if not self.is_writer:
+            return
+        split = record["split"]
+        self._scalars(
+            {f"{split} lm loss": record.get("lm_loss"), f"{split} ppl": record.get("ppl")},
+            record.get("iteration", 0),
+        )
+        line = (
+            f" {split} loss at iteration {record.get('iteration')} | lm loss: "
+            f"{record['lm_loss']:.6E} | lm loss PPL: {record['ppl']:.6E} |"
+        )
+        bar = "-" * (len(line) + 1)
+        self.message(f"{bar}\n{line}\n{bar}")
+
+    def _scalars(self, scalars: dict[str, Any], step: int) -> None:
+        values = {k: float(v) for k, v in scalars.items() if isinstance(v, (int, float))}
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def format_log_line(record: dict[str, Any], train_iters: int | None) -> str:
+    """Megatron-style `iteration  N/ M | ... |` line."""
+    total = train_iters if train_iters is not None else "?"
+    parts = [f" iteration {record['iteration']:8d}/{total:>8}"]
+
+    def add(label: str, key: str, fmt: str) -> None:
+        value = record.get(key)
+        parts.append(f"{label}: {'n/a' if value is None else format(value, fmt)}")
+
+    add("consumed samples", "consumed_samples", "12d")
+    parts.append(f"elapsed time per iteration (ms): {1000 * record['iteration_time_s']:.1f}")
+    add("tokens/s", "tokens_per_s", ".1f")
+    mfu_value = record.get("mfu")
+    parts.append("MFU: n/a" if mfu_value is None else f"MFU: {100 * mfu_value:.1f}%")
+    add("learning rate", "lr", ".6E")
+    add("global batch size", "global_batch_size", "5d")
+    add("lm loss", "lm_loss", ".6E")
+    add("loss scale", "loss_scale", ".1f")
+    add("grad norm", "grad_norm", ".3f")
+    add("number of skipped iterations", "skipped_iterations", "3d")
+    return " | ".join(parts) + " |"
+
+
+def _open_tensorboard(directory: str, warn) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        warn(
+            f"--tensorboard-dir {directory}: the tensorboard package is not installed "
+            "(pip install tensorboard); TensorBoard logging is off"
+        )
+        return None
+    return SummaryWriter(log_dir=directory, max_queue=1000)
+
+
+def _open_wandb(project: str, name: str | None, warn) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        warn(
+            f"--wandb-project {project}: the wandb package is not installed (pip install wandb); "
+            "Weights & Biases logging is off"
+        )
+        return None
+    return wandb.init(project=project, name=name)
+
+
+# ---- sizes of what a rank holds ------------------------------------------------------------
+def _storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: set[int] = set(exclude or ())
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def _storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def _tensors_in(obj: Any, depth: int = 0, visited: set[int] | None = None) -> list[torch.Tensor]:
+    """Every tensor reachable from an optimizer object (its state dicts, lists, attributes)."""
+    visited = visited if visited is not None else set()
+    if id(obj) in visited or depth > 6:
+        return []
+    visited.add(id(obj))
+    if torch.is_tensor(obj):
+        return [obj]
+    found: list[torch.Tensor] = []
+    if isinstance(obj, dict):
+        items: Iterable[Any] = list(obj.values()) + [k for k in obj if torch.is_tensor(k)]
+    elif isinstance(obj, (list, tuple, set)):
+        items = obj
+    elif isinstance(obj, torch.optim.Optimizer):
+        items = [obj.state, obj.param_groups]
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
+        items = vars(obj).values()
+    else:
+        return []
+    for item in items:
+        found.extend(_tensors_in(item, depth + 1, visited))
+    return found
+
+
+def memory_footprint(model_chunks: list[nn.Module], optimizer: Any) -> dict[str, int]:
+    """Bytes this rank holds for parameters, gradients and optimizer state, measured from the
+    tensors' storages (fp32 main copies of bf16/fp16 parameters count as optimizer state)."""
+    params = [p for chunk in model_chunks for p in chunk.parameters()]
+    grads = []
+    for p in params:
+        grad = getattr(p, "main_grad", None)
+        if grad is None:
+            grad = p.grad
+        if grad is not None:
+            grads.append(grad)
+    param_keys = _storage_keys(params)
+    grad_keys = _storage_keys(grads)
+    state = [t for t in _tensors_in(optimizer) if t.untyped_storage().nbytes() > 0]
+    return {
+        "parameter_bytes": _storage_bytes(params),
+        "gradient_bytes": _storage_bytes(grads, exclude=param_keys),
+        "optimizer_state_bytes": _storage_bytes(state, exclude=param_keys | grad_keys),
+    }
+
+
+def count_parameters(model_chunks: list[nn.Module], pctx: ParallelContext) -> int:
+    """Parameters of the whole model (all tensor- and pipeline-parallel shards, each once)."""
+    local = 0
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            if getattr(p, "shared_embedding", False) and not pctx.is_pipeline_first_stage():
+                continue  # the tied output weight is the first stage's embedding again
+            if getattr(p, "tensor_model_parallel", False) or pctx.tp_rank == 0:
+                local += p.numel()
+    total = torch.tensor([local], dtype=torch.int64, device=pctx.device)
+    if pctx.size("model") > 1:
+        dist.all_reduce(total, group=pctx.group("model"))
+    return int(total.item())
+
+
+def gather_from_ranks(value: Any, pctx: ParallelContext) -> list[Any]:
+    """Every rank's `value`, in rank order (a list of one outside torch.distributed)."""
+    if not dist.is_initialized() or pctx.world_size == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered

@@ -1,0 +1,349 @@
+"""`gigatron pretrain gpt [flags]`: build everything a run needs, then hand it to the loop.
+
+Order (Megatron's): flags -> parallel context -> seeds -> tokenizer -> model chunks wrapped in
+DistributedDataParallel -> optimizer and learning-rate schedule -> checkpoint -> datasets and
+iterators (resumed at the consumed sample counts) -> train() -> final evaluations.
+Works alone (`gigatron pretrain gpt ...`) and under `torchrun --nproc-per-node N`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gigatron.config import GigatronConfig, parse_config, validate_config
+from gigatron.errors import GigatronError
+from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.schedules import ScheduleConfig
+from gigatron.training.flops import device_peak_flops, precision_name
+from gigatron.training.gpt_step import make_forward_step
+from gigatron.training.loop import Run, TrainResult, TrainState, train
+from gigatron.training.metrics import (
+    MetricsLogger,
+    count_parameters,
+    default_metrics_path,
+    gather_from_ranks,
+    memory_footprint,
+)
+
+MODEL_TYPES = ("gpt", "bert", "t5")
+
+
+def _world_size() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def parse_pretrain_config(argv: Sequence[str], world_size: int | None = None) -> GigatronConfig:
+    """Flags of `gigatron pretrain gpt`, validated for a training run."""
+    world_size = _world_size() if world_size is None else world_size
+    cfg = parse_config(list(argv), prog="gigatron pretrain gpt", world_size=world_size)
+    validate_config(cfg, world_size=world_size, for_training=True)
+    if cfg.data.mock_data is False and not (cfg.data.data_path or cfg.data.train_data_path):
+        raise GigatronError(
+            "no training data: give --data-path PREFIX (from `gigatron preprocess`), "
+            "--train-data-path, or --mock-data with --vocab-size for synthetic tokens"
+        )
+    if cfg.training.eval_interval is not None and cfg.training.eval_interval <= 0:
+        raise GigatronError(f"--eval-interval {cfg.training.eval_interval} must be positive")
+    if cfg.training.full_validation:
+        raise GigatronError(
+            "--full-validation is not supported yet; validate on --eval-iters batches instead"
+        )
+    if cfg.parallel.context_parallel_size > 1:
+        try:
+            from gigatron.parallel import context_parallel  # noqa: F401
+        except ImportError:
+            raise GigatronError(
+                f"--context-parallel-size {cfg.parallel.context_parallel_size}: context "
+                "parallelism is not available in pretraining yet; use 1"
+            ) from None
+    if cfg.logging.log_interval <= 0:
+        raise GigatronError(f"--log-interval {cfg.logging.log_interval} must be positive")
+    if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval <= 0:
+        raise GigatronError(f"--save-interval {cfg.checkpoint.save_interval} must be positive")
+    return cfg
+
+
+def set_determinism(cfg: GigatronConfig) -> None:
+    """--deterministic-mode: only deterministic kernels (an error names any op without one)."""
+    if not cfg.training.deterministic_mode:
+        return
+    # cuBLAS needs a fixed workspace to be deterministic; must be set before the first matmul.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+def padded_vocab_size(vocab_size: int, cfg: GigatronConfig) -> int:
+    """Megatron's padding: a multiple of --make-vocab-size-divisible-by x tp, unless
+    --padded-vocab-size gives the size."""
+    if cfg.model.padded_vocab_size is not None:
+        if cfg.model.padded_vocab_size < vocab_size:
+            raise GigatronError(
+                f"--padded-vocab-size {cfg.model.padded_vocab_size} is smaller than the "
+                f"tokenizer's {vocab_size} tokens; raise it or leave it out"
+            )
+        return cfg.model.padded_vocab_size
+    from gigatron.models.gpt import resolve_vocab_size
+
+    return resolve_vocab_size(cfg, cfg.parallel.tensor_model_parallel_size, vocab_size)
+
+
+def build_run_tokenizer(cfg: GigatronConfig) -> Any:
+    """The tokenizer of the run; --mock-data with --vocab-size needs no files (NullTokenizer)."""
+    from gigatron.data.tokenizers import build_tokenizer
+
+    tok = cfg.tokenizer
+    if tok.tokenizer_type is None:
+        if cfg.data.mock_data and tok.vocab_size is not None:
+            tok.tokenizer_type = "NullTokenizer"
+        else:
+            raise GigatronError(
+                "--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file and "
+                "--merge-file), or use --mock-data --vocab-size N"
+            )
+    return build_tokenizer(tok)
+
+
+def dataset_sample_counts(cfg: GigatronConfig, train_iters: int, global_batch: int):
+    """(train, valid, test) samples to ask of the datasets (Megatron's formulas)."""
+    t = cfg.training
+    train = t.train_samples if t.train_samples is not None else train_iters * global_batch
+    evaluations = (train_iters // t.eval_interval + 1) if t.eval_interval else 1
+    evaluations += 1 if t.eval_at_start else 0
+    valid = evaluations * t.eval_iters * global_batch
+    test = t.eval_iters * global_batch
+    return train, valid, test
+
+
+def _grad_dtype(cfg: GigatronConfig) -> torch.dtype:
+    t = cfg.training
+    if t.fp16 and not cfg.parallel.accumulate_allreduce_grads_in_fp32:
+        return torch.float16
+    # bf16 gradients lose too much when summed over micro-batches: Megatron accumulates in fp32.
+    return torch.float32
+
+
+def _pipeline_dtype(cfg: GigatronConfig) -> torch.dtype:
+    if cfg.training.bf16:
+        return torch.bfloat16
+    if cfg.training.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def pretrain(
+    cfg: GigatronConfig,
+    stream: Any = None,
+    progress_bar: bool | None = None,
+    keep_model: bool = False,
+    evaluate_on_early_exit: bool = False,
+) -> tuple[TrainResult, Any]:
+    """Run pretraining for a validated config. Returns the result and, with `keep_model`, the
+    unwrapped model chunks (quickstart samples from them); otherwise None.
+    `evaluate_on_early_exit` validates once more when an exit condition stops the run."""
+    from gigatron.checkpoint.torch_format import load_checkpoint, save_checkpoint
+    from gigatron.data.gpt_dataset import build_gpt_datasets
+    from gigatron.data.loader import build_data_iterator
+    from gigatron.models import build_model
+    from gigatron.optim import build_optimizer
+    from gigatron.optim.batch_schedule import build_num_microbatches_calculator
+    from gigatron.optim.lr_schedule import build_lr_scheduler
+    from gigatron.parallel.data_parallel import DistributedDataParallel
+    from gigatron.parallel.random import seed_everything
+
+    set_determinism(cfg)
+    pctx = ParallelContext.from_config(cfg)
+    owns_process_group = dist.is_initialized() and pctx.world_size > 1
+    metrics: MetricsLogger | None = None
+    try:
+        t, ckpt = cfg.training, cfg.checkpoint
+        seed_everything(t.seed, pctx)
+
+        tokenizer = build_run_tokenizer(cfg)
+        vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg)
+
+        chunks = build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
+        # The model-parallel random stream lives in the model; checkpoints carry its state.
+        rng_tracker = getattr(chunks[0], "rng", None)
+        model = [
+            DistributedDataParallel(chunk, pctx, cfg.parallel, grad_dtype=_grad_dtype(cfg))
+            for chunk in chunks
+        ]
+        optimizer = build_optimizer(cfg, model, pctx)
+        scheduler = build_lr_scheduler(cfg, optimizer)
+        calculator = build_num_microbatches_calculator(cfg, pctx.dp_size)
+        global_batch = calculator.global_batch_size
+        if t.train_iters is not None:
+            train_iters = t.train_iters
+        else:
+            train_iters = calculator.train_iters_for_samples(t.train_samples)
+
+        state = TrainState()
+        if ckpt.load:
+            loaded = load_checkpoint(
+                ckpt.load, model, optimizer, scheduler, pctx, cfg, rng_tracker=rng_tracker
+            )
+            # The checkpoint holds the consumed train and validation samples, so both data
+            # streams continue where they stopped.
+            state = _state_from_loaded(loaded, cfg)
+
+        train_n, valid_n, test_n = dataset_sample_counts(cfg, train_iters, global_batch)
+        train_ds, valid_ds, test_ds = build_gpt_datasets(
+            cfg,
+            tokenizer,
+            (train_n, valid_n if t.eval_iters else None, test_n if t.eval_iters else None),
+            pctx,
+        )
+        if not t.eval_iters:
+            valid_ds = test_ds = None
+
+        def iterator(dataset: Any, consumed: int, cycle: bool = False):
+            # A DataLoader draws its base seed from torch's global generator when its iterator
+            # is made; fork it so that a resumed run's restored random state stays untouched.
+            with torch.random.fork_rng(devices=[]):
+                return build_data_iterator(
+                    dataset, t.micro_batch_size, consumed, pctx,
+                    num_workers=cfg.data.num_workers, cycle=cycle,
+                )  # fmt: skip
+
+        metrics = MetricsLogger(
+            default_metrics_path(cfg.logging.metrics_file, ckpt.save),
+            pctx,
+            train_iters=train_iters,
+            start_iteration=state.iteration,
+            tensorboard_dir=cfg.logging.tensorboard_dir,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_exp_name=cfg.logging.wandb_exp_name,
+            progress_bar=False if cfg.logging.no_progress_bar else progress_bar,
+            stream=stream,
+        )
+        precision = precision_name(t.bf16, t.fp16)
+
+        start_iteration = state.iteration
+
+        def startup_record() -> dict[str, Any]:
+            footprint = memory_footprint(model, optimizer)
+            per_rank = gather_from_ranks({"rank": pctx.rank, **footprint}, pctx)
+            return {
+                "parameters": count_parameters(model, pctx),
+                "world_size": pctx.world_size,
+                "tp": pctx.tp_size,
+                "pp": pctx.pp_size,
+                "dp": pctx.dp_size,
+                "cp": pctx.cp_size,
+                "precision": precision,
+                "device": str(pctx.device),
+                "padded_vocab_size": vocab_size,
+                "train_iters": train_iters,
+                "global_batch_size": global_batch,
+                "start_iteration": start_iteration,
+                "bytes_per_rank": per_rank,
+            }
+
+        def save(current: TrainState) -> None:
+            save_checkpoint(
+                ckpt.save, current.iteration, model, optimizer, scheduler, pctx, cfg,
+                extra=_state_to_saved(current), rng_tracker=rng_tracker,
+            )  # fmt: skip
+
+        schedule_config = ScheduleConfig(
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            hidden_size=cfg.model.hidden_size,
+            pipeline_dtype=_pipeline_dtype(cfg),
+            sequence_parallel=cfg.parallel.sequence_parallel,
+            per_token_loss=cfg.parallel.calculate_per_token_loss,
+            grad_scale_func=optimizer.scale_loss,
+        )
+        if hasattr(schedule_config, "microbatch_group_size"):
+            schedule_config.microbatch_group_size = cfg.parallel.microbatch_group_size_per_vp_stage
+        run = Run(
+            cfg=cfg,
+            pctx=pctx,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            batch_calculator=calculator,
+            forward_step=make_forward_step(pctx),
+            schedule_config=schedule_config,
+            metrics=metrics,
+            train_iters=train_iters,
+            vocab_size=vocab_size,
+            train_iterator=(
+                None  # nothing left to train: only the final evaluations run
+                if t.skip_train or state.iteration >= train_iters
+                else iterator(train_ds, state.consumed_train_samples)
+            ),
+            valid_iterator=iterator(valid_ds, state.consumed_valid_samples, cycle=True),
+            test_iterator=iterator(test_ds, 0, cycle=True),
+            state=state,
+            save_checkpoint=save if ckpt.save else None,
+            peak_flops=device_peak_flops(pctx.device, precision),
+            startup_record=startup_record,
+            evaluate_on_early_exit=evaluate_on_early_exit,
+        )
+        result = train(run)
+        return result, ([m.module for m in model] if keep_model else None)
+    finally:
+        if metrics is not None:
+            metrics.close()
+        if owns_process_group:
+            dist.destroy_process_group()
+
+
+def _state_from_loaded(loaded: Any, cfg: GigatronConfig) -> TrainState:
+    """TrainState from what load_checkpoint returned (iteration 0 with --finetune)."""
+    values = loaded if isinstance(loaded, dict) else {"iteration": int(loaded or 0)}
+    if cfg.checkpoint.finetune:
+        return TrainState()
+    return TrainState(
+        iteration=int(values.get("iteration", 0)),
+        consumed_train_samples=int(values.get("consumed_train_samples", 0)),
+        consumed_valid_samples=int(values.get("consumed_valid_samples", 0)),
+        skipped_iterations=int(values.get("skipped_iterations", 0)),
+        floating_point_operations_so_far=float(
+            values.get("num_floating_point_operations_so_far", 0)
+        ),
+    )
+
+
+def _state_to_saved(state: TrainState) -> dict[str, Any]:
+    return {
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
+        "skipped_iterations": state.skipped_iterations,
+        "num_floating_point_operations_so_far": state.floating_point_operations_so_far,
+    }
+
+
+def main(argv: Sequence[str]) -> int:
+    """`gigatron pretrain <model> [flags]`."""
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: gigatron pretrain gpt [flags]   (gigatron pretrain gpt --help lists them)\n"
+            "models: gpt (bert and t5 are not available yet)"
+        )
+        return 0
+    model_type, rest = argv[0], argv[1:]
+    if model_type not in MODEL_TYPES:
+        raise GigatronError(
+            f"{model_type}: unknown model type; choose one of "
+            f"{', '.join(MODEL_TYPES)} (e.g. gigatron pretrain gpt --help)"
+        )
+    if model_type != "gpt":
+        raise GigatronError(
+            f"{model_type}: the {model_type.upper()} model is not available "
+            "yet; use gigatron pretrain gpt"
+        )
+    cfg = parse_pretrain_config(rest)
+    pretrain(cfg)  # every way a run ends without an exception is a clean exit
+    return 0

@@ -1,0 +1,228 @@
+"""`gigatron quickstart`: the whole workflow on one CPU in a few minutes.
+
+1. corpus: the English help texts that ship with Python (`pydoc_data.topics`), one JSON line per
+   topic;
+2. tokenizer: a byte-level BPE trained on it (`gigatron train-tokenizer`);
+3. data: tokenized into .bin/.idx (`gigatron preprocess`);
+4. pretraining: a small GPT (`gigatron pretrain gpt`), validating as it goes, saving a checkpoint;
+5. a sample: text generated from a prompt with the trained model;
+6. a plot of training and validation loss (loss.png).
+
+Every step is the real command's code; the flags it used are printed so that each step can be
+rerun by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from gigatron.errors import GigatronError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gigatron quickstart",
+        description="Train a small GPT on a corpus shipped with Python, end to end, on CPU.",
+    )
+    parser.add_argument("--output-dir", default="quickstart-run", help="where everything goes")
+    parser.add_argument("--iterations", type=int, default=800, help="training iterations")
+    parser.add_argument("--hidden-size", type=int, default=128, help="transformer hidden size")
+    parser.add_argument("--num-layers", type=int, default=4, help="transformer layers")
+    parser.add_argument("--seq-length", type=int, default=128, help="tokens per sample")
+    parser.add_argument(
+        "--minutes", type=float, default=3.5, help="stop training after this many minutes"
+    )
+    parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size")
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per micro-batch")
+    parser.add_argument("--global-batch-size", type=int, default=16, help="samples per iteration")
+    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    parser.add_argument("--seed", type=int, default=1234, help="random seed")
+    parser.add_argument(
+        "--prompt", default="The assert statement", help="text the sample continues"
+    )
+    parser.add_argument("--sample-tokens", type=int, default=48, help="tokens to generate")
+    return parser
+
+
+# ---- step 1: the corpus ---------------------------------------------------------------------
+def write_corpus(path: str) -> int:
+    """Python's own help topics as JSON lines ({"title", "text"}); returns the number written."""
+    from pydoc_data.topics import topics
+
+    temporary = path + ".tmp"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        for title in sorted(topics):
+            handle.write(json.dumps({"title": title, "text": topics[title]}) + "\n")
+    os.replace(temporary, path)
+    return len(topics)
+
+
+# ---- step 5: a sample -----------------------------------------------------------------------
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    seq_length: int,
+    vocab_size: int,
+    top_k: int = 0,
+    temperature: float = 1.0,
+    eod: int | None = None,
+    seed: int = 0,
+) -> list[int]:
+    """Continue `prompt_ids` one token at a time over the model's logits: greedy with
+    `top_k` 0, else sampling among the `top_k` likeliest tokens. A plain loop without a KV cache
+    (gigatron has no inference module yet); the model sees the last `seq_length` tokens.
+    """
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    ids = list(prompt_ids)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        window = ids[-seq_length:]
+        tokens = torch.tensor([window], dtype=torch.long, device=device)
+        positions = torch.arange(len(window), device=device).unsqueeze(0)
+        # Padded vocabulary entries are never real tokens: cut them off.
+        logits = model(tokens, positions)[0, -1, :vocab_size].float().cpu()
+        if top_k <= 0:
+            token = int(torch.argmax(logits))
+        else:
+            values, indices = torch.topk(logits / max(temperature, 1e-6), top_k)
+            choice = torch.multinomial(torch.softmax(values, dim=-1), 1, generator=generator)
+            token = int(indices[choice])
+        if eod is not None and token == eod:
+            break
+        ids.append(token)
+        new.append(token)
+    return new
+
+
+def _step(number: int, text: str) -> None:
+    print(f"\n[{number}/6] {text}", flush=True)
+
+
+def main(argv: Sequence[str]) -> int:
+    """`gigatron quickstart [options]`."""
+    from gigatron.data import preprocess, train_tokenizer
+    from gigatron.data.tokenizers import build_tokenizer
+    from gigatron.training.plot import plot_loss
+    from gigatron.training.pretrain import parse_pretrain_config, pretrain
+
+    args = build_parser().parse_args(list(argv))
+    for value, flag in (
+        (args.iterations, "--iterations"),
+        (args.hidden_size, "--hidden-size"),
+        (args.num_layers, "--num-layers"),
+        (args.seq_length, "--seq-length"),
+        (args.minutes, "--minutes"),
+    ):
+        if value <= 0:
+            raise GigatronError(f"{flag} {value}: must be positive")
+    if args.hidden_size % 4:
+        raise GigatronError(f"--hidden-size {args.hidden_size}: use a multiple of 4 (4 heads)")
+    started = time.perf_counter()
+    out = os.path.abspath(args.output_dir)
+    os.makedirs(out, exist_ok=True)
+    checkpoints = os.path.join(out, "checkpoints")
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    # A quickstart always starts fresh: drop what an earlier quickstart left in this directory.
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    for stale in (metrics_path, os.path.join(out, "loss.png")):
+        if os.path.exists(stale):
+            os.remove(stale)
+
+    _step(1, "corpus: Python's help topics (pydoc_data.topics)")
+    corpus = os.path.join(out, "corpus.jsonl")
+    count = write_corpus(corpus)
+    print(f"wrote {count} documents ({os.path.getsize(corpus) / 1e6:.2f} MB) to {corpus}")
+
+    _step(2, f"tokenizer: byte-level BPE with {args.vocab_size} tokens")
+    tokenizer_dir = os.path.join(out, "tokenizer")
+    train_tokenizer.main(
+        ["--input", corpus, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-size",
+         str(args.vocab_size), "--output-dir", tokenizer_dir]
+    )  # fmt: skip
+    tokenizer_flags = [
+        "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", os.path.join(tokenizer_dir, "vocab.json"),
+        "--merge-file", os.path.join(tokenizer_dir, "merges.txt"),
+    ]  # fmt: skip
+
+    _step(3, "data: tokenize into .bin/.idx")
+    prefix = os.path.join(out, "data", "pydoc")
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    preprocess.main(
+        ["--input", corpus, "--output-prefix", prefix, "--append-eod", "--workers", "1",
+         *tokenizer_flags]
+    )  # fmt: skip
+    data_prefix = f"{prefix}_text_document"
+
+    _step(4, f"pretrain: GPT {args.num_layers} layers x {args.hidden_size} hidden")
+    # Eight validations, the last one at the final iteration.
+    eval_interval = max(1, args.iterations // 8)
+    flags = [
+        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+        "--num-attention-heads", "4", "--seq-length", str(args.seq_length),
+        "--max-position-embeddings", str(args.seq_length),
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--micro-batch-size", str(args.micro_batch_size),
+        "--global-batch-size", str(args.global_batch_size),
+        "--train-iters", str(args.iterations),
+        "--lr", str(args.lr), "--min-lr", str(args.lr / 10), "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", str(max(1, args.iterations // 20)),
+        "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
+        "--data-path", data_prefix, "--split", "90,10,0", "--num-workers", "0",
+        *tokenizer_flags,
+        "--eval-interval", str(eval_interval), "--eval-iters", "4", "--eval-at-start",
+        "--log-interval", str(max(1, eval_interval // 2)),
+        "--save", checkpoints, "--metrics-file", metrics_path,
+        "--exit-duration-in-mins", str(args.minutes), "--seed", str(args.seed),
+        "--device", "cpu",
+    ]  # fmt: skip
+    print("gigatron pretrain gpt " + " ".join(flags), flush=True)
+    cfg = parse_pretrain_config(flags, world_size=1)
+    result, chunks = pretrain(cfg, keep_model=True, evaluate_on_early_exit=True)
+    if result.exit_reason == "exit-duration":
+        print(f"stopped after {args.minutes} minutes at iteration {result.iteration}")
+
+    _step(5, "sample")
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    (model,) = chunks
+    prompt_ids = tokenizer.tokenize(args.prompt)
+    sample_ids = generate(
+        model, prompt_ids, args.sample_tokens, args.seq_length, tokenizer.vocab_size,
+        top_k=5, temperature=0.8, eod=tokenizer.eod, seed=args.seed,
+    )  # fmt: skip
+    print(f"prompt: {args.prompt!r}")
+    print("sample (top-5 sampling, temperature 0.8):")
+    print(args.prompt + tokenizer.detokenize(sample_ids))
+
+    _step(6, "plot")
+    png = plot_loss(metrics_path, os.path.join(out, "loss.png"), title="gigatron quickstart")
+    valid = sorted(result.valid_losses.items())
+    summary = {
+        "iterations": result.iteration,
+        "valid_loss_start": valid[0][1] if valid else None,
+        "valid_loss_end": valid[-1][1] if valid else None,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as handle:
+        json.dump(summary, handle, indent=2)
+    print(f"loss plot: {png}")
+    if valid:
+        print(
+            f"validation loss: {valid[0][1]:.3f} at iteration {valid[0][0]} -> "
+            f"{valid[-1][1]:.3f} at iteration {valid[-1][0]}"
+        )
+    print(f"checkpoint: {checkpoints}   metrics: {metrics_path}")
+    print(f"done in {summary['seconds']:.0f} s; all outputs are in {out}")
+    return 0
