@@ -75,3 +75,11 @@ def test_global_batch_default_and_divisibility():
     assert cfg.training.global_batch_size == 8
     with pytest.raises(GigatronError, match="--global-batch-size 6 is not divisible"):
         parse_config([*BASE, "--micro-batch-size", "2", "--global-batch-size", "6"], world_size=4)
+
+
+def test_interleaved_schedule_rules_checked_with_the_config():
+    args = [*BASE, "--num-layers", "8", "--pipeline-model-parallel-size", "2",
+            "--num-virtual-stages-per-pipeline-rank", "2", "--micro-batch-size", "1"]  # fmt: skip
+    parse_config([*args, "--global-batch-size", "4"], world_size=2)
+    with pytest.raises(GigatronError, match="leaves a last group of 1"):
+        parse_config([*args, "--global-batch-size", "5"], world_size=2)

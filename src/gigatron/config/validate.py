@@ -203,6 +203,21 @@ def validate_config(
                     f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = "
                     f"{t.micro_batch_size * dp}"
                 )
+            elif (
+                p.pipeline_model_parallel_size > 1
+                and (p.num_virtual_stages_per_pipeline_rank or 1) > 1
+            ):
+                from gigatron.parallel.schedules import check_pipeline_schedule
+
+                try:
+                    check_pipeline_schedule(
+                        p.pipeline_model_parallel_size,
+                        t.global_batch_size // (t.micro_batch_size * dp),
+                        p.num_virtual_stages_per_pipeline_rank,
+                        p.microbatch_group_size_per_vp_stage,
+                    )
+                except GigatronError as error:
+                    problems.append(str(error))
 
     if problems:
         raise GigatronError("invalid configuration:\n  - " + "\n  - ".join(problems))

@@ -262,9 +262,8 @@ def pretrain(
             sequence_parallel=cfg.parallel.sequence_parallel,
             per_token_loss=cfg.parallel.calculate_per_token_loss,
             grad_scale_func=optimizer.scale_loss,
+            microbatch_group_size=cfg.parallel.microbatch_group_size_per_vp_stage,
         )
-        if hasattr(schedule_config, "microbatch_group_size"):
-            schedule_config.microbatch_group_size = cfg.parallel.microbatch_group_size_per_vp_stage
         run = Run(
             cfg=cfg,
             pctx=pctx,
