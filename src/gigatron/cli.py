@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pretrain a model: gigatron pretrain gpt [flags]",
     ),
     "presets": ("gigatron.models.presets:main", "list the named model shapes"),
+    "convert-checkpoint": (
+        "gigatron.checkpoint.convert:main",
+        "re-split a torch checkpoint for another tensor/pipeline-parallel layout",
+    ),
 }
 
 

@@ -1,0 +1,366 @@
+"""`gigatron convert-checkpoint`: re-split a `torch`-format checkpoint for another tp/pp layout.
+
+Model weights only (as Megatron-LM's tools/checkpoint/convert.py): optimizer, learning-rate
+schedule and random states are dropped. The source shards of every parameter are merged into the
+full tensor (`merge_partitions`) and sliced again for each target rank (`slice_for_rank`).
+Parameter names carry global layer numbers, so the pipeline split only decides which names go
+into which file. Partition dimensions and strides come from the model itself: the target layout's
+model is built in-process (on the `meta` device, no process groups) for every target rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gigatron.checkpoint.torch_format import (
+    CHECKPOINT_FILENAME,
+    CHECKPOINT_VERSION,
+    TMP_SUFFIX,
+    TRACKER_FILENAME,
+    config_as_dict,
+    iteration_dir_name,
+    mp_rank_dir_name,
+    read_tracker,
+    safe_load,
+    saved_layout,
+)
+from gigatron.errors import GigatronError
+from gigatron.parallel.context import GROUP_NAMES, Grid, ParallelContext
+from gigatron.parallel.tensor_parallel import merge_partitions, slice_for_rank
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_WEIGHT = "output_layer.weight"
+# Top-level values carried over unchanged from the source files.
+CARRIED_KEYS = (
+    "consumed_train_samples",
+    "consumed_valid_samples",
+    "skipped_iterations",
+    "num_floating_point_operations_so_far",
+)
+
+
+def offline_context(grid: Grid, rank: int, device: str = "cpu") -> ParallelContext:
+    """A context for `rank` of `grid` with no process groups: enough to build that rank's model
+    (weight initialisation needs no collectives)."""
+    ctx = ParallelContext(grid=grid, rank=rank, device=torch.device(device))
+    layouts = {"tp": ["tp"], "pp": ["pp"], "dp": ["dp"], "cp": ["cp"], "dp_cp": ["cp", "dp"]}
+    layouts.update({"tp_cp": ["tp", "cp"], "model": ["tp", "pp"]})
+    for name in GROUP_NAMES:
+        ctx.groups[name] = None
+        ctx.group_ranks[name] = [rank]
+        if name in layouts:
+            for ranks in grid.groups_varying(layouts[name]):
+                if rank in ranks:
+                    ctx.group_ranks[name] = ranks
+    return ctx
+
+
+def _chunk_keys(state: dict[str, Any]) -> list[str]:
+    numbered = sorted(
+        (k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[len("model") :])
+    )
+    return numbered or (["model"] if "model" in state else [])
+
+
+def _resolve_iteration(load_dir: Path, iteration: int | None) -> tuple[Path, int, bool]:
+    if not load_dir.is_dir():
+        raise GigatronError(f"--load {load_dir}: no such directory; give a checkpoint directory")
+    release = False
+    if iteration is None:
+        tracked = read_tracker(load_dir)
+        if tracked is None:
+            raise GigatronError(
+                f"--load {load_dir}: no {TRACKER_FILENAME} there, so no checkpoint to convert; "
+                "point --load at a directory written with --save (or give --ckpt-step)"
+            )
+        iteration, release = tracked
+    iteration_dir = load_dir / iteration_dir_name(iteration, release)
+    if not iteration_dir.is_dir():
+        raise GigatronError(
+            f"--load {load_dir}: iteration directory {iteration_dir.name} is missing; check "
+            f"{TRACKER_FILENAME} or --ckpt-step"
+        )
+    return iteration_dir, iteration, release
+
+
+def _read_source(iteration_dir: Path) -> tuple[tuple[int, int], dict[tuple[int, int], dict]]:
+    layout = saved_layout(iteration_dir)
+    if layout is None:
+        raise GigatronError(
+            f"{iteration_dir}: holds no mp_rank_* directories; it is not a torch-format checkpoint"
+        )
+    tp, pp = layout
+    states = {}
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            path = iteration_dir / mp_rank_dir_name(tp_rank, pp_rank, pp) / CHECKPOINT_FILENAME
+            if not path.is_file():
+                raise GigatronError(f"{path} is missing; the checkpoint is incomplete")
+            states[(tp_rank, pp_rank)] = safe_load(path)
+    return layout, states
+
+
+def _true_vocab_size(cfg: Any) -> int | None:
+    """The tokenizer's (unpadded) vocabulary, or None when it cannot be built here."""
+    if cfg.model.padded_vocab_size is not None:
+        return None
+    try:
+        from gigatron.training.pretrain import build_run_tokenizer
+
+        return int(build_run_tokenizer(copy.deepcopy(cfg)).vocab_size)
+    except Exception:  # noqa: BLE001 - any failure: fall back to keeping the padded size
+        return cfg.tokenizer.vocab_size
+
+
+def _target_config(cfg: Any, tp: int, pp: int, vp: int | None) -> Any:
+    target = copy.deepcopy(cfg)
+    p = target.parallel
+    p.tensor_model_parallel_size = tp
+    p.pipeline_model_parallel_size = pp
+    p.num_virtual_stages_per_pipeline_rank = vp if vp and vp > 1 else None
+    p.num_layers_per_virtual_pipeline_stage = None
+    # An uneven first/last split belongs to the source pipeline size.
+    p.decoder_first_pipeline_num_layers = None
+    p.decoder_last_pipeline_num_layers = None
+    return target
+
+
+def _check_target(cfg: Any, tp: int, pp: int, vp: int | None) -> None:
+    if tp < 1 or pp < 1 or (vp is not None and vp < 1):
+        raise GigatronError("target sizes must be positive integers")
+    m = cfg.model
+    heads = m.num_attention_heads
+    if heads is not None and heads % tp:
+        raise GigatronError(
+            f"--target-tensor-parallel-size {tp} does not divide the {heads} attention heads; "
+            "pick a divisor of the head count"
+        )
+    groups = getattr(m, "num_query_groups", None)
+    if getattr(m, "group_query_attention", False) and groups and groups % tp:
+        raise GigatronError(
+            f"--target-tensor-parallel-size {tp} does not divide the {groups} query groups; "
+            "pick a divisor of --num-query-groups"
+        )
+    if vp and vp > 1 and pp == 1:
+        raise GigatronError(
+            "--target-num-virtual-stages-per-pipeline-rank needs "
+            "--target-pipeline-parallel-size > 1"
+        )
+    stages = pp * (vp or 1)
+    if m.num_layers % stages:
+        raise GigatronError(
+            f"the model's {m.num_layers} layers do not split evenly over pipeline size {pp}"
+            + (f" x {vp} virtual stages" if vp and vp > 1 else "")
+            + "; pick sizes whose product divides the layer count"
+        )
+
+
+def _build_rank_model(cfg: Any, grid: Grid, rank: int, vocab: int | None) -> list[Any]:
+    from gigatron.models import build_model
+
+    try:
+        return build_model(cfg, offline_context(grid, rank, "meta"), vocab_size=vocab)
+    except GigatronError:
+        raise
+    except Exception:  # noqa: BLE001 - initialisation may not run on meta tensors: use the CPU
+        return build_model(cfg, offline_context(grid, rank, "cpu"), vocab_size=vocab)
+
+
+def _resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Drop or add padding rows (added rows are zeros; they hold no real token)."""
+    if tensor.shape[0] == rows:
+        return tensor
+    if tensor.shape[0] > rows:
+        return tensor[:rows].clone()
+    pad = torch.zeros((rows - tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)
+    return torch.cat([tensor, pad], 0)
+
+
+def convert_checkpoint(
+    load_dir: str | Path,
+    save_dir: str | Path,
+    target_tp: int,
+    target_pp: int,
+    iteration: int | None = None,
+    target_vp: int | None = None,
+    log: Any = None,
+) -> Path:
+    """Write the model weights of `load_dir`'s checkpoint (latest, or `iteration`) to `save_dir`
+    split for tensor-parallel `target_tp`, pipeline-parallel `target_pp` (and `target_vp` virtual
+    stages per rank). Returns the new iteration directory."""
+    from gigatron.config import config_from_dict
+
+    say = log or (lambda text: None)
+    load_dir, save_dir = Path(load_dir), Path(save_dir)
+    iteration_dir, iteration, release = _resolve_iteration(load_dir, iteration)
+    if save_dir.resolve() == load_dir.resolve():
+        raise GigatronError(f"--save {save_dir}: is the --load directory; give a new directory")
+    final = save_dir / iteration_dir_name(iteration, release)
+    if final.exists():
+        raise GigatronError(
+            f"--save {save_dir}: already holds {final.name}; give a new directory or remove it"
+        )
+    (src_tp, src_pp), states = _read_source(iteration_dir)
+    first = states[(0, 0)]
+    args = first.get("args")
+    if isinstance(args, argparse.Namespace):
+        raise GigatronError(
+            f"{iteration_dir}: was written by Megatron-LM (flat argparse arguments); only "
+            "gigatron checkpoints can be converted"
+        )
+    if not isinstance(args, dict) or not args:
+        raise GigatronError(f"{iteration_dir}: holds no saved configuration ('args')")
+    cfg = config_from_dict(args, source=f"{iteration_dir} args")
+    if (cfg.parallel.expert_model_parallel_size or 1) > 1:
+        raise GigatronError(
+            f"{iteration_dir}: was saved with expert-parallel size "
+            f"{cfg.parallel.expert_model_parallel_size}; converting expert-parallel checkpoints "
+            "is not supported (train with --expert-model-parallel-size 1 to convert)"
+        )
+    _check_target(cfg, target_tp, target_pp, target_vp)
+    say(
+        f"converting {iteration_dir} (tensor-parallel {src_tp}, pipeline-parallel {src_pp}) to "
+        f"tensor-parallel {target_tp}, pipeline-parallel {target_pp}"
+        + (f", {target_vp} virtual stages per rank" if target_vp and target_vp > 1 else "")
+    )
+
+    # Full tensors: merge every name over the source tp ranks (partition info from the model).
+    target_cfg = _target_config(cfg, target_tp, target_pp, target_vp)
+    vocab = _true_vocab_size(cfg)
+    target_grid = Grid(tp=target_tp, pp=target_pp)
+    target_models = {
+        rank: _build_rank_model(target_cfg, target_grid, rank, vocab)
+        for rank in range(target_grid.world_size)
+    }
+    attributes: dict[str, tuple[int, int]] = {}
+    for chunks in target_models.values():
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if getattr(param, "tensor_model_parallel", False):
+                    attributes[name] = (param.partition_dim, param.partition_stride)
+    if WORD_EMBEDDING in attributes:
+        attributes.setdefault(OUTPUT_WEIGHT, attributes[WORD_EMBEDDING])
+
+    full: dict[str, torch.Tensor] = {}
+    for pp_rank in range(src_pp):
+        for key in _chunk_keys(states[(0, pp_rank)]):
+            for name in states[(0, pp_rank)][key]:
+                parts = [states[(tp_rank, pp_rank)][key][name] for tp_rank in range(src_tp)]
+                if name in full:
+                    raise GigatronError(f"{iteration_dir}: parameter {name} appears twice")
+                dim, stride = attributes.get(name, (-1, 1))
+                full[name] = merge_partitions(parts, dim, stride) if dim >= 0 else parts[0]
+    del states
+
+    tied = not getattr(cfg.model, "untie_embeddings_and_output_weights", False)
+    used: set[str] = set()
+    written = 0
+    tmp = save_dir / (final.name + TMP_SUFFIX)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    target_args = config_as_dict(target_cfg)
+    for rank, chunks in target_models.items():
+        coords = target_grid.coords_of(rank)
+        state: dict[str, Any] = {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            "args": target_args,
+        }
+        state.update({k: first[k] for k in CARRIED_KEYS if k in first})
+        keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+        for key, chunk in zip(keys, chunks):
+            model_state = {}
+            for name, expected in chunk.state_dict(keep_vars=True).items():
+                source_name = name
+                if name not in full and name == OUTPUT_WEIGHT and tied and WORD_EMBEDDING in full:
+                    source_name = WORD_EMBEDDING  # pp = 1 source: the output layer is the embedding
+                if source_name not in full:
+                    raise GigatronError(
+                        f"{iteration_dir}: has no '{name}', which the target layout needs; "
+                        "the checkpoint does not match its saved configuration"
+                    )
+                used.add(source_name)
+                tensor = full[source_name]
+                dim, stride = attributes.get(name, (-1, 1))
+                if name in (WORD_EMBEDDING, OUTPUT_WEIGHT):
+                    tensor = _resize_vocab(tensor, expected.shape[0] * target_tp)
+                if dim >= 0:
+                    tensor = slice_for_rank(tensor, dim, stride, coords["tp"], target_tp)
+                if tuple(tensor.shape) != tuple(expected.shape):
+                    raise GigatronError(
+                        f"{iteration_dir}: '{name}' has shape {tuple(tensor.shape)} for target "
+                        f"rank tp {coords['tp']} pp {coords['pp']}, expected "
+                        f"{tuple(expected.shape)}; the checkpoint does not match its config"
+                    )
+                model_state[name] = tensor.clone().contiguous()
+            state[key] = model_state
+        path = tmp / mp_rank_dir_name(coords["tp"], coords["pp"], target_pp) / CHECKPOINT_FILENAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+        written += 1
+    unused = sorted(set(full) - used - ({OUTPUT_WEIGHT} if tied else set()))
+    if unused:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise GigatronError(
+            f"{iteration_dir}: holds parameters the target model has no place for: "
+            f"{', '.join(unused[:5])}; the checkpoint does not match its saved configuration"
+        )
+    os.replace(tmp, final)
+    tracker_tmp = save_dir / (TRACKER_FILENAME + TMP_SUFFIX)
+    tracker_tmp.write_text("release\n" if release else f"{iteration}\n")
+    os.replace(tracker_tmp, save_dir / TRACKER_FILENAME)
+    say(f"wrote {written} file(s) to {final}")
+    return final
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gigatron convert-checkpoint",
+        description="Re-split a torch-format checkpoint for another tensor/pipeline-parallel "
+        "layout (model weights only; optimizer and random states are dropped).",
+    )
+    parser.add_argument("--load", required=True, help="checkpoint directory to read")
+    parser.add_argument("--save", required=True, help="new directory to write")
+    parser.add_argument("--target-tensor-parallel-size", type=int, required=True)
+    parser.add_argument("--target-pipeline-parallel-size", type=int, required=True)
+    parser.add_argument(
+        "--target-num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        help="virtual pipeline stages per rank in the target (default: none)",
+    )
+    parser.add_argument(
+        "--ckpt-step", type=int, default=None, help="iteration to convert (default: the latest)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """`gigatron convert-checkpoint --load DIR --save NEW_DIR --target-... N ...`."""
+    args = _parser().parse_args(list(argv))
+    final = convert_checkpoint(
+        args.load,
+        args.save,
+        args.target_tensor_parallel_size,
+        args.target_pipeline_parallel_size,
+        iteration=args.ckpt_step,
+        target_vp=args.target_num_virtual_stages_per_pipeline_rank,
+        log=lambda text: print(text, flush=True),
+    )
+    print(
+        f"done: {final} holds model weights only (optimizer, learning-rate schedule and random "
+        "states were dropped); load it with --no-load-optim --no-load-rng, or with --finetune",
+        file=sys.stdout,
+        flush=True,
+    )
+    return 0
