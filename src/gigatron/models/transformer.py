@@ -342,9 +342,11 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)
         seq, batch = qkv.shape[:2]
         qkv = qkv.view(seq, batch, self.groups, self.heads_per_group + 2, self.kv_channels)
-        q = qkv[:, :, :, : self.heads_per_group].reshape(seq, batch, self.heads, self.kv_channels)
-        k = qkv[:, :, :, self.heads_per_group]
-        v = qkv[:, :, :, self.heads_per_group + 1]
+        # split (not indexing): its backward is one concatenation, where three slices would each
+        # allocate and fill a zero tensor of the whole qkv shape.
+        q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(seq, batch, self.heads, self.kv_channels)
+        k, v = k.squeeze(3), v.squeeze(3)
         if rotary is not None:
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
