@@ -20,7 +20,7 @@ import torch
 from gigatron.config.root import GigatronConfig
 from gigatron.models import build_model
 from gigatron.optim import build_optimizer
-from gigatron.optim.distributed_optimizer import memory_bytes_per_rank
+from gigatron.optim.memory import memory_bytes_per_rank
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.data_parallel import DistributedDataParallel
 

@@ -27,7 +27,8 @@ from test_data_parallel import (
 from gigatron.checkpoint.torch_format import load_checkpoint, save_checkpoint
 from gigatron.models import build_model
 from gigatron.optim import build_optimizer
-from gigatron.optim.distributed_optimizer import DistributedOptimizer, memory_bytes_per_rank
+from gigatron.optim.distributed_optimizer import DistributedOptimizer
+from gigatron.optim.memory import memory_bytes_per_rank
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.data_parallel import DistributedDataParallel
 

@@ -182,7 +182,7 @@ MEGATRON_PLAIN_BYTES = {"fp16": 20, "bf16": 18, "fp32": 16}
 def _train_mlp(precision: str, distributed: bool, steps: int = 3):
     from gigatron.config.root import GigatronConfig
     from gigatron.optim import build_optimizer
-    from gigatron.optim.distributed_optimizer import memory_bytes_per_rank
+    from gigatron.optim.memory import memory_bytes_per_rank
 
     cfg = GigatronConfig()
     cfg.parallel.use_distributed_optimizer = distributed

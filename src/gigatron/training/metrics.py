@@ -14,13 +14,13 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gigatron.optim.memory import memory_bytes_per_rank
 from gigatron.parallel.context import ParallelContext
 
 
@@ -232,66 +232,14 @@ def _open_wandb(project: str, name: str | None, warn) -> Any:
 
 
 # ---- sizes of what a rank holds ------------------------------------------------------------
-def _storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = None) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen: set[int] = set(exclude or ())
-    total = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in seen or storage.nbytes() == 0:
-            continue
-        seen.add(key)
-        total += storage.nbytes()
-    return total
-
-
-def _storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors}
-
-
-def _tensors_in(obj: Any, depth: int = 0, visited: set[int] | None = None) -> list[torch.Tensor]:
-    """Every tensor reachable from an optimizer object (its state dicts, lists, attributes)."""
-    visited = visited if visited is not None else set()
-    if id(obj) in visited or depth > 6:
-        return []
-    visited.add(id(obj))
-    if torch.is_tensor(obj):
-        return [obj]
-    found: list[torch.Tensor] = []
-    if isinstance(obj, dict):
-        items: Iterable[Any] = list(obj.values()) + [k for k in obj if torch.is_tensor(k)]
-    elif isinstance(obj, (list, tuple, set)):
-        items = obj
-    elif isinstance(obj, torch.optim.Optimizer):
-        items = [obj.state, obj.param_groups]
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
-        items = vars(obj).values()
-    else:
-        return []
-    for item in items:
-        found.extend(_tensors_in(item, depth + 1, visited))
-    return found
-
-
 def memory_footprint(model_chunks: list[nn.Module], optimizer: Any) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state, measured from the
-    tensors' storages (fp32 main copies of bf16/fp16 parameters count as optimizer state)."""
-    params = [p for chunk in model_chunks for p in chunk.parameters()]
-    grads = []
-    for p in params:
-        grad = getattr(p, "main_grad", None)
-        if grad is None:
-            grad = p.grad
-        if grad is not None:
-            grads.append(grad)
-    param_keys = _storage_keys(params)
-    grad_keys = _storage_keys(grads)
-    state = [t for t in _tensors_in(optimizer) if t.untyped_storage().nbytes() > 0]
+    """Bytes this rank holds for parameters, gradients and optimizer state (fp32 main copies of
+    bf16/fp16 parameters count as optimizer state), under the start-up record's key names."""
+    sizes = memory_bytes_per_rank(model_chunks, optimizer)
     return {
-        "parameter_bytes": _storage_bytes(params),
-        "gradient_bytes": _storage_bytes(grads, exclude=param_keys),
-        "optimizer_state_bytes": _storage_bytes(state, exclude=param_keys | grad_keys),
+        "parameter_bytes": sizes["params"],
+        "gradient_bytes": sizes["grads"],
+        "optimizer_state_bytes": sizes["optimizer_state"],
     }
 
 
