@@ -29,8 +29,8 @@ from gigatron.checkpoint.torch_format import (
     TRACKER_FILENAME,
     config_as_dict,
     iteration_dir_name,
+    locate_iteration,
     mp_rank_dir_name,
-    read_tracker,
     safe_load,
     saved_layout,
 )
@@ -75,22 +75,13 @@ def _chunk_keys(state: dict[str, Any]) -> list[str]:
 def _resolve_iteration(load_dir: Path, iteration: int | None) -> tuple[Path, int, bool]:
     if not load_dir.is_dir():
         raise GigatronError(f"--load {load_dir}: no such directory; give a checkpoint directory")
-    release = False
-    if iteration is None:
-        tracked = read_tracker(load_dir)
-        if tracked is None:
-            raise GigatronError(
-                f"--load {load_dir}: no {TRACKER_FILENAME} there, so no checkpoint to convert; "
-                "point --load at a directory written with --save (or give --ckpt-step)"
-            )
-        iteration, release = tracked
-    iteration_dir = load_dir / iteration_dir_name(iteration, release)
-    if not iteration_dir.is_dir():
+    located = locate_iteration(load_dir, iteration)
+    if located is None:
         raise GigatronError(
-            f"--load {load_dir}: iteration directory {iteration_dir.name} is missing; check "
-            f"{TRACKER_FILENAME} or --ckpt-step"
+            f"--load {load_dir}: no {TRACKER_FILENAME} there, so no checkpoint to convert; "
+            "point --load at a directory written with --save (or give --ckpt-step)"
         )
-    return iteration_dir, iteration, release
+    return located
 
 
 def _read_source(iteration_dir: Path) -> tuple[tuple[int, int], dict[tuple[int, int], dict]]:

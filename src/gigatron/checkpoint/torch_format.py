@@ -366,6 +366,24 @@ def _load_model(state: dict[str, Any], model_chunks: list[nn.Module], path: Path
             ) from None
 
 
+def locate_iteration(load_dir: Path, iteration: int | None = None) -> tuple[Path, int, bool] | None:
+    """(iteration directory, iteration, is release) to load: `iteration` if given, else the one
+    the tracker file names; None when neither exists. A named directory that is missing raises."""
+    release = False
+    if iteration is None:
+        tracked = read_tracker(load_dir) if load_dir.is_dir() else None
+        if tracked is None:
+            return None
+        iteration, release = tracked
+    iteration_dir = load_dir / iteration_dir_name(iteration, release)
+    if not iteration_dir.is_dir():
+        raise GigatronError(
+            f"--load {load_dir}: iteration directory {iteration_dir.name} is missing; check "
+            f"{TRACKER_FILENAME} or --ckpt-step"
+        )
+    return iteration_dir, iteration, release
+
+
 def load_checkpoint(
     load_dir: str | Path,
     model_chunks: list[nn.Module],
@@ -400,23 +418,14 @@ def load_checkpoint(
         "path": None,
         "release": False,
     }
-    tracked = read_tracker(load_dir) if load_dir.is_dir() else None
-    release = False
-    if iteration is None:
-        if tracked is None:
-            warnings.warn(
-                f"--load {load_dir}: no {TRACKER_FILENAME} there; starting from scratch at "
-                "iteration 0",
-                stacklevel=2,
-            )
-            return result
-        iteration, release = tracked
-    iteration_dir = load_dir / iteration_dir_name(iteration, release)
-    if not iteration_dir.is_dir():
-        raise GigatronError(
-            f"--load {load_dir}: iteration directory {iteration_dir.name} is missing; check "
-            f"{TRACKER_FILENAME} or --ckpt-step"
+    located = locate_iteration(load_dir, iteration)
+    if located is None:
+        warnings.warn(
+            f"--load {load_dir}: no {TRACKER_FILENAME} there; starting from scratch at iteration 0",
+            stacklevel=2,
         )
+        return result
+    iteration_dir, iteration, release = located
 
     layout = saved_layout(iteration_dir)
     if layout is None:
