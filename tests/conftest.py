@@ -1,4 +1,5 @@
-"""Shared test fixtures: paths to the real data files in ../shared/data."""
+"""Shared test fixtures: paths to the real data files in tests/data (sources and licenses in its
+README.md); GIGATRON_SHARED_DATA may point elsewhere."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("GIGATRON_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+SHARED_DATA = Path(os.environ.get("GIGATRON_SHARED_DATA", REPO_ROOT / "tests" / "data"))
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
