@@ -62,12 +62,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gigatron: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, function_name = COMMANDS[name][0].split(":")
+    from gigatron.console import one_line_warnings
+    from gigatron.faults import report_error
+
     try:
-        function = getattr(importlib.import_module(module_name), function_name)
-        return int(function(rest) or 0)
+        with one_line_warnings():
+            function = getattr(importlib.import_module(module_name), function_name)
+            return int(function(rest) or 0)
     except GigatronError as error:
-        print(f"gigatron {name}: error: {error}", file=sys.stderr)
-        return 2
+        # Under torchrun every rank may hit the same error: it is printed once.
+        return report_error(
+            name,
+            str(error),
+            exit_code=getattr(error, "exit_code", 2),
+            report_key=getattr(error, "report_key", None),
+        )
     except KeyboardInterrupt:
         print(f"gigatron {name}: interrupted", file=sys.stderr)
         return 130

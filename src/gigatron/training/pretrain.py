@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from gigatron.config import GigatronConfig, parse_config, validate_config
 from gigatron.errors import GigatronError
+from gigatron.faults import name_distributed_failures
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.schedules import ScheduleConfig
 from gigatron.training.flops import device_peak_flops, precision_name
@@ -289,7 +290,8 @@ def pretrain(
             startup_record=startup_record,
             evaluate_on_early_exit=evaluate_on_early_exit,
         )
-        result = train(run)
+        # A collective that times out or loses its peer is named while the groups still exist.
+        result = name_distributed_failures(train, run)
         return result, ([m.module for m in model] if keep_model else None)
     finally:
         if metrics is not None:
