@@ -280,3 +280,24 @@ def test_null_tokenizer_ids_out_of_range(tmp_path, capsys):
     assert "skipped invalid:  2" in capsys.readouterr().out
     dataset = IndexedDataset(tmp_path / "n_text_document")
     assert [s.tolist() for s in dataset[:]] == [[1, 2, 3, 9], [5, 9]]
+
+
+def test_output_directories_are_created_and_empty_input_warns(tmp_path, shared_data):
+    """`--output-prefix data/corpus` works when data/ does not exist yet; an input without
+    documents says so in one line and in the report."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n')
+    prefix = tmp_path / "new" / "deeper" / "corpus"
+    result = gigatron(
+        "preprocess", "--input", str(empty), "--output-prefix", str(prefix), "--workers", "1",
+        *gpt2_flags(shared_data),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert IndexedDataset(f"{prefix}_text_document").__len__() == 0
+    assert "documents:        0" in result.stdout
+    warning = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert warning == [
+        f"warning: --input {empty}: no documents found (1 empty, 0 invalid); the datasets "
+        "written are empty and cannot be trained on"
+    ]
+    assert "UserWarning" not in result.stderr and "warnings.warn" not in result.stderr

@@ -52,13 +52,25 @@ def test_all_problems_reported_together():
                 "4",
                 "--fp16",
                 "--bf16",
-                "--sequence-parallel",
+                "--split",
+                "90,x,10",
             ]
         )
     message = str(info.value)
     assert "--fp16 and --bf16" in message
     assert "--hidden-size 65 is not divisible by --num-attention-heads 4" in message
-    assert "--sequence-parallel needs --tensor-model-parallel-size > 1" in message
+    assert "--split '90,x,10': 'x' is not a non-negative number" in message
+
+
+def test_sequence_parallel_without_tensor_parallel_is_turned_off_with_a_warning():
+    """Megatron's rule, so that one script runs at any tensor-parallel size."""
+    with pytest.warns(UserWarning, match="--sequence-parallel needs --tensor-model-parallel"):
+        cfg = parse_config([*BASE, "--sequence-parallel"], world_size=2)
+    assert cfg.parallel.sequence_parallel is False
+    cfg = parse_config(
+        [*BASE, "--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=2
+    )
+    assert cfg.parallel.sequence_parallel is True
 
 
 def test_world_size_arithmetic_is_shown():

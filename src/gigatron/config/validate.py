@@ -5,6 +5,9 @@ Each rule that fails adds one line naming the flags and the fix; all lines are r
 
 from __future__ import annotations
 
+import warnings
+
+from gigatron.config.refusals import refused_settings
 from gigatron.config.root import GigatronConfig
 from gigatron.errors import GigatronError
 
@@ -41,6 +44,12 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         m.kv_channels = m.hidden_size // m.num_attention_heads
     if not m.group_query_attention and m.num_attention_heads:
         m.num_query_groups = m.num_attention_heads
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        # Megatron's rule: the same script runs at any tensor-parallel size.
+        p.sequence_parallel = False
+        warnings.warn(
+            "--sequence-parallel needs --tensor-model-parallel-size > 1; turned off", stacklevel=2
+        )
     if m.max_position_embeddings is None and m.seq_length is not None:
         m.max_position_embeddings = m.seq_length
     if world_size is not None and t.micro_batch_size is not None and t.global_batch_size is None:
@@ -146,8 +155,19 @@ def validate_config(
     ):
         if not 0.0 <= value < 1.0:
             problems.append(f"{flag} {value} must lie in [0, 1)")
-    if p.sequence_parallel and tp == 1:
-        problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if cfg.data.split is not None:
+        from gigatron.data.gpt_dataset import parse_split
+
+        try:
+            parse_split(cfg.data.split)
+        except GigatronError as error:
+            problems.append(str(error))
+    if cfg.data.reset_attention_mask and not cfg.data.create_attention_mask_in_dataloader:
+        problems.append(
+            "--reset-attention-mask needs the mask the data loader builds; drop "
+            "--no-create-attention-mask-in-dataloader"
+        )
+    problems.extend(refused_settings(cfg))
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         problems.append(
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"

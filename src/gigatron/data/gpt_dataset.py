@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import warnings
@@ -38,14 +39,28 @@ Bookend = tuple[float, float] | None
 
 
 def parse_split(split: str) -> list[float]:
-    """'969,30,1' -> [0.969, 0.03, 0.001]: numbers, right-padded with 0 to three, normalised."""
-    values = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    values += [0.0] * (3 - len(values))
-    if len(values) != 3 or sum(values) <= 0:
+    """'969,30,1' -> [0.969, 0.03, 0.001]: up to three numbers separated by ',' (or '/'),
+    right-padded with 0 to three, normalised. Anything else is refused (Megatron-Core would
+    read '90,x,10' as 90,10 and silently give the test share to validation)."""
+    pieces = [piece.strip() for piece in re.split(r"[,/]", split)]
+    values = []
+    for piece in pieces:
+        try:
+            value = float(piece)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or value < 0:
+            raise GigatronError(
+                f"--split {split!r}: {piece!r} is not a non-negative number; give up to three "
+                "proportions separated by commas, e.g. --split 969,30,1"
+            )
+        values.append(value)
+    if len(values) > 3 or sum(values) <= 0:
         raise GigatronError(
             f"--split {split!r}: give up to three non-negative proportions with a positive sum, "
             "e.g. --split 969,30,1"
         )
+    values += [0.0] * (3 - len(values))
     total = sum(values)
     return [x / total for x in values]
 
@@ -83,7 +98,27 @@ def parse_blend(values: list[str] | None, flag: str) -> tuple[list[str], list[fl
             f"{flag} {' '.join(items)}: mixes numbers and paths; give 'weight prefix' pairs "
             "(e.g. 0.3 data/a_text_document 0.7 data/b_text_document) or prefixes only"
         )
+    _check_no_bad_weight(items, flag)
     return items, None
+
+
+def _check_no_bad_weight(items: list[str], flag: str) -> None:
+    """Prefixes only, e.g. 'abc data/x': when every second item is a dataset but an item before
+    one is not, that item was meant as a weight and is not a number."""
+    from gigatron.data.indexed import dataset_exists
+
+    if len(items) % 2:
+        return
+    weights, prefixes = items[0::2], items[1::2]
+    if not all(dataset_exists(prefix) for prefix in prefixes):
+        return
+    for weight in weights:
+        if not dataset_exists(weight):
+            raise GigatronError(
+                f"{flag} {' '.join(items)}: blend weight {weight!r} is not a number (nor a "
+                "dataset prefix); give 'weight prefix' pairs with numeric weights, e.g. "
+                "0.3 data/a_text_document 0.7 data/b_text_document"
+            )
 
 
 def _is_number(text: str) -> bool:
@@ -156,6 +191,10 @@ class GPTDatasetOptions:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    # --no-create-attention-mask-in-dataloader: never build a mask here (the model's causal mask
+    # is used). gigatron builds one only when --reset-attention-mask needs it, which validation
+    # does not allow together with this.
+    create_attention_mask: bool = True
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, **kwargs: Any) -> GPTDatasetOptions:
@@ -323,11 +362,11 @@ def make_sample(text: np.ndarray, real: int, options: GPTDatasetOptions) -> dict
         segment_start = np.maximum.accumulate(segment_start)
         if options.reset_position_ids:
             sample["position_ids"] = positions - segment_start
-        if options.reset_attention_mask:
+        if options.reset_attention_mask and options.create_attention_mask:
             keys = positions[None, :]
             allowed = (keys <= positions[:, None]) & (keys >= segment_start[:, None])
             sample["attention_mask"] = ~allowed[None]
-    elif options.reset_attention_mask:
+    elif options.reset_attention_mask and options.create_attention_mask:
         sample["attention_mask"] = ~np.tri(seq, dtype=bool)[None]
     # Padding is masked by position, not by value, so a pad id that also occurs in the text
     # (a pad equal to eod, say) keeps its loss.
@@ -347,11 +386,12 @@ def default_cache_dir(prefix: str) -> str:
 
 
 def _open_indexed(prefix: str, flag: str) -> Any:
-    from gigatron.data.indexed import IndexedDataset, dataset_exists
+    from gigatron.data.indexed import IndexedDataset, missing_files
 
-    if not dataset_exists(prefix):
+    missing = missing_files(prefix)
+    if missing:
         raise GigatronError(
-            f"{flag} {prefix}: {prefix}.bin and {prefix}.idx not found; give the prefix without "
+            f"{flag} {prefix}: {' and '.join(missing)} not found; give the prefix without "
             "extension of a dataset written by `gigatron preprocess`"
         )
     return IndexedDataset(prefix)
@@ -375,6 +415,7 @@ class _Builder:
             eod_mask_loss=bool(data.eod_mask_loss),
             reset_position_ids=bool(data.reset_position_ids),
             reset_attention_mask=bool(data.reset_attention_mask),
+            create_attention_mask=bool(data.create_attention_mask_in_dataloader),
         )
 
     def options(self, split: str | None, matrix: list[Bookend]) -> GPTDatasetOptions:

@@ -54,9 +54,15 @@ class MetricsLogger:
         wandb_exp_name: str | None = None,
         progress_bar: bool | None = None,
         stream: Any = None,
+        log_throughput: bool = False,
+        timing_log_level: int = 0,
     ) -> None:
         self.path = path
         self.pctx = pctx
+        # --log-throughput: the log line also shows model TFLOP/s per GPU (Megatron's figure).
+        self.log_throughput = log_throughput
+        # --timing-log-level 1: a line of phase timers after each log line.
+        self.timing_log_level = timing_log_level
         self.is_writer = pctx.rank == pctx.world_size - 1
         self.stream = stream or sys.stdout
         self._file = None
@@ -143,7 +149,13 @@ class MetricsLogger:
                 f"loss {loss:.4f} lr {record.get('lr', 0):.2e}" if loss is not None else ""
             )
         else:
-            self.message(format_log_line(record, train_iters))
+            self.message(
+                format_log_line(
+                    record, train_iters, self.log_throughput, world_size=self.pctx.world_size
+                )
+            )
+        if self.timing_log_level >= 1:
+            self.message(format_timers_line(record))
 
     def log_evaluation(self, record: dict[str, Any]) -> None:
         self.write({"type": "eval", **record})
@@ -184,8 +196,14 @@ class MetricsLogger:
             self._file = None
 
 
-def format_log_line(record: dict[str, Any], train_iters: int | None) -> str:
-    """Megatron-style `iteration  N/ M | ... |` line."""
+def format_log_line(
+    record: dict[str, Any],
+    train_iters: int | None,
+    log_throughput: bool = False,
+    world_size: int = 1,
+) -> str:
+    """Megatron-style `iteration  N/ M | ... |` line; `log_throughput` adds the model TFLOP/s
+    per GPU (per process on CPU)."""
     total = train_iters if train_iters is not None else "?"
     parts = [f" iteration {record['iteration']:8d}/{total:>8}"]
 
@@ -195,6 +213,10 @@ def format_log_line(record: dict[str, Any], train_iters: int | None) -> str:
 
     add("consumed samples", "consumed_samples", "12d")
     parts.append(f"elapsed time per iteration (ms): {1000 * record['iteration_time_s']:.1f}")
+    if log_throughput:
+        total = record.get("tflops_per_s")
+        per_gpu = "n/a" if total is None else f"{total / max(world_size, 1):.1f}"
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {per_gpu}")
     add("tokens/s", "tokens_per_s", ".1f")
     mfu_value = record.get("mfu")
     parts.append("MFU: n/a" if mfu_value is None else f"MFU: {100 * mfu_value:.1f}%")
@@ -205,6 +227,17 @@ def format_log_line(record: dict[str, Any], train_iters: int | None) -> str:
     add("grad norm", "grad_norm", ".3f")
     add("number of skipped iterations", "skipped_iterations", "3d")
     return " | ".join(parts) + " |"
+
+
+def format_timers_line(record: dict[str, Any]) -> str:
+    """The phase timers of a train record (`time_<name>_ms`), summed over the log interval."""
+    timers = [
+        (key[len("time_") : -len("_ms")], value)
+        for key, value in record.items()
+        if key.startswith("time_") and key.endswith("_ms") and value is not None
+    ]
+    shown = " | ".join(f"{name}: {value:.1f}" for name, value in timers) or "none yet"
+    return f" time in the last log interval (ms): {shown} |"
 
 
 def _open_tensorboard(directory: str, warn) -> Any:

@@ -150,7 +150,7 @@ def pretrain(
     """Run pretraining for a validated config. Returns the result and, with `keep_model`, the
     unwrapped model chunks (quickstart samples from them); otherwise None.
     `evaluate_on_early_exit` validates once more when an exit condition stops the run."""
-    from gigatron.checkpoint.torch_format import load_checkpoint, save_checkpoint
+    from gigatron.checkpoint.torch_format import load_checkpoint, loaded_message, save_checkpoint
     from gigatron.data.gpt_dataset import build_gpt_datasets
     from gigatron.data.loader import build_data_iterator
     from gigatron.models import build_model
@@ -225,7 +225,11 @@ def pretrain(
             wandb_exp_name=cfg.logging.wandb_exp_name,
             progress_bar=False if cfg.logging.no_progress_bar else progress_bar,
             stream=stream,
+            log_throughput=cfg.logging.log_throughput,
+            timing_log_level=cfg.logging.timing_log_level,
         )
+        if ckpt.load and loaded["loaded"]:
+            metrics.message(loaded_message(ckpt.load, loaded))
         precision = precision_name(t.bf16, t.fp16)
 
         start_iteration = state.iteration

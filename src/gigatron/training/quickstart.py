@@ -29,8 +29,10 @@ from gigatron.errors import GigatronError
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron quickstart",
         description="Train a small GPT on a corpus shipped with Python, end to end, on CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--output-dir", default="quickstart-run", help="where everything goes")
     parser.add_argument("--iterations", type=int, default=800, help="training iterations")
