@@ -123,7 +123,7 @@ def test_refusals_name_real_fields_and_are_enforced():
         "timing_log_level": ["--timing-log-level", "2"],
     }
     assert set(cases) == set(REFUSALS), "give every refusal a refused example here"
-    for name, flags in cases.items():
+    for flags in cases.values():
         with pytest.raises(GigatronError, match=re.escape(f"{flags[0]} {flags[1]}: ")):
             parse_config(flags)
 

@@ -26,8 +26,8 @@ import numpy as np
 
 from gigatron.config.fields import add_dataclass_arguments
 from gigatron.config.tokenizer import TokenizerConfig
-from gigatron.errors import GigatronError
 from gigatron.data.sentences import SPLITTERS, sentence_splitter
+from gigatron.errors import GigatronError
 
 # A chunk (the unit of work sent to a worker) closes at this many bytes or lines: big enough
 # to amortise inter-process transfer and reach the tokenizer's batch speed, small enough to
