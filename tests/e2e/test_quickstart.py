@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from gigatron.training.quickstart import generate
+from gigatron.training.quickstart import generate, log_interval
 
 
 def test_quickstart_tiny(tmp_path):
@@ -43,6 +43,17 @@ def test_quickstart_tiny(tmp_path):
     assert summary["valid_loss_end"] == valid[-1]["lm_loss"]
     assert "sample (top-5 sampling" in result.stdout
     assert "validation loss: " in result.stdout
+    # A smooth training curve: every iteration logged (every few on longer runs) ...
+    logged = [r["iteration"] for r in records if r["type"] == "train"]
+    assert logged == list(range(1, summary["iterations"] + 1))
+    assert log_interval(800) == 4  # the default run: 200 points
+    # ... and the plot says what was trained.
+    (startup,) = [r for r in records if r["type"] == "startup"]
+    millions = startup["parameters"] / 1e6
+    assert summary["plot_title"] == (
+        f"gigatron quickstart: GPT 1 layers x 32 hidden, {millions:.2f}M parameters\n"
+        "seq 32, global batch 16, vocab 300, lr 0.01, 40 iterations"
+    )
 
 
 class _Counter(torch.nn.Module):

@@ -22,6 +22,7 @@ from torch import nn
 
 from gigatron.optim.memory import memory_bytes_per_rank
 from gigatron.parallel.context import ParallelContext
+from gigatron.training.notice import SlowStartNotice
 
 
 def default_metrics_path(metrics_file: str | None, save_dir: str | None) -> str:
@@ -69,6 +70,8 @@ class MetricsLogger:
         self._tensorboard = None
         self._wandb = None
         self._bar = None
+        # Until the first log line, say now and then which iteration is running.
+        self._notice = SlowStartNotice(self.message)
         if not self.is_writer:
             return
         directory = os.path.dirname(os.path.abspath(path))
@@ -126,8 +129,14 @@ class MetricsLogger:
                     )
                 )
 
+    def iteration_started(self, iteration: int) -> None:
+        """Called by the loop before each iteration (see training/notice.py)."""
+        if self.is_writer:
+            self._notice.iteration_started(iteration)
+
     def log_iteration(self, record: dict[str, Any], train_iters: int | None = None) -> None:
         """A training record: metrics.jsonl, TensorBoard, W&B, and a log line or the bar."""
+        self._notice.stop()
         self.write({"type": "train", **record})
         if not self.is_writer:
             return
@@ -182,6 +191,7 @@ class MetricsLogger:
             self._wandb.log(values, step=step)
 
     def close(self) -> None:
+        self._notice.stop()
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -108,6 +108,25 @@ def generate(
     return new
 
 
+# Training points on the loss plot: enough for a smooth curve whatever --iterations is.
+PLOT_POINTS = 200
+
+
+def log_interval(iterations: int) -> int:
+    """Iterations between log lines (and metrics.jsonl records): about PLOT_POINTS in all."""
+    return max(1, iterations // PLOT_POINTS)
+
+
+def plot_title(args: argparse.Namespace, parameters: int | None) -> str:
+    """The run's shape, for the loss plot."""
+    size = f", {parameters / 1e6:.2f}M parameters" if parameters else ""
+    return (
+        f"gigatron quickstart: GPT {args.num_layers} layers x {args.hidden_size} hidden{size}\n"
+        f"seq {args.seq_length}, global batch {args.global_batch_size}, vocab {args.vocab_size}, "
+        f"lr {args.lr:g}, {args.iterations} iterations"
+    )
+
+
 def _step(number: int, text: str) -> None:
     print(f"\n[{number}/6] {text}", flush=True)
 
@@ -116,7 +135,7 @@ def main(argv: Sequence[str]) -> int:
     """`gigatron quickstart [options]`."""
     from gigatron.data import preprocess, train_tokenizer
     from gigatron.data.tokenizers import build_tokenizer
-    from gigatron.training.plot import plot_loss
+    from gigatron.training.plot import plot_loss, read_metrics
     from gigatron.training.pretrain import parse_pretrain_config, pretrain
 
     args = build_parser().parse_args(list(argv))
@@ -185,7 +204,7 @@ def main(argv: Sequence[str]) -> int:
         "--data-path", data_prefix, "--split", "90,10,0", "--num-workers", "0",
         *tokenizer_flags,
         "--eval-interval", str(eval_interval), "--eval-iters", "4", "--eval-at-start",
-        "--log-interval", str(max(1, eval_interval // 2)),
+        "--log-interval", str(log_interval(args.iterations)),
         "--save", checkpoints, "--metrics-file", metrics_path,
         "--exit-duration-in-mins", str(args.minutes), "--seed", str(args.seed),
         "--device", "cpu",
@@ -209,9 +228,12 @@ def main(argv: Sequence[str]) -> int:
     print(args.prompt + tokenizer.detokenize(sample_ids))
 
     _step(6, "plot")
-    png = plot_loss(metrics_path, os.path.join(out, "loss.png"), title="gigatron quickstart")
+    startup = [r for r in read_metrics(metrics_path) if r.get("type") == "startup"]
+    title = plot_title(args, startup[-1].get("parameters") if startup else None)
+    png = plot_loss(metrics_path, os.path.join(out, "loss.png"), title=title)
     valid = sorted(result.valid_losses.items())
     summary = {
+        "plot_title": title,
         "iterations": result.iteration,
         "valid_loss_start": valid[0][1] if valid else None,
         "valid_loss_end": valid[-1][1] if valid else None,
