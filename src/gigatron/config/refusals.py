@@ -8,9 +8,12 @@ flag is either read by the code or listed here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from gigatron.config.fields import flag_name
 
 
 @dataclass(frozen=True)
@@ -42,16 +45,18 @@ REFUSALS: dict[str, Refusal] = {
 
 
 def refused_settings(cfg: Any) -> list[str]:
-    """One line per refused setting in `cfg` (a GigatronConfig)."""
-    from gigatron.config.fields import flag_name
-    from gigatron.config.root import SECTIONS, field_section
-
+    """One line per refused setting in `cfg` (a GigatronConfig: its sections are dataclasses)."""
+    fields = {
+        field.name: (section, field)
+        for section in vars(cfg).values()
+        if dataclasses.is_dataclass(section)
+        for field in dataclasses.fields(section)
+    }
     problems = []
     for name, refusal in REFUSALS.items():
-        section = field_section(name)
-        value = getattr(getattr(cfg, section), name)
+        section, field = fields[name]
+        value = getattr(section, name)
         if refusal.refused(value):
-            field = SECTIONS[section].__dataclass_fields__[name]
             shown = "" if isinstance(value, bool) else f" {value}"
             problems.append(f"{flag_name(field)}{shown}: {refusal.fix}")
     return problems
