@@ -228,11 +228,8 @@ def describe_distributed_failure(
     if ranks is not None:
         parts.append(f"in the group of ranks {ranks}")
         peers = [r for r in ranks if r != rank]
-        owned = store is None
         store = run_store() if store is None else store
         missing = unresponsive_ranks(ranks, rank, store) if store is not None else None
-        if owned and store is not None:
-            del store
         if missing:
             label = "rank" if len(missing) == 1 else "ranks"
             parts.append(
