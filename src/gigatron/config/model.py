@@ -40,12 +40,6 @@ class ModelConfig:
     openai_gelu: bool = flag_field(
         False, "tanh approximation of GeLU (what GPT-2 used; needed to import GPT-2 weights)"
     )
-    bert_binary_head: bool = flag_field(
-        True,
-        "BERT: no sentence-order head (samples are one segment)",
-        flag="--bert-no-binary-head",
-        store_false=True,
-    )
     untie_embeddings_and_output_weights: bool = flag_field(
         False, "give the output layer its own weight instead of the input embedding"
     )
@@ -65,7 +59,7 @@ class ModelConfig:
     )
     bert_binary_head: bool = flag_field(
         True,
-        "drop BERT's sentence-order head (and its loss)",
+        "drop BERT's sentence-order head (and its loss); samples are then one segment",
         flag="--bert-no-binary-head",
         store_false=True,
     )
