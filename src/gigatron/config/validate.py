@@ -169,8 +169,12 @@ def validate_config(
     ):
         if not 0.0 <= value < 1.0:
             problems.append(f"{flag} {value} must lie in [0, 1)")
+    if not 0.0 < cfg.data.mask_prob < 1.0:
+        problems.append(f"--mask-prob {cfg.data.mask_prob} must lie in (0, 1)")
+    if not 0.0 <= cfg.data.short_seq_prob <= 1.0:
+        problems.append(f"--short-seq-prob {cfg.data.short_seq_prob} must lie in [0, 1]")
     if cfg.data.split is not None:
-        from gigatron.data.gpt_dataset import parse_split
+        from gigatron.data.builder import parse_split
 
         try:
             parse_split(cfg.data.split)
