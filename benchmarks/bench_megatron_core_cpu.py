@@ -31,6 +31,7 @@ import operator
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -51,6 +52,7 @@ def gigatron_flags(args: argparse.Namespace) -> list[str]:
         "--hidden-dropout", str(args.dropout), "--lr", "1e-4", "--weight-decay", "0.01",
         "--clip-grad", str(args.clip_grad), "--train-iters", str(args.steps + 1),
         "--eval-iters", "0", "--num-workers", "0", "--log-interval", "1000",
+        "--metrics-file", os.path.join(tempfile.gettempdir(), "bench_megatron_core_cpu.jsonl"),
     ]  # fmt: skip
 
 

@@ -200,3 +200,20 @@ def test_build_reports_other_layouts(shared_data):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     encoding, reason = build_tiktoken_bpe(tokenizer)
     assert encoding is None and "add_prefix_space" in reason
+
+
+def test_a_trained_vocabulary_takes_tiktoken_and_matches(tmp_path, shared_data):
+    """`gigatron train-tokenizer` output (HF's BPE trainer) passes the checks: same ids."""
+    from gigatron.data.train_tokenizer import main as train_tokenizer
+
+    lines = (shared_data / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines()
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("\n".join(lines[:300]) + "\n", encoding="utf-8")
+    out = tmp_path / "tok"
+    argv = ["--input", str(corpus), "--tokenizer-type", "GPT2BPETokenizer"]
+    assert train_tokenizer([*argv, "--vocab-size", "1500", "--output-dir", str(out)]) == 0
+    files = str(out / "vocab.json"), str(out / "merges.txt")
+    fast, reference = GPT2BPETokenizer(*files), GPT2BPETokenizer(*files, backend="hf")
+    assert fast.backend == "tiktoken", fast.backend_reason
+    texts = [json.loads(line)["text"] for line in lines] + EDGE_CASES
+    assert fast.tokenize_batch(texts) == reference.tokenize_batch(texts)

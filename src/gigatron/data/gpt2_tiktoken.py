@@ -20,8 +20,9 @@ merge-based candidates are the adjacent listed pairs; the rank-based ones are th
 state is one merge-BPE reaches. The merges made so far inside the span x·y were each the lowest
 (leftmost) listed pair inside it, i.e. exactly the merges merge-BPE makes on the bytes of t alone;
 so merge-BPE(t) reaches [x, y]. (x, y) is not listed (by 2 only t's own merge makes t), so it
-stops there and returns [x, y], against 3. Hence both see the same candidates with the same order (2), pick the same pair, and
-end together. A piece that is a whole table token t: tiktoken returns [t], merge-BPE too (3).
+stops there and returns [x, y], against 3. Hence both see the same candidates in the same order
+(2), pick the same pair, and end together. A piece that is a whole table token t: tiktoken
+returns [t], merge-BPE too (3).
 """
 
 from __future__ import annotations
