@@ -541,9 +541,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = Progress(
         None if any_gz else sum(os.path.getsize(p) for p in files), args.log_interval
     )
+    backend = getattr(tokenizer, "backend", None)
     print(
         f"preprocess: {len(files)} input file(s), tokenizer {type(tokenizer).__name__} "
-        f"(vocab {tokenizer.vocab_size}, token dtype {dtype}), {args.workers} worker(s)",
+        f"(vocab {tokenizer.vocab_size}, token dtype {dtype}"
+        f"{f', encoded by {backend}' if backend else ''}), {args.workers} worker(s)",
         file=sys.stderr,
     )
     start = time.perf_counter()

@@ -269,9 +269,42 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp_region(out, self.pctx)
 
 
+def _subtract_one_at_labels(grad: torch.Tensor, labels: torch.Tensor, scale) -> torch.Tensor:
+    """grad - onehot(labels) where `scale` is 1 (0 where the label is on another rank), in place."""
+    index = labels.unsqueeze(-1)
+    grad.scatter_add_(-1, index, (-scale).unsqueeze(-1).expand_as(index).to(grad.dtype))
+    return grad
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy over the whole vocabulary (tp = 1), in float32.
+
+    Forward keeps one [..., vocab] tensor, the log-probabilities (torch's fused log_softmax);
+    backward turns it into the gradient in place (exp, minus the one-hot, times the incoming
+    gradient), where torch's cross entropy allocates and fills two more of that size. A second
+    backward through the same graph fails autograd's check on the modified saved tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        loss = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1).neg()
+        ctx.save_for_backward(log_probs, labels)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        log_probs, labels = ctx.saved_tensors
+        grad = _subtract_one_at_labels(log_probs.exp_(), labels, torch.ones_like(grad_loss))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, group, tp_size, vocab_start):
+        logits_dtype = logits.dtype
         logits = logits.float()
         local_vocab = logits.shape[-1]
         max_logits = logits.max(dim=-1).values
@@ -284,7 +317,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logits = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
         target_logits = target_logits.masked_fill(outside, 0.0)
 
-        exp_logits = shifted.exp()
+        # exp, then softmax, in the one [..., vocab/tp] tensor this Function keeps.
+        exp_logits = shifted.exp_()
         sum_exp = exp_logits.sum(dim=-1)
         if tp_size > 1:
             # One all-reduce for both sums (they are independent).
@@ -295,18 +329,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_labels, outside)
+        ctx.logits_dtype = logits_dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_labels, outside = ctx.saved_tensors
-        grad = softmax.clone()
-        # d loss / d logit = softmax - onehot(label); the onehot lives on one rank only.
-        grad.scatter_add_(
-            -1, local_labels.unsqueeze(-1), (outside.to(grad.dtype) - 1.0).unsqueeze(-1)
-        )
+        # d loss / d logit = softmax - onehot(label); the onehot lives on one rank only. The
+        # saved softmax becomes the gradient in place (a second backward fails autograd's check).
+        grad = _subtract_one_at_labels(softmax, local_labels, (~outside).to(softmax.dtype))
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -315,9 +348,7 @@ def vocab_parallel_cross_entropy(
     """Per-token cross entropy (float32) of logits whose last dimension is this rank's slice of
     the vocabulary; only [..]-shaped statistics cross ranks, never the logits."""
     if pctx.tp_size == 1:
-        # The whole vocabulary is here: torch's fused log-softmax + NLL is the same math, faster.
-        flat = logits.float().reshape(-1, logits.shape[-1])
-        return F.cross_entropy(flat, labels.reshape(-1), reduction="none").view(labels.shape)
+        return _CrossEntropy.apply(logits, labels)
     vocab_start = pctx.tp_rank * logits.shape[-1]
     group = pctx.group("tp") if pctx.tp_size > 1 else None
     return _VocabParallelCrossEntropy.apply(logits, labels, group, pctx.tp_size, vocab_start)
