@@ -70,3 +70,9 @@ class ModelConfig:
     recompute_activations: bool = flag_field(
         False, "shorthand for --recompute-granularity selective"
     )
+    mamba_state_dim: int = flag_field(128, "state size of each Mamba head (N)")
+    mamba_head_dim: int = flag_field(64, "channels per Mamba head (P)")
+    mamba_num_groups: int = flag_field(8, "groups sharing the B and C projections of Mamba heads")
+    mamba_num_heads: Optional[int] = flag_field(
+        None, "Mamba heads; default 2 * hidden / --mamba-head-dim"
+    )
