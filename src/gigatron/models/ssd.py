@@ -139,10 +139,20 @@ def causal_depthwise_conv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [b, l, c], weight [c, 1, w] -> SiLU(causal convolution of each channel), [b, l, c]:
-    output t sees inputs t-w+1 .. t (zeros before the start)."""
+    output t sees inputs t-w+1 .. t (zeros before the start).
+
+    Written as w shifted multiply-adds in the [b, l, c] layout: for the short widths Mamba uses
+    this is about twice as fast on CPU as a grouped F.conv1d (forward + backward), and needs no
+    transposes."""
     length, width = x.shape[1], weight.shape[-1]
-    out = F.conv1d(x.transpose(1, 2), weight, bias, padding=width - 1, groups=weight.shape[0])
-    return F.silu(out[..., :length]).transpose(1, 2)
+    padded = F.pad(x, (0, 0, width - 1, 0))
+    taps = weight[:, 0].t()  # [w, c]; tap w-1 multiplies the current step
+    out = padded[:, :length] * taps[0]
+    for k in range(1, width):
+        out = out + padded[:, k : k + length] * taps[k]
+    if bias is not None:
+        out = out + bias
+    return F.silu(out)
 
 
 @functools.cache
