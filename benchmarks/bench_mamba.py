@@ -26,7 +26,8 @@ from torch import nn
 from gigatron.config.root import GigatronConfig
 from gigatron.models.mamba import MambaLayer, MambaSpec
 from gigatron.models.ssd import ssd_chunked_scan, ssd_sequential_scan
-from gigatron.models.transformer import Norm, SelfAttention, TransformerSpec
+from gigatron.models.transformer import Norm, SelfAttention
+from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.random import ModelParallelRNG
 from gigatron.parallel.tensor_parallel import initialize_parameters
@@ -45,7 +46,7 @@ def config(hidden: int) -> GigatronConfig:
 class AttentionLayer(nn.Module):
     """A hybrid stack's attention layer: x + attention(norm(x))."""
 
-    def __init__(self, spec: TransformerSpec, pctx: ParallelContext) -> None:
+    def __init__(self, spec: TransformerConfig, pctx: ParallelContext) -> None:
         super().__init__()
         self.norm = Norm(spec, pctx)
         self.attention = SelfAttention(spec, pctx, 1, ModelParallelRNG(0))
@@ -57,7 +58,7 @@ class AttentionLayer(nn.Module):
 def build_layers(hidden: int) -> tuple[nn.Module, nn.Module]:
     cfg = config(hidden)
     pctx = ParallelContext.single()
-    spec = TransformerSpec.from_config(cfg)
+    spec = TransformerConfig.from_config(cfg)
     mamba = MambaLayer(spec, MambaSpec.from_config(cfg), pctx, 1, ModelParallelRNG(0))
     attention = AttentionLayer(spec, pctx)
     for module in (mamba, attention):

@@ -20,7 +20,7 @@ from gigatron.models.ssd import (
     ssd_chunked_scan,
     ssd_sequential_scan,
 )
-from gigatron.models.transformer import TransformerSpec
+from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import Grid, ParallelContext
 from gigatron.parallel.random import ModelParallelRNG
 from gigatron.parallel.tensor_parallel import (
@@ -141,7 +141,7 @@ def _hf_block(seed: int = 0) -> Mamba2Block:
 
 def _layer(cfg: GigatronConfig, pctx: ParallelContext | None = None) -> MambaLayer:
     pctx = pctx or ParallelContext.single()
-    spec, mamba = TransformerSpec.from_config(cfg), MambaSpec.from_config(cfg)
+    spec, mamba = TransformerConfig.from_config(cfg), MambaSpec.from_config(cfg)
     layer = MambaLayer(spec, mamba, pctx, 1, ModelParallelRNG(0))
     initialize_parameters(layer, 1234, pctx.tp_rank, pctx.tp_size)
     return layer

@@ -117,3 +117,23 @@ def resolve_pattern(
                 f"({allocated}); drop the ratios or change the pattern"
             )
     return pattern
+
+
+def refuse_hybrid_flags(cfg, family: str) -> None:
+    """For families without hybrid stacks: the hybrid flags would be silently ignored."""
+    m = cfg.model
+    given = [
+        flag
+        for value, flag in (
+            (m.hybrid_layer_pattern is not None, "--hybrid-layer-pattern"),
+            (m.hybrid_override_pattern is not None, "--hybrid-override-pattern"),
+            (m.hybrid_attention_ratio != 0.0, "--hybrid-attention-ratio"),
+            (m.hybrid_mlp_ratio != 0.0, "--hybrid-mlp-ratio"),
+        )
+        if value
+    ]
+    if given:
+        raise GigatronError(
+            f"{', '.join(given)}: the {family} family has no hybrid layers; "
+            "use `gigatron pretrain mamba` for hybrid Mamba-Transformer stacks"
+        )

@@ -30,7 +30,8 @@ from torch import nn
 
 from gigatron.errors import GigatronError
 from gigatron.models.ssd import causal_depthwise_conv, kernels_for, ssd_chunked_scan
-from gigatron.models.transformer import Norm, TransformerSpec
+from gigatron.models.transformer import Norm
+from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.random import ModelParallelRNG
 from gigatron.parallel.tensor_parallel import (
@@ -121,13 +122,13 @@ def _a_log(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
 
 def _parameter(
     shape: tuple[int, ...],
-    spec: TransformerSpec,
+    config: TransformerConfig,
     pctx: ParallelContext,
     init,
     stride: int | tuple[int, ...] = 1,
 ) -> nn.Parameter:
     """A parameter split over tp along dim 0 (shape is this rank's)."""
-    param = nn.Parameter(torch.empty(shape, dtype=spec.params_dtype, device=pctx.device))
+    param = nn.Parameter(torch.empty(shape, dtype=config.params_dtype, device=pctx.device))
     set_tensor_parallel_attributes(param, True, 0, stride, init=init)
     return param
 
@@ -136,14 +137,14 @@ class DepthwiseConv(nn.Module):
     """The short causal convolution's parameters (`conv1d.weight` [c, 1, w], `conv1d.bias`)."""
 
     def __init__(
-        self, channels: int, full_blocks: tuple[int, ...], spec, pctx: ParallelContext
+        self, channels: int, full_blocks: tuple[int, ...], config, pctx: ParallelContext
     ) -> None:
         super().__init__()
         # nn.Conv1d's default initialisation (kaiming-uniform with a = sqrt(5)): U(+-1/sqrt(w)).
         bound = 1.0 / math.sqrt(CONV_WIDTH)
         shape = (channels, 1, CONV_WIDTH)
-        self.weight = _parameter(shape, spec, pctx, _uniform(bound), full_blocks)
-        self.bias = _parameter((channels,), spec, pctx, _uniform(bound), full_blocks)
+        self.weight = _parameter(shape, config, pctx, _uniform(bound), full_blocks)
+        self.bias = _parameter((channels,), config, pctx, _uniform(bound), full_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, l, c] -> SiLU(conv(x)) [b, l, c]."""
@@ -160,10 +161,10 @@ class GatedRMSNorm(nn.Module):
     """weight * RMSNorm(y * SiLU(z)), the statistics taken per group of d_inner / G channels (a
     group's channels are all on one tp rank, so no statistic crosses ranks)."""
 
-    def __init__(self, channels: int, group_size: int, spec, pctx: ParallelContext) -> None:
+    def __init__(self, channels: int, group_size: int, config, pctx: ParallelContext) -> None:
         super().__init__()
         self.group_size = group_size
-        self.weight = _parameter((channels,), spec, pctx, "ones")
+        self.weight = _parameter((channels,), config, pctx, "ones")
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         gated = y.float() * F.silu(z.float())
@@ -175,7 +176,7 @@ class GatedRMSNorm(nn.Module):
 class MambaMixer(nn.Module):
     """The Mamba-2 mixer: [s, b, h] -> [s, b, h] (see the module docstring)."""
 
-    def __init__(self, spec: TransformerSpec, mamba: MambaSpec, pctx: ParallelContext) -> None:
+    def __init__(self, config: TransformerConfig, mamba: MambaSpec, pctx: ParallelContext) -> None:
         super().__init__()
         tp = pctx.tp_size
         self.heads = divide(mamba.num_heads, tp, "the number of Mamba heads")
@@ -186,30 +187,30 @@ class MambaMixer(nn.Module):
         bc = mamba.num_groups * mamba.state_dim
         in_blocks = (mamba.d_inner, mamba.d_inner, bc, bc, mamba.num_heads)
         self.in_proj = ColumnParallelLinear(
-            spec.hidden_size,
+            config.hidden_size,
             sum(in_blocks),
             pctx,
             bias=False,
-            sequence_parallel=spec.sequence_parallel,
-            init_std=spec.init_method_std,
+            sequence_parallel=config.sequence_parallel,
+            init_std=config.init_method_std,
             stride=in_blocks,
-            dtype=spec.params_dtype,
+            dtype=config.params_dtype,
         )
         conv_blocks = (mamba.d_inner, bc, bc)
         self.conv_channels = sum(conv_blocks) // tp
-        self.conv1d = DepthwiseConv(self.conv_channels, conv_blocks, spec, pctx)
-        self.dt_bias = _parameter((self.heads,), spec, pctx, _dt_bias)
-        self.A_log = _parameter((self.heads,), spec, pctx, _a_log)
-        self.D = _parameter((self.heads,), spec, pctx, "ones")
-        self.norm = GatedRMSNorm(self.d_inner, mamba.d_inner // mamba.num_groups, spec, pctx)
+        self.conv1d = DepthwiseConv(self.conv_channels, conv_blocks, config, pctx)
+        self.dt_bias = _parameter((self.heads,), config, pctx, _dt_bias)
+        self.A_log = _parameter((self.heads,), config, pctx, _a_log)
+        self.D = _parameter((self.heads,), config, pctx, "ones")
+        self.norm = GatedRMSNorm(self.d_inner, mamba.d_inner // mamba.num_groups, config, pctx)
         self.out_proj = RowParallelLinear(
             mamba.d_inner,
-            spec.hidden_size,
+            config.hidden_size,
             pctx,
             bias=False,
-            sequence_parallel=spec.sequence_parallel,
-            init_std=spec.output_init_std,
-            dtype=spec.params_dtype,
+            sequence_parallel=config.sequence_parallel,
+            init_std=config.output_init_std,
+            dtype=config.params_dtype,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -254,7 +255,7 @@ class MambaLayer(nn.Module):
 
     def __init__(
         self,
-        spec: TransformerSpec,
+        config: TransformerConfig,
         mamba: MambaSpec,
         pctx: ParallelContext,
         layer_number: int,
@@ -262,11 +263,11 @@ class MambaLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_number = layer_number  # 1-based, global
-        self.hidden_dropout = spec.hidden_dropout
-        self.sequence_parallel = spec.sequence_parallel
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel
         self.rng = rng
-        self.norm = Norm(spec, pctx)
-        self.mixer = MambaMixer(spec, mamba, pctx)
+        self.norm = Norm(config, pctx)
+        self.mixer = MambaMixer(config, mamba, pctx)
 
     def forward(
         self,
