@@ -4,8 +4,9 @@ layer of the same width, at several sequence lengths.
     python benchmarks/bench_mamba.py [--hidden 256 --seqs 512 2048 8192 --rounds 3]
 
 Rows per sequence length (batch 1, fp32, tokens/s = seq / best time of the rounds):
-- scan: `ssd_chunked_scan` (chunk 128) and `ssd_sequential_scan` (one step at a time), forward,
-  on the same inputs (H = 2 * hidden / 64 heads of 64 channels, 1 group, state 128);
+- scan: `ssd_chunked_scan` (the mixer's chunk, 64) and `ssd_sequential_scan` (one step at a
+  time), forward, on the same inputs (H = 2 * hidden / 64 heads of 64 channels, 1 group,
+  state 128);
 - layer: gigatron's Mamba layer (norm + mixer) and an attention layer (norm + self-attention,
   hidden / 64 heads of 64, causal SDPA), forward and forward + backward.
 Timed rounds alternate between the candidates so background load affects them alike. Prints a
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron.config.root import GigatronConfig
-from gigatron.models.mamba import MambaLayer, MambaSpec
+from gigatron.models.mamba import CHUNK_SIZE, MambaLayer, MambaSpec
 from gigatron.models.ssd import ssd_chunked_scan, ssd_sequential_scan
 from gigatron.models.transformer import Norm, SelfAttention
 from gigatron.models.transformer_config import TransformerConfig
@@ -104,7 +105,7 @@ def measure(hidden: int, seq: int, rounds: int) -> list[tuple[str, float, str]]:
     with torch.no_grad():
         scans = best_times(
             {
-                "chunked scan (fwd)": lambda: ssd_chunked_scan(*inputs, 128),
+                "chunked scan (fwd)": lambda: ssd_chunked_scan(*inputs, CHUNK_SIZE),
                 "naive recurrence (fwd)": lambda: ssd_sequential_scan(*inputs),
             },
             rounds,

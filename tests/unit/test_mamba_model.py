@@ -150,6 +150,7 @@ def test_flops_count_each_layer_by_kind():
         (["--reset-attention-mask"], "--reset-attention-mask: Mamba layers"),
         (["--num-layers", "6"], "has 7 layers but --num-layers is 6"),
         (["--mamba-num-groups", "3"], "--mamba-num-groups 3"),
+        (["--tensor-model-parallel-size", "4"], "does not divide the 2 Mamba groups"),
     ],
 )
 def test_family_rules(extra, message):

@@ -50,9 +50,16 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
 def validate(cfg) -> None:
     """The pattern's rules, and what Mamba layers cannot do."""
     pattern = hybrid_pattern(cfg)
-    MambaSpec.from_config(cfg)
+    mamba = MambaSpec.from_config(cfg)
     if MAMBA not in pattern:
         return
+    tp = cfg.parallel.tensor_model_parallel_size
+    for count, what in ((mamba.num_heads, "Mamba heads"), (mamba.num_groups, "Mamba groups")):
+        if count % tp:
+            raise GigatronError(
+                f"--tensor-model-parallel-size {tp}: does not divide the {count} {what}; each "
+                "rank needs whole heads and groups (see --mamba-num-heads, --mamba-num-groups)"
+            )
     if cfg.parallel.context_parallel_size > 1:
         raise GigatronError(
             f"--context-parallel-size {cfg.parallel.context_parallel_size}: Mamba layers need "

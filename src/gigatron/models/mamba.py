@@ -233,6 +233,8 @@ class MambaMixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         kernels = kernels_for(x)
         if kernels is not None:
+            # Contiguous inputs, as Megatron passes them (split views of in_proj's output).
+            x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
             return kernels["scan"](
                 x,
                 dt,
