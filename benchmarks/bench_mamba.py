@@ -1,17 +1,19 @@
 """CPU throughput of the Mamba-2 scan and layer against the naive recurrence and an attention
 layer of the same width, at several sequence lengths.
 
-    python benchmarks/bench_mamba.py [--hidden 256 --seqs 512 2048 8192 --rounds 3]
+    python benchmarks/bench_mamba.py [--hidden 256 --seqs 512 2048 8192 --rounds 3 --threads 1]
 
-Rows per sequence length (batch 1, fp32, tokens/s = seq / best time of the rounds):
+Rows per sequence length (batch 1, fp32):
 - scan: `ssd_chunked_scan` (the mixer's chunk, 64) and `ssd_sequential_scan` (one step at a
   time), forward, on the same inputs (H = 2 * hidden / 64 heads of 64 channels, 1 group,
   state 128);
 - layer: gigatron's Mamba layer (norm + mixer) and an attention layer (norm + self-attention,
   hidden / 64 heads of 64, causal SDPA), forward and forward + backward.
-Timed rounds alternate between the candidates so background load affects them alike. Prints a
-markdown table with each row's ratio to the attention layer (or, for the scans, to the
-recurrence) at the same length.
+Each candidate's best CPU time (process time) and best wall time over `rounds` rounds; rounds
+alternate between the candidates so background load affects them alike. On a shared machine the
+CPU time is the steadier figure (one thread by default, so that it counts work, not waiting
+threads). Prints a markdown table: tokens/s by CPU time, and each row's ratio to the attention
+layer (for the scans: to the recurrence) at the same length, by CPU and by wall time.
 """
 
 from __future__ import annotations
@@ -77,16 +79,19 @@ def scan_inputs(seq: int, heads: int, state: int = 128, head_dim: int = 64):
     return x, dt, A, B, C
 
 
-def best_times(candidates: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Best wall time of each candidate over `rounds` alternating rounds (after one warm-up)."""
-    best = dict.fromkeys(candidates, float("inf"))
+def best_times(
+    candidates: dict[str, Callable[[], object]], rounds: int
+) -> dict[str, tuple[float, float]]:
+    """Best (CPU, wall) seconds of each candidate over alternating rounds, after a warm-up."""
+    best = {name: (float("inf"), float("inf")) for name in candidates}
     for fn in candidates.values():
         fn()
     for _ in range(rounds):
         for name, fn in candidates.items():
-            start = time.perf_counter()
+            cpu, wall = time.process_time(), time.perf_counter()
             fn()
-            best[name] = min(best[name], time.perf_counter() - start)
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+            best[name] = (min(best[name][0], cpu), min(best[name][1], wall))
     return best
 
 
@@ -98,7 +103,7 @@ def forward_backward(layer: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def measure(hidden: int, seq: int, rounds: int) -> list[tuple[str, float, str]]:
+def measure(hidden: int, seq: int, rounds: int) -> list[tuple[str, float, float, float]]:
     mamba, attention = build_layers(hidden)
     x = torch.randn(seq, 1, hidden, generator=torch.Generator().manual_seed(1))
     inputs = scan_inputs(seq, 2 * hidden // 64)
@@ -122,14 +127,14 @@ def measure(hidden: int, seq: int, rounds: int) -> list[tuple[str, float, str]]:
         rounds,
     )
     rows = []
-    for name, seconds in scans.items():
-        rows.append((name, seq / seconds, f"{scans['naive recurrence (fwd)'] / seconds:.2f}"))
     for group, reference in (
+        (scans, "naive recurrence (fwd)"),
         (forward, "attention layer (fwd)"),
         (both, "attention layer (fwd+bwd)"),
     ):
-        for name, seconds in group.items():
-            rows.append((name, seq / seconds, f"{group[reference] / seconds:.2f}"))
+        ref_cpu, ref_wall = group[reference]
+        for name, (cpu, wall) in group.items():
+            rows.append((name, seq / cpu, ref_cpu / cpu, ref_wall / wall))
     return rows
 
 
@@ -138,13 +143,18 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     print(f"threads {torch.get_num_threads()}, hidden {args.hidden}, batch 1, fp32")
-    print("| seq | what | tokens/s | ratio |")
-    print("|---|---|---|---|")
+    print("| seq | what | tokens/s (CPU time) | ratio (CPU time) | ratio (wall) |")
+    print("|---|---|---|---|---|")
     for seq in args.seqs:
-        for name, tokens_per_s, ratio in measure(args.hidden, seq, args.rounds):
-            print(f"| {seq} | {name} | {tokens_per_s:,.0f} | {ratio} |", flush=True)
+        for name, tokens_per_s, cpu_ratio, wall_ratio in measure(args.hidden, seq, args.rounds):
+            print(
+                f"| {seq} | {name} | {tokens_per_s:,.0f} | {cpu_ratio:.2f} | {wall_ratio:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
