@@ -43,6 +43,9 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         apply_preset(cfg, m.model_preset)
     if m.recompute_activations:
         m.recompute_granularity = "selective"
+    pattern = m.hybrid_layer_pattern or m.hybrid_override_pattern
+    if m.num_layers is None and pattern:
+        m.num_layers = len(pattern)  # a hybrid stack's layer count is its pattern's (Megatron)
     if m.hidden_size is not None and m.ffn_hidden_size is None:
         if m.swiglu:
             # Keeps the parameter count of a 4h GeLU MLP, rounded down to a multiple of 64.

@@ -15,6 +15,7 @@ from torch import nn
 from gigatron.checkpoint import hf_mapping
 from gigatron.families.registry import ModelFamily
 from gigatron.models.gpt import build_model
+from gigatron.models.hybrid_layout import refuse_hybrid_flags
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from gigatron.training.batch import get_batch
@@ -70,6 +71,10 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
     return model_flops_per_iteration(cfg.model, global_batch_size, padded_vocab_size)
 
 
+def validate(cfg) -> None:
+    refuse_hybrid_flags(cfg, "gpt")
+
+
 FAMILY = ModelFamily(
     name="gpt",
     description="decoder-only language model (GPT-2/3, Llama, Mistral, Qwen style)",
@@ -78,5 +83,6 @@ FAMILY = ModelFamily(
     loss_names=lambda cfg: ("lm_loss",),
     build_datasets=build_datasets,
     flops_per_iteration=flops_per_iteration,
+    validate=validate,
     hf_adapter=hf_mapping,
 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ from gigatron.parallel.collectives import (
     scatter_to_tp_region,
 )
 from gigatron.parallel.context import ParallelContext
+
+# Draws a full (tp = 1) float32 tensor of the given shape from the generator.
+InitFunction = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
@@ -54,35 +58,52 @@ def set_tensor_parallel_attributes(
     param: nn.Parameter,
     is_parallel: bool,
     partition_dim: int = -1,
-    stride: int = 1,
-    init: str = "zeros",
+    stride: Stride = 1,
+    init: str | InitFunction = "zeros",
     init_std: float = 0.0,
 ) -> None:
-    """Mark a parameter per the model contract (and how `initialize_parameters` fills it)."""
+    """Mark a parameter per the model contract (and how `initialize_parameters` fills it:
+    "normal" with `init_std`, "ones", "zeros", or a function drawing the full tensor)."""
     param.tensor_model_parallel = is_parallel
     param.partition_dim = partition_dim if is_parallel else -1
     param.partition_stride = stride
-    param.init = init  # "normal", "ones" or "zeros"
+    param.init = init
     param.init_std = init_std
 
 
+Stride = int | tuple[int, ...]
+
+
+def _blocks(
+    t: torch.Tensor, stride: Stride, dim: int, divisor: int = 1
+) -> tuple[torch.Tensor, ...]:
+    """Split t along dim into its blocks: `stride` equal ones, or blocks of the given full sizes
+    (each divided by `divisor`: a rank's part holds 1/tp of every block)."""
+    if isinstance(stride, int):
+        return t.chunk(stride, dim=dim)
+    return t.split([size // divisor for size in stride], dim=dim)
+
+
 def slice_for_rank(
-    full: torch.Tensor, partition_dim: int, stride: int, tp_rank: int, tp_size: int
+    full: torch.Tensor, partition_dim: int, stride: Stride, tp_rank: int, tp_size: int
 ) -> torch.Tensor:
-    """This rank's part of a full tensor. With stride s the dimension holds s blocks (e.g. [gate;
-    up]); the rank keeps its slice of each block, concatenated."""
+    """This rank's part of a full tensor. The dimension may hold several blocks, each split over
+    tp on its own: `stride` s means s equal blocks (e.g. [gate; up]); a tuple gives the blocks'
+    sizes (e.g. Mamba's in_proj [z; x; B; C; dt]). The rank keeps its slice of each block,
+    concatenated."""
     if partition_dim < 0 or tp_size == 1:
         return full
-    blocks = full.chunk(stride, dim=partition_dim)
+    blocks = _blocks(full, stride, partition_dim)
     return torch.cat([b.chunk(tp_size, dim=partition_dim)[tp_rank] for b in blocks], partition_dim)
 
 
-def merge_partitions(parts: list[torch.Tensor], partition_dim: int, stride: int) -> torch.Tensor:
+def merge_partitions(parts: list[torch.Tensor], partition_dim: int, stride: Stride) -> torch.Tensor:
     """Inverse of `slice_for_rank`: the full tensor from every rank's slice (rank order)."""
     if partition_dim < 0 or len(parts) == 1:
         return parts[0]
-    per_rank_blocks = [p.chunk(stride, dim=partition_dim) for p in parts]
-    blocks = [torch.cat([blk[i] for blk in per_rank_blocks], partition_dim) for i in range(stride)]
+    per_rank_blocks = [_blocks(p, stride, partition_dim, len(parts)) for p in parts]
+    count = len(per_rank_blocks[0])
+    blocks = [torch.cat([blk[i] for blk in per_rank_blocks], partition_dim) for i in range(count)]
     return torch.cat(blocks, partition_dim)
 
 
@@ -111,9 +132,12 @@ def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: i
         generator = torch.Generator().manual_seed(
             parameter_seed(seed, getattr(param, "init_name", name))
         )
-        full = torch.empty(full_shape, dtype=torch.float32).normal_(
-            0.0, param.init_std, generator=generator
-        )
+        if callable(kind):
+            full = kind(tuple(full_shape), generator)
+        else:
+            full = torch.empty(full_shape, dtype=torch.float32).normal_(
+                0.0, param.init_std, generator=generator
+            )
         if param.tensor_model_parallel:
             full = slice_for_rank(
                 full, param.partition_dim, param.partition_stride, tp_rank, tp_size
@@ -143,7 +167,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         init_std: float = 0.02,
-        stride: int = 1,
+        stride: Stride = 1,
         skip_weight: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
