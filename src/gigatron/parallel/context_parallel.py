@@ -283,6 +283,7 @@ class _Exchange:
         start = time.perf_counter()
         for request in self.requests:
             request.wait()
+        self.requests = []  # waiting twice on a finished Gloo receive would block
         if self.stats is not None:
             self.stats["comm_wait_s"] = self.stats.get("comm_wait_s", 0.0) + (
                 time.perf_counter() - start

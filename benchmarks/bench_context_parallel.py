@@ -1,0 +1,187 @@
+"""Context parallelism on CPU/Gloo: memory per rank of one training step at cp = 1, 2, 4, and the
+share of the ring's communication that overlapping hides.
+
+    python benchmarks/bench_context_parallel.py [--layers 8 --hidden 256 --seq 8192 --cps 1 2 4]
+
+Memory: each cp size runs in its own fresh processes (one per rank, one thread each) and trains a
+GPT (RoPE, 8 heads) for one step at micro-batch 1 with `--cp-comm-type p2p`. Per rank:
+- activations: bytes of the distinct storages autograd holds for the backward at the end of the
+  forward pass (saved-tensor hooks; parameters excluded): the activation memory;
+- params + grads + optimizer state (optim.memory.memory_bytes_per_rank): replicated over cp;
+- peak RSS growth of the process over the step (getrusage; allocator caching included).
+Goal: activations(cp) <= activations(1) / cp.
+
+Overlap: the ring attention alone (forward + backward, sequence `--seq`, the model's heads) at each
+cp > 1. `exposed` is the time the ring waited for transfers (stats["comm_wait_s"]); `alone` is the
+time of the same transfers without compute (the forward's N-1 key/value exchanges, the backward's
+N-1 key/value and N gradient exchanges); hidden share = 1 - exposed / alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gigatron.parallel import context_parallel as cpm
+from gigatron.parallel.context import ParallelContext, run_distributed
+
+VOCAB = 1024
+HEADS = 8
+
+
+# ---- memory of one training step -----------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+class SavedActivations:
+    """Bytes of distinct storages saved for backward (parameters excluded), while active."""
+
+    def __init__(self, params) -> None:
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.param_storages:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+# ---- overlap of the ring ----------------------------------------------------------------------
+
+
+def _exchanges_alone(kv: torch.Tensor, dkv: torch.Tensor, pctx: ParallelContext) -> float:
+    """The ring's transfers of one forward + backward, without compute."""
+    ring = cpm.Ring.of(pctx)
+    n = ring.size
+    start = time.perf_counter()
+    for tensor, count, to, source in (
+        (kv, n - 1, ring.next_rank, ring.prev_rank),  # forward
+        (kv, n - 1, ring.prev_rank, ring.next_rank),  # backward: blocks
+        (dkv, n, ring.prev_rank, ring.next_rank),  # backward: gradient accumulators
+    ):
+        spare = torch.empty_like(tensor)
+        for _ in range(count):
+            cpm._Exchange(ring, tensor, spare, to, source, 0, None).wait()
+    return time.perf_counter() - start
+
+
+class _SerialExchange(cpm._Exchange):
+    """The ring's exchange, waited for at once: the same ring without overlap."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.wait()
+
+
+def _ring_step(q, k, v, pctx, stats) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    out = cpm.ring_attention(q, k, v, pctx, causal=True, scale=q.shape[-1] ** -0.5, stats=stats)
+    out.sum().backward()
+    return time.perf_counter() - start
+
+
+def overlap_worker(rank: int, world_size: int, args: argparse.Namespace, out: str) -> None:
+    pctx = ParallelContext.from_sizes(cp=world_size)
+    sl, dim = args.seq // world_size, args.hidden // HEADS
+    generator = torch.Generator().manual_seed(rank)
+    q, k, v = (
+        torch.randn(sl, 1, HEADS, dim, generator=generator).requires_grad_() for _ in range(3)
+    )
+    series: dict[str, list[float]] = {"overlap": [], "serial": [], "alone": [], "compute": []}
+    if world_size == 1:
+        series = {"overlap": [], "compute": [], "sdpa": []}
+    overlapped = cpm._Exchange
+    for repeat in range(args.warmup + args.repeats):
+        # The variants take turns so that changing load on the machine hits all alike.
+        times: dict[str, float] = {}
+        stats: dict[str, float] = {}
+        times["overlap"] = _ring_step(q, k, v, pctx, stats)
+        times["compute"] = stats["compute_s"]
+        if world_size == 1:  # the plain fused attention, for the cost of the machinery
+            start = time.perf_counter()
+            qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+            F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).sum().backward()
+            times["sdpa"] = time.perf_counter() - start
+        else:
+            cpm._Exchange = _SerialExchange
+            try:
+                times["serial"] = _ring_step(q, k, v, pctx, {})
+            finally:
+                cpm._Exchange = overlapped
+            dist.barrier()
+            block = torch.empty(2, sl, 1, HEADS, dim)
+            times["alone"] = _exchanges_alone(block, block.clone(), pctx)
+        if repeat >= args.warmup:
+            for key, value in times.items():
+                series[key].append(value)
+    row = {name: statistics.median(values) for name, values in series.items()}
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, row)
+    if rank == 0:
+        torch.save(gathered, Path(out) / f"overlap_{world_size}.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--part", choices=["memory", "overlap", "both"], default="both")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    args = parser.parse_args()
+    print(
+        f"seq {args.seq}, hidden {args.hidden}, {HEADS} heads, micro-batch 1; Gloo, one thread "
+        "per rank\n"
+    )
+    with tempfile.TemporaryDirectory() as out:
+        if args.part in ("memory", "both"):
+            report_memory(args, out)
+        if args.part in ("overlap", "both"):
+            report_overlap(args, out)
+
+
+def report_overlap(args: argparse.Namespace, out: str) -> None:
+    print(
+        "| cp | ring fwd+bwd, overlapped (s) | same, transfers waited at once (s) | "
+        "transfers alone (s) | share hidden |"
+    )
+    print("|---|---|---|---|---|")
+    for cp in args.cps:
+        run_distributed(overlap_worker, cp, args, out)
+        rows = torch.load(Path(out) / f"overlap_{cp}.pt", weights_only=False)
+        mean = {key: statistics.mean(row[key] for row in rows) for key in rows[0]}
+        if cp == 1:
+            print(
+                f"| 1 | {mean['overlap']:.3f} (plain SDPA {mean['sdpa']:.3f}: ratio "
+                f"{mean['overlap'] / mean['sdpa']:.2f}) | - | - | - |"
+            )
+            continue
+        hidden = (mean["serial"] - mean["overlap"]) / mean["alone"]
+        print(
+            f"| {cp} | {mean['overlap']:.3f} | {mean['serial']:.3f} | {mean['alone']:.3f} | "
+            f"{100 * hidden:.0f}% |"
+        )
+    print()
+
+
+if __name__ == "__main__":
+    main()
