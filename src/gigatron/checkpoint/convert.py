@@ -46,6 +46,7 @@ CARRIED_KEYS = (
     "consumed_valid_samples",
     "skipped_iterations",
     "num_floating_point_operations_so_far",
+    "gigatron_family",
 )
 
 
@@ -156,9 +157,12 @@ def _check_target(cfg: Any, tp: int, pp: int, vp: int | None) -> None:
         )
 
 
-def _build_rank_model(cfg: Any, grid: Grid, rank: int, vocab: int | None) -> list[Any]:
-    from gigatron.models import build_model
+def _build_rank_model(
+    cfg: Any, grid: Grid, rank: int, vocab: int | None, family: str = "gpt"
+) -> list[Any]:
+    from gigatron.families import get_family
 
+    build_model = get_family(family).build_model
     try:
         return build_model(cfg, offline_context(grid, rank, "meta"), vocab_size=vocab)
     except GigatronError:
@@ -212,6 +216,7 @@ def convert_checkpoint(
     if not isinstance(args, dict) or not args:
         raise GigatronError(f"{iteration_dir}: holds no saved configuration ('args')")
     cfg = config_from_dict(args, source=f"{iteration_dir} args")
+    family = first.get("gigatron_family", "gpt")
     if (cfg.parallel.expert_model_parallel_size or 1) > 1:
         raise GigatronError(
             f"{iteration_dir}: was saved with expert-parallel size "
@@ -230,7 +235,7 @@ def convert_checkpoint(
     vocab = _true_vocab_size(cfg)
     target_grid = Grid(tp=target_tp, pp=target_pp)
     target_models = {
-        rank: _build_rank_model(target_cfg, target_grid, rank, vocab)
+        rank: _build_rank_model(target_cfg, target_grid, rank, vocab, family)
         for rank in range(target_grid.world_size)
     }
     attributes: dict[str, tuple[int, int]] = {}
