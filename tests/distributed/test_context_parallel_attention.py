@@ -41,7 +41,15 @@ def _masks():
     # Two documents per sample (reset attention mask).
     docs = causal.clone()
     docs[:, :, 13:, :13] = True
-    return {"causal": causal, "full": torch.zeros_like(causal), "padding": padding, "docs": docs}
+    # BERT's: padded keys hidden from every query, [b, 1, 1, s].
+    keys = ~keep[:, None, None, :]
+    return {
+        "causal": causal,
+        "full": torch.zeros_like(causal),
+        "padding": padding,
+        "docs": docs,
+        "keys": keys,
+    }
 
 
 def _all_gather_seq(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
@@ -211,14 +219,14 @@ def _worker(rank, world_size, cases):
 _CASES_CP2 = [
     (kind, mask, groups)
     for kind in ("p2p", "p2p-math", "allgather", "a2a")
-    for mask in ("causal", "full", "padding", "docs")
+    for mask in ("causal", "full", "padding", "docs", "keys")
     for groups in (GROUPS, HEADS)
 ]
 # At cp = 4 the GQA groups (2) do not divide over the ranks: a2a repeats them.
 _CASES_CP4 = [
     (kind, mask, GROUPS)
     for kind in ("p2p", "p2p-math", "allgather", "a2a")
-    for mask in ("causal", "full", "padding", "docs")
+    for mask in ("causal", "full", "padding", "docs", "keys")
 ]
 
 

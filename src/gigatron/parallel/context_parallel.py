@@ -96,20 +96,31 @@ def restore_sequence_order(gathered: torch.Tensor, dim: int, cp_size: int) -> to
     return gathered.index_select(dim, torch.argsort(order))
 
 
-# Batch entries that are attention masks over the whole sequence: not split (see module doc).
-WHOLE_SEQUENCE_KEYS = ("attention_mask",)
+def sequence_positions(
+    local_length: int, pctx: ParallelContext, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Sequence positions of this rank's `local_length` tokens (0..n-1 without cp)."""
+    if pctx.cp_size == 1:
+        return torch.arange(local_length, device=device)
+    return cp_rank_positions(local_length * pctx.cp_size, pctx.cp_size, pctx.cp_rank, device)
+
+
+# Batch entries that mask keys over the whole sequence: not split (see the module docstring).
+# `padding_mask` [b, s] is BERT's: it becomes the key mask of every query.
+WHOLE_SEQUENCE_KEYS = ("attention_mask", "padding_mask")
 
 
 def get_batch_on_this_cp_rank(
     batch: dict[str, torch.Tensor], pctx: ParallelContext
 ) -> dict[str, torch.Tensor]:
-    """This rank's chunks of every [batch, seq] entry (tokens, labels, loss_mask, position_ids,
-    padding masks); attention masks stay whole."""
+    """This rank's chunks of every [batch, seq, ...] entry (tokens, labels, loss_mask,
+    position_ids, token types); masks of keys (WHOLE_SEQUENCE_KEYS) and per-sample entries
+    ([batch], e.g. BERT's is_random) stay whole."""
     if pctx.cp_size == 1:
         return batch
     return {
         key: value
-        if key in WHOLE_SEQUENCE_KEYS or value is None
+        if key in WHOLE_SEQUENCE_KEYS or value is None or value.dim() < 2
         else split_for_cp_rank(value, 1, pctx.cp_size, pctx.cp_rank)
         for key, value in batch.items()
     }
@@ -319,9 +330,13 @@ def _block_plan(ring: Ring, src: int, local_len: int, causal: bool, mask: torch.
 
 
 def _block_mask(mask: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor):
+    """The part of a whole-sequence mask [b, 1, s or 1, s] for these query and key positions,
+    [b, 1, len(q_pos), len(k_pos)] (a mask of keys only is expanded over the queries)."""
     if mask is None:
         return None
-    return mask.index_select(2, q_pos).index_select(3, k_pos)
+    rows = mask if mask.shape[2] == 1 else mask.index_select(2, q_pos)
+    block = rows.index_select(3, k_pos)
+    return block.expand(block.shape[0], block.shape[1], len(q_pos), len(k_pos))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -562,20 +577,23 @@ class UlyssesAttention(_ContextParallelCore):
         return out.reshape(sl, b, -1)
 
 
-def cp_core_attention(comm_type: str, default_core_attention):
+def context_parallel_core_attention(comm_types: list[str] | tuple[str, ...], default: Any):
     """The core-attention factory `(config, pctx, layer_number, rng) -> nn.Module` for
-    `--cp-comm-type`; `default_core_attention` builds the ordinary (whole-sequence) one."""
-    if comm_type == "p2p":
-        return RingAttention
-    if comm_type == "allgather":
-        return AllGatherAttention
-    if comm_type == "a2a":
+    `--cp-comm-type` (one type for every layer, or one per layer); `default` builds the ordinary
+    whole-sequence attention (what a2a runs between its exchanges)."""
+    for comm_type in comm_types:
+        if comm_type not in CP_COMM_TYPES:
+            raise GigatronError(
+                f"--cp-comm-type {comm_type}: unknown; choose one of {', '.join(CP_COMM_TYPES)}"
+            )
 
-        def build(config, pctx, layer_number, rng):
-            inner = default_core_attention(config, pctx, layer_number, rng)
-            return UlyssesAttention(config, pctx, layer_number, rng, inner)
+    def build(config, pctx, layer_number, rng):
+        comm_type = comm_types[layer_number - 1] if len(comm_types) > 1 else comm_types[0]
+        if comm_type == "p2p":
+            return RingAttention(config, pctx, layer_number, rng)
+        if comm_type == "allgather":
+            return AllGatherAttention(config, pctx, layer_number, rng)
+        inner = default(config, pctx, layer_number, rng)
+        return UlyssesAttention(config, pctx, layer_number, rng, inner)
 
-        return build
-    raise GigatronError(
-        f"--cp-comm-type {comm_type}: unknown; choose one of {', '.join(CP_COMM_TYPES)}"
-    )
+    return build
