@@ -30,8 +30,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from gigatron.config.root import GigatronConfig
+from gigatron.families import get_family
+from gigatron.optim import build_optimizer
+from gigatron.optim.memory import memory_bytes_per_rank
 from gigatron.parallel import context_parallel as cpm
 from gigatron.parallel.context import ParallelContext, run_distributed
+from gigatron.parallel.data_parallel import DistributedDataParallel
+from gigatron.parallel.grad_sync import finalize_model_grads
 
 VOCAB = 1024
 HEADS = 8
@@ -40,12 +46,31 @@ HEADS = 8
 # ---- memory of one training step -----------------------------------------------------------
 
 
-def _rss_bytes() -> int:
+def _config(args: argparse.Namespace, cp: int) -> GigatronConfig:
+    cfg = GigatronConfig()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.num_attention_heads = args.layers, args.hidden, HEADS
+    m.seq_length = args.seq
+    m.position_embedding_type = "rope"
+    m.hidden_dropout = m.attention_dropout = 0.0
+    m.padded_vocab_size = VOCAB
+    cfg.parallel.context_parallel_size = cp
+    cfg.parallel.cp_comm_type = ["p2p"]
+    cfg.optimizer.lr = 1e-4
+    return cfg
+
+
+def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+def _current_rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
 class SavedActivations:
-    """Bytes of distinct storages saved for backward (parameters excluded), while active."""
+    """Bytes of the distinct storages autograd saves for the backward, parameters excluded."""
 
     def __init__(self, params) -> None:
         self.param_storages = {p.untyped_storage().data_ptr() for p in params}
@@ -60,6 +85,71 @@ class SavedActivations:
     @property
     def total(self) -> int:
         return sum(self.storages.values())
+
+
+def memory_worker(rank: int, world_size: int, args: argparse.Namespace, out: str) -> None:
+    pctx = ParallelContext.from_sizes(cp=world_size)
+    cfg = _config(args, world_size)
+    family = get_family("gpt")
+    (model,) = family.build_model(cfg, pctx, VOCAB)
+    chunk = DistributedDataParallel(model, pctx, cfg.parallel)
+    optimizer = build_optimizer(cfg, [chunk], pctx)
+    forward_step = family.make_forward_step(cfg, pctx)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (1, args.seq + 1), generator=generator)
+    batch = {
+        "tokens": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "loss_mask": torch.ones(1, args.seq),
+        "position_ids": torch.arange(args.seq).unsqueeze(0),
+    }
+    rss_before, peak_before = _current_rss(), _peak_rss()
+    saved = SavedActivations(model.parameters())
+    start = time.perf_counter()
+    optimizer.zero_grad()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
+        output, loss_fn = forward_step(iter([batch]), chunk)
+        loss, num_tokens, _ = loss_fn(output)
+    (loss / num_tokens).backward()
+    finalize_model_grads([chunk], pctx)
+    optimizer.step()
+    elapsed = time.perf_counter() - start
+    result = {
+        "activations": saved.total,
+        "state": memory_bytes_per_rank([chunk], optimizer)["total"],
+        "rss_growth": _peak_rss() - max(rss_before, peak_before),
+        "rss_peak": _peak_rss(),
+        "step_s": elapsed,
+    }
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        torch.save(gathered, Path(out) / f"memory_{world_size}.pt")
+
+
+def report_memory(args: argparse.Namespace, out: str) -> None:
+    print(
+        f"Memory per rank, one training step: GPT {args.layers} layers, RoPE, vocab {VOCAB}, "
+        "--cp-comm-type p2p (max over ranks)\n"
+    )
+    print(
+        "| cp | activations (MiB) | x cp / cp=1 | params+grads+Adam (MiB) | peak RSS growth "
+        "(MiB) | peak RSS (MiB) | step (s) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    base = None
+    for cp in args.cps:
+        run_distributed(memory_worker, cp, args, out)
+        rows = torch.load(Path(out) / f"memory_{cp}.pt", weights_only=False)
+        worst = {key: max(row[key] for row in rows) for key in rows[0]}
+        base = base or worst["activations"] * cp
+        mib = 2**20
+        print(
+            f"| {cp} | {worst['activations'] / mib:.0f} | {worst['activations'] * cp / base:.3f} "
+            f"| {worst['state'] / mib:.1f} | {worst['rss_growth'] / mib:.0f} | "
+            f"{worst['rss_peak'] / mib:.0f} | {worst['step_s']:.1f} |"
+        )
+    print()
 
 
 # ---- overlap of the ring ----------------------------------------------------------------------

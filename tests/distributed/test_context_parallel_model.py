@@ -1,8 +1,8 @@
 """Context-parallel models equal the one-process model: the family's forward step (batch split,
 loss over the whole sequences) and backward through DistributedDataParallel give the same loss
 reports and every gradient, for GPT with RoPE + GQA, GPT-2 style (learned positions, a reset
-attention mask) and BERT (bidirectional, padding), with each --cp-comm-type, at cp = 4,
-cp = 2 (two data-parallel replicas) and tp 2 x cp 2 with sequence parallelism."""
+attention mask) and BERT (bidirectional, padding), with each --cp-comm-type (and one per layer),
+at cp = 4, cp = 2 (two data-parallel replicas) and tp 2 x cp 2 with sequence parallelism."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ pytestmark = pytest.mark.distributed
 
 SEQ, BATCH, VOCAB = 32, 2, 96
 FLAVORS = ("llama", "gpt2", "bert")
-COMM_TYPES = ("p2p", "a2a", "allgather")
+# One type for every layer, or one per layer (the model has two).
+COMM_TYPES = (["p2p"], ["a2a"], ["allgather"], ["a2a", "p2p"])
 
 
-def _config(flavor: str, tp: int = 1, cp: int = 1, comm: str = "p2p") -> GigatronConfig:
+def _config(flavor: str, tp: int = 1, cp: int = 1, comm: list[str] = ("p2p",)) -> GigatronConfig:
     cfg = GigatronConfig()
     m = cfg.model
     m.num_layers, m.hidden_size, m.seq_length = 2, 64, SEQ
@@ -40,7 +41,7 @@ def _config(flavor: str, tp: int = 1, cp: int = 1, comm: str = "p2p") -> Gigatro
     p = cfg.parallel
     p.tensor_model_parallel_size, p.context_parallel_size = tp, cp
     p.sequence_parallel = tp > 1
-    p.cp_comm_type = [comm]
+    p.cp_comm_type = list(comm)
     return cfg
 
 
@@ -108,7 +109,7 @@ def _compare(rank: int, world_size: int) -> None:
         for flavor in FLAVORS:
             ref_reports, ref_grads = references[flavor]
             for comm in COMM_TYPES:
-                case = f"{flavor} tp={tp} cp={cp} {comm}"
+                case = f"{flavor} tp={tp} cp={cp} {'+'.join(comm)}"
                 reports, grads = _step(flavor, _config(flavor, tp, cp, comm), pctx)
                 assert reports.keys() == ref_reports.keys(), case
                 for name, value in reports.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -115,3 +116,41 @@ def test_causal_diagonal_block_matches_math_kernel():
         results.append((out, lse, *grads))
     for fused_value, math_value in zip(*results):
         torch.testing.assert_close(fused_value.float(), math_value.float(), atol=1e-5, rtol=1e-5)
+
+
+def _parse(*flags: str, world_size: int = 4):
+    from gigatron.config import parse_config
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    return parse_config([*base, *flags], world_size=world_size)
+
+
+def test_flag_rules():
+    cfg = _parse("--seq-length", "32", "--context-parallel-size", "2", "--cp-comm-type", "a2a")
+    assert cfg.parallel.cp_comm_type == ["a2a"]
+    assert _parse("--seq-length", "32").parallel.cp_comm_type == ["p2p"]  # Megatron's default
+    for flags, message in (
+        (["--seq-length", "30", "--context-parallel-size", "2"], "not divisible by 2 x"),
+        (["--seq-length", "32", "--context-parallel-size", "4", "--cp-comm-type", "a2a",
+          "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+         "heads per tensor-parallel rank do not divide"),
+        (["--seq-length", "36", "--context-parallel-size", "2", "--tensor-model-parallel-size",
+          "4", "--sequence-parallel"], "(--sequence-parallel splits"),
+        (["--cp-comm-type", "p2p", "a2a", "p2p"], "give one, or one per layer"),
+    ):  # fmt: skip
+        with pytest.raises(GigatronError, match=re.escape(message)):
+            _parse(*flags, world_size=8)
+
+
+def test_flash_attn_is_refused_where_it_cannot_run():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        use_flash_attn=True, kv_channels=16, attention_dropout=0.0, causal_attention=True
+    )
+    pctx = ParallelContext.single()
+    for part, comm in ((cpm.RingAttention, "p2p"), (cpm.AllGatherAttention, "allgather")):
+        with pytest.raises(GigatronError, match=f"--use-flash-attn with --cp-comm-type {comm}"):
+            part(config, pctx, 1, None)
+    with pytest.raises(GigatronError, match="--cp-comm-type ring: unknown"):
+        cpm.context_parallel_core_attention(["ring"], None)

@@ -5,7 +5,8 @@ c = seq / 2N tokens and cp rank r holds chunks r and 2N-1-r (in that order). Und
 an early chunk attends to little and a late chunk to much, so pairing them gives every rank the
 same attention work. `get_batch_on_this_cp_rank` applies the split to tokens, labels, loss mask
 and position ids (positions follow their chunks, so learned and rotary embeddings are right);
-an attention mask [b, 1, s, s] stays whole: each rank picks the rows of its own queries.
+masks of keys (an attention mask [b, 1, s or 1, s], BERT's padding mask) stay whole, in sequence
+order: each rank picks the rows of its own queries and the columns of the keys it attends to.
 Gathered tensors are in "rank order" (rank 0's two chunks, rank 1's, ...); `cp_rank_order`
 gives the sequence position of each gathered row.
 
@@ -260,7 +261,7 @@ def merge_partial(
 
 @dataclass(frozen=True)
 class Ring:
-    """The cp group seen as a ring: this rank, its neighbours (global ranks), the chunk size."""
+    """The cp group seen as a ring: its size, this rank in it, its neighbours (global ranks)."""
 
     group: Any
     size: int
