@@ -356,7 +356,9 @@ class _RingAttention(torch.autograd.Function):
         seq = sl * n
         qh = _heads_first(q)
         acc = _acc_dtype(q.dtype)
-        out = torch.zeros(qh.shape, dtype=acc, device=q.device)
+        # Accumulated in the [sl, b, np, hn] memory layout: the result is then a view the
+        # output projection reads without a copy (a copy would be one more saved activation).
+        out = _heads_first(torch.zeros(q.shape, dtype=acc, device=q.device))
         lse = torch.full(qh.shape[:3], -math.inf, dtype=acc, device=q.device)
         q_pos = cp_rank_positions(seq, n, r, q.device)
         kv = torch.stack([k, v])  # one message per step: [2, sl, b, ng, hn]
@@ -394,7 +396,7 @@ class _RingAttention(torch.autograd.Function):
         seq = sl * n
         acc = _acc_dtype(q.dtype)
         qh, dout = _heads_first(q), _heads_first(grad).to(q.dtype)
-        dq = torch.zeros(qh.shape, dtype=acc, device=q.device)
+        dq = _heads_first(torch.zeros(q.shape, dtype=acc, device=q.device))
         q_pos = cp_rank_positions(seq, n, r, q.device)
         kv = torch.stack([k, v])
         spare = torch.empty_like(kv) if n > 1 else None
