@@ -85,6 +85,34 @@ def _positive(problems: list[str], value: int | float | None, flag: str) -> None
         problems.append(f"{flag} is {value}; it must be positive")
 
 
+def _context_parallel_rules(cfg: GigatronConfig, problems: list[str]) -> None:
+    m, p = cfg.model, cfg.parallel
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if len(p.cp_comm_type) not in (1, m.num_layers or 1):
+        problems.append(
+            f"--cp-comm-type has {len(p.cp_comm_type)} values; give one, or one per layer "
+            f"({m.num_layers})"
+        )
+    if cp <= 1 or m.seq_length is None:
+        return
+    if m.seq_length % (2 * cp):
+        problems.append(
+            f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size {cp} "
+            f"= {2 * cp} (each rank holds two of 2 x cp equal chunks); change one of them"
+        )
+    elif p.sequence_parallel and (m.seq_length // cp) % tp:
+        problems.append(
+            f"--seq-length {m.seq_length} / --context-parallel-size {cp} is not divisible by "
+            f"--tensor-model-parallel-size {tp} (--sequence-parallel splits each rank's part)"
+        )
+    heads = (m.num_attention_heads or 0) // max(tp, 1)
+    if "a2a" in p.cp_comm_type and heads % cp:
+        problems.append(
+            f"--cp-comm-type a2a: the {heads} attention heads per tensor-parallel rank do not "
+            f"divide over --context-parallel-size {cp}; use p2p or allgather"
+        )
+
+
 def validate_config(
     cfg: GigatronConfig, world_size: int | None = None, for_training: bool = False
 ) -> None:
@@ -189,6 +217,7 @@ def validate_config(
             "--no-create-attention-mask-in-dataloader"
         )
     problems.extend(refused_settings(cfg))
+    _context_parallel_rules(cfg, problems)
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         problems.append(
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"

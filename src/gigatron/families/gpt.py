@@ -34,15 +34,19 @@ def language_model_loss(
     labels: torch.Tensor, loss_mask: torch.Tensor, pctx: ParallelContext, logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Masked sum of per-token cross entropies, the token count, and both (detached) as the
-    `lm_loss` report."""
+    `lm_loss` report.
+
+    Under context parallelism each rank holds part of every sequence: the loss sum stays this
+    rank's part (its gradient is summed over cp by the data-parallel wrapper), the token count
+    and the report are the whole sequences' (summed over cp), so the per-token mean is the
+    same as at cp = 1."""
     mask = loss_mask.float()
     loss_sum = torch.sum(token_losses(logits, labels, pctx) * mask)
     num_tokens = mask.sum()
     report = torch.stack([loss_sum.detach(), num_tokens.detach()])
     if pctx.cp_size > 1:
-        # Each context-parallel rank holds part of every sequence: the reported loss is the
-        # sum over the group (the backward pass stays local).
         pctx.all_reduce(report, "cp")
+        num_tokens = report[1].clone()
     return loss_sum, num_tokens, {"lm_loss": report}
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gigatron.models.build import build_model_chunks
+from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
 from gigatron.models.transformer import LayerParts, RotaryEmbedding, TransformerBlock
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.context_parallel import sequence_positions
 from gigatron.parallel.random import ModelParallelRNG
 from gigatron.parallel.tensor_parallel import ColumnParallelLinear
 
@@ -106,8 +107,8 @@ class GPTModel(nn.Module):
         rotary = None
         if self.rotary is not None:
             seq = hidden.shape[0] * (self.pctx.tp_size if self.config.sequence_parallel else 1)
-            if position_ids is None:
-                position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+            if position_ids is None:  # this rank's positions (its chunks under cp)
+                position_ids = sequence_positions(seq, self.pctx, hidden.device).unsqueeze(0)
             rotary = self.rotary(position_ids)
 
         hidden = self.decoder(hidden, attention_mask, rotary)
@@ -126,6 +127,7 @@ def build_model(
     `vocab_size` is the tokenizer's vocabulary (unpadded); see `resolve_vocab_size`.
     """
     config = TransformerConfig.from_config(cfg)
+    parts = layer_parts_for_run(cfg, pctx, parts)
 
     def make_chunk(padded, pre_process, post_process, layers, rng):
         return GPTModel(config, pctx, padded, pre_process, post_process, layers, rng, parts)

@@ -1,4 +1,4 @@
-"""Collectives that autograd sees, for tensor and sequence parallelism.
+"""Collectives that autograd sees, for tensor, sequence and context parallelism.
 
 Each function is the forward of a `torch.autograd.Function` whose backward is the conjugate
 collective (an all-reduce's conjugate is the identity, an all-gather's is a reduce-scatter, ...).
@@ -198,3 +198,57 @@ def reduce_scatter_to_sequence_parallel_region(
     if pctx.tp_size == 1:
         return x
     return _ReduceScatterToSP.apply(x, *_tp(pctx))
+
+
+# ---- context parallelism: the same collectives in the context-parallel group -------------------
+
+
+def _cp(pctx: ParallelContext) -> tuple[Any, int, int]:
+    return pctx.group("cp"), pctx.cp_size, pctx.cp_rank
+
+
+def _all_to_all(x: torch.Tensor, group: Any, size: int, scatter_dim: int, gather_dim: int):
+    # Part j of the scatter dimension goes to rank j; what rank j sends lands at position j of
+    # the gather dimension.
+    send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, scatter_dim, gather_dim):
+        ctx.group, ctx.size, ctx.dims = group, size, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, size, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        # The inverse exchange: what was gathered is scattered back.
+        return (
+            _all_to_all(grad, ctx.group, ctx.size, gather_dim, scatter_dim),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def gather_from_context_parallel_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """All-gather along dimension 0 over cp (ranks in order); the backward reduce-scatters, since
+    every rank's queries contributed to the gradient of every gathered key and value."""
+    if pctx.cp_size == 1:
+        return x
+    return _GatherFromSP.apply(x, *_cp(pctx), True)
+
+
+def all_to_all_context_parallel(
+    x: torch.Tensor, pctx: ParallelContext, scatter_dim: int, gather_dim: int
+) -> torch.Tensor:
+    """Split `scatter_dim` into cp parts, send part j to cp rank j, and concatenate what arrives
+    along `gather_dim` (rank order). The backward is the inverse exchange."""
+    if pctx.cp_size == 1:
+        return x
+    group, size, _ = _cp(pctx)
+    return _AllToAll.apply(x, group, size, scatter_dim, gather_dim)

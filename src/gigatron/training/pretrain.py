@@ -62,14 +62,6 @@ def parse_pretrain_config(
         raise GigatronError(
             "--full-validation is not supported yet; validate on --eval-iters batches instead"
         )
-    if cfg.parallel.context_parallel_size > 1:
-        try:
-            from gigatron.parallel import context_parallel  # noqa: F401
-        except ImportError:
-            raise GigatronError(
-                f"--context-parallel-size {cfg.parallel.context_parallel_size}: context "
-                "parallelism is not available in pretraining yet; use 1"
-            ) from None
     if cfg.logging.log_interval <= 0:
         raise GigatronError(f"--log-interval {cfg.logging.log_interval} must be positive")
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval <= 0:
