@@ -14,6 +14,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = flag_field(1, "pipeline-parallel size (pp)")
     context_parallel_size: int = flag_field(1, "context-parallel size (cp)")
     expert_model_parallel_size: int = flag_field(1, "expert-parallel size (ep)")
+    expert_tensor_parallel_size: Optional[int] = flag_field(
+        None, "tensor-parallel size of the experts: 1 or the tensor-parallel size (default)"
+    )
     sequence_parallel: bool = flag_field(
         False, "shard norms and dropout along the sequence over tp"
     )

@@ -36,6 +36,7 @@ PARAM_ATTRIBUTES = (
     "partition_stride",
     "sequence_parallel",
     "shared_embedding",
+    "expert_parallel",
 )
 
 

@@ -92,9 +92,18 @@ def parameter_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
+def initialize_parameters(
+    module: nn.Module,
+    seed: int,
+    tp_rank: int,
+    tp_size: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> None:
     """Fill every parameter marked by `set_tensor_parallel_attributes`: draw the full tensor on
-    the CPU in float32 from its own generator, keep this rank's slice, copy it in."""
+    the CPU in float32 from its own generator, keep this rank's slice, copy it in. Expert weights
+    (`expert_parallel = True`, experts along dim 0) are drawn for all experts and this
+    expert-parallel rank keeps its block of them."""
     for name, param in module.named_parameters():
         kind = getattr(param, "init", None)
         if kind is None:
@@ -108,12 +117,17 @@ def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: i
         full_shape = list(param.shape)
         if param.tensor_model_parallel:
             full_shape[param.partition_dim] *= tp_size
+        experts = getattr(param, "expert_parallel", False)
+        if experts:
+            full_shape[0] *= ep_size
         generator = torch.Generator().manual_seed(
             parameter_seed(seed, getattr(param, "init_name", name))
         )
         full = torch.empty(full_shape, dtype=torch.float32).normal_(
             0.0, param.init_std, generator=generator
         )
+        if experts:
+            full = full.chunk(ep_size, dim=0)[ep_rank]
         if param.tensor_model_parallel:
             full = slice_for_rank(
                 full, param.partition_dim, param.partition_stride, tp_rank, tp_size
