@@ -151,17 +151,15 @@ def _expert_layouts(rank, world_size):
         pctx = ParallelContext.from_sizes(**sizes)
         dense = make_param(dense_full, False)
         local = experts_full.chunk(pctx.ep_size)[pctx.ep_rank]
-        split = pctx.etp_size > 1
-        if split:
-            local = local.chunk(pctx.etp_size, dim=1)[pctx.etp_rank]
-        expert = make_param(local, split)
+        local = local.chunk(pctx.etp_size, dim=1)[pctx.etp_rank]
+        expert = make_param(local, True)
         expert.expert_parallel = True
         assert count_zeros([dense, expert], pctx) == expected_zeros, sizes
         assert clip_grad_norm([dense, expert], 0.0, pctx) == pytest.approx(expected, rel=1e-6)
         # Sharded over the data-parallel ranks (dense) and expert-data-parallel ranks (experts).
         dense_shard = dense_full.chunk(pctx.size("dp_cp"))[pctx.rank_in("dp_cp")]
         expert_shard = local.flatten().chunk(pctx.size("expert_dp"))[pctx.rank_in("expert_dp")]
-        sharded = [make_param(dense_shard, False), make_param(expert_shard, split)]
+        sharded = [make_param(dense_shard, False), make_param(expert_shard, True)]
         sharded[1].expert_parallel = True
         norm = clip_grad_norm(sharded, 0.0, pctx, sharded_group="dp_cp")
         assert norm == pytest.approx(expected, rel=1e-6), sizes

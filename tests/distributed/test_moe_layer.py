@@ -87,7 +87,9 @@ def _check(pctx: ParallelContext, sp: bool, dispatcher: str, options: dict) -> N
     ref_outputs, ref_grads, ref_reports = _reference(pctx.dp_size, tp, sp, options)
     spec, moe = _specs(tp, sp, **options)
     layer = MoELayer(spec, moe, pctx, layer_number=1)
-    initialize_parameters(layer, 5, pctx.tp_rank, tp, pctx.ep_rank, pctx.ep_size)
+    initialize_parameters(
+        layer, 5, pctx.tp_rank, tp, pctx.ep_rank, pctx.ep_size, pctx.etp_rank, pctx.etp_size
+    )
     x, w = _data(pctx.dp_rank)
     expected = ref_outputs[pctx.dp_rank]
     if sp:

@@ -73,6 +73,16 @@ class Grid:
             groups.append(sorted(members))
         return sorted(groups)
 
+    def expert_coords_of(self, rank: int) -> dict[str, int]:
+        """The rank's place in the expert grid: etp, ep, edp (see the module docstring)."""
+        etp = self.expert_tp
+        position = rank % (self.tp * self.cp * self.dp)
+        return {
+            "etp": position % etp,
+            "ep": position // etp % self.ep,
+            "edp": position // (etp * self.ep),
+        }
+
     def expert_groups(self) -> dict[str, list[list[int]]]:
         """Groups of the expert grid (see the module docstring): "ep", "expert_dp" and
         "expert_tp", each a list of rank lists."""

@@ -99,11 +99,14 @@ def initialize_parameters(
     tp_size: int,
     ep_rank: int = 0,
     ep_size: int = 1,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
 ) -> None:
     """Fill every parameter marked by `set_tensor_parallel_attributes`: draw the full tensor on
     the CPU in float32 from its own generator, keep this rank's slice, copy it in. Expert weights
-    (`expert_parallel = True`, experts along dim 0) are drawn for all experts and this
-    expert-parallel rank keeps its block of them."""
+    (`expert_parallel = True`, experts along dim 0) are drawn for all experts; this
+    expert-parallel rank keeps its block of them, split over the expert-tensor-parallel ranks
+    (`etp_rank`, `etp_size`; default the tensor-parallel ones)."""
     for name, param in module.named_parameters():
         kind = getattr(param, "init", None)
         if kind is None:
@@ -114,10 +117,13 @@ def initialize_parameters(
         if kind == "zeros":
             param.zero_()
             continue
+        experts = getattr(param, "expert_parallel", False)
+        rank, size = (tp_rank, tp_size)
+        if experts and etp_size is not None:
+            rank, size = etp_rank, etp_size
         full_shape = list(param.shape)
         if param.tensor_model_parallel:
-            full_shape[param.partition_dim] *= tp_size
-        experts = getattr(param, "expert_parallel", False)
+            full_shape[param.partition_dim] *= size
         if experts:
             full_shape[0] *= ep_size
         generator = torch.Generator().manual_seed(
@@ -129,9 +135,7 @@ def initialize_parameters(
         if experts:
             full = full.chunk(ep_size, dim=0)[ep_rank]
         if param.tensor_model_parallel:
-            full = slice_for_rank(
-                full, param.partition_dim, param.partition_stride, tp_rank, tp_size
-            )
+            full = slice_for_rank(full, param.partition_dim, param.partition_stride, rank, size)
         param.copy_(full)
 
 

@@ -80,12 +80,12 @@ class GroupedExperts(nn.Module):
         device = pctx.device
         self.linear_fc1 = _Weight(torch.empty(shape1, dtype=params_dtype, device=device))
         self.linear_fc2 = _Weight(torch.empty(shape2, dtype=params_dtype, device=device))
-        split = etp > 1
+        # Split over expert-tp (a group of one with etp = 1), like the dense MLP over tp.
         set_tensor_parallel_attributes(
-            self.linear_fc1.weight, split, 1, 2 if swiglu else 1, "normal", init_std
+            self.linear_fc1.weight, True, 1, 2 if swiglu else 1, "normal", init_std
         )
         set_tensor_parallel_attributes(
-            self.linear_fc2.weight, split, 2, 1, "normal", output_init_std
+            self.linear_fc2.weight, True, 2, 1, "normal", output_init_std
         )
         for param in self.parameters():
             param.expert_parallel = True
