@@ -146,3 +146,24 @@ def test_grouped_gemm_equals_loop() -> None:
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_recomputed_layer_records_and_attaches_once() -> None:
+    """With activation recomputation the forward runs twice: the statistics are counted and the
+    auxiliary losses back-propagated once, giving the plain layer's gradients."""
+    from gigatron.parallel.random import recompute
+
+    spec, moe = _specs(1, False)
+    x, w = _data(0)
+    grads, rows = [], []
+    for checkpointed in (False, True):
+        layer = MoELayer(spec, moe, ParallelContext.single(), 1)
+        initialize_parameters(layer, 5, 0, 1)
+        inputs = x.clone().requires_grad_(True)
+        y = recompute(layer, inputs) if checkpointed else layer(inputs)
+        (y * w).sum().backward()
+        grads.append([p.grad for p in layer.parameters()] + [inputs.grad])
+        rows.append(layer.router.stats.pop())
+    torch.testing.assert_close(rows[0], rows[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

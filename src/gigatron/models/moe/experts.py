@@ -42,13 +42,14 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
-        w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
-        offsets = torch.tensor([2, 4], device=device, dtype=torch.int32)
-        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
-        y.backward(torch.ones_like(y))
-        return bool(torch.allclose(y.float(), torch.full_like(y.float(), 8.0)))
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        with torch.enable_grad():
+            x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+            offsets = torch.tensor([2, 4], device=device, dtype=torch.int32)
+            y = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+            y.backward(torch.ones_like(y))
+            return bool(torch.allclose(y.float(), torch.full_like(y.float(), 8.0)))
+    except Exception:  # noqa: BLE001 - any failure means: not here
         return False
 
 
@@ -90,29 +91,22 @@ class GroupedExperts(nn.Module):
         for param in self.parameters():
             param.expert_parallel = True
         self.use_grouped_gemm = grouped_gemm
-        # Decided at the first forward, when device and dtype are final (see `grouped_gemm_used`).
-        self._grouped_ok: bool | None = None
+        # Probed here, not in forward: a probe inside a checkpointed forward would save tensors
+        # that its recomputation does not.
+        self.grouped_gemm_used = grouped_gemm and self._grouped_gemm_available()
 
-    @property
-    def grouped_gemm_used(self) -> bool | None:
-        """Whether the grouped GEMM computed the last forward (None before the first one)."""
-        return self._grouped_ok if self.use_grouped_gemm else False
-
-    def _can_group(self, x: torch.Tensor) -> bool:
-        if not self.use_grouped_gemm:
+    def _grouped_gemm_available(self) -> bool:
+        w1 = self.linear_fc1.weight
+        if w1.device.type == "meta":
             return False
-        if self._grouped_ok is None:
-            w1 = self.linear_fc1.weight
-            # Strides must be multiples of 16 bytes.
-            aligned = all(
-                (d * w1.element_size()) % 16 == 0 for d in (*w1.shape[1:], w1.shape[1] // 2)
-            )
-            self._grouped_ok = aligned and grouped_mm_supported(w1.device, w1.dtype)
-        return self._grouped_ok
+        # Strides must be multiples of 16 bytes.
+        sizes = (w1.shape[1], w1.shape[2], self.linear_fc2.weight.shape[2])
+        aligned = all(size * w1.element_size() % 16 == 0 for size in sizes)
+        return aligned and grouped_mm_supported(w1.device, w1.dtype)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        if self._can_group(x) and x.shape[0] > 0:
+        if self.grouped_gemm_used and x.shape[0] > 0:
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             h = _ContiguousGrad.apply(torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets))
             h = self._activation(h)

@@ -71,16 +71,17 @@ class TopKRouter(nn.Module):
         """tokens [T, h] (sequence-major: T = s x `num_sequences`) -> (probs [T, E],
         routing_map [T, E])."""
         moe = self.moe
-        # Statistics and auxiliary losses belong to training passes, counted once (not again
-        # when a checkpointed forward is recomputed in backward).
-        recording = self.training and torch.is_grad_enabled() and not in_backward_pass()
+        # Auxiliary losses belong to training passes. A checkpointed forward recomputed in
+        # backward must rebuild the same graph, but its statistics are not counted again.
+        training = self.training and torch.is_grad_enabled()
+        recording = training and not in_backward_pass()
         if moe.input_jitter_eps is not None and self.training:
             eps = moe.input_jitter_eps
             tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
         dtype = moe.router_dtype or tokens.dtype
         logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
-        if moe.z_loss_coeff is not None and recording:
-            logits = self._apply_z_loss(logits)
+        if moe.z_loss_coeff is not None and training:
+            logits = self._apply_z_loss(logits, recording)
 
         if moe.load_balancing_type == "sinkhorn":
             probs, routing_map = routing.sinkhorn_routing(logits, moe.topk, self.training)
@@ -102,8 +103,8 @@ class TopKRouter(nn.Module):
             probs, routing_map = routing.apply_capacity(
                 probs, routing_map, capacity, moe.drop_policy, moe.pad_to_capacity
             )
-        if moe.aux_loss_name is not None and recording:
-            probs = self._apply_load_balancing_loss(logits, probs, num_sequences)
+        if moe.aux_loss_name is not None and training:
+            probs = self._apply_load_balancing_loss(logits, probs, num_sequences, recording)
         if recording:
             self.stats.add_routing(routing_map, tokens.shape[0] * moe.topk)
             if self.local_tokens_per_expert is not None:
@@ -116,10 +117,11 @@ class TopKRouter(nn.Module):
         # later: weigh by this micro-batch's tokens (all of the token group's) to compensate.
         return num_tokens * self.token_group_size if self.moe.per_token_loss else 1
 
-    def _apply_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+    def _apply_z_loss(self, logits: torch.Tensor, recording: bool) -> torch.Tensor:
         # The mean over the whole micro-batch is the average of the group's equal-size shares.
         share = routing.z_loss(logits) / self.token_group_size
-        self.stats.add_loss("z_loss", share)
+        if recording:
+            self.stats.add_loss("z_loss", share)
         weight = self.moe.z_loss_coeff * self._per_token_factor(logits.shape[0])
         return attach_aux_loss(logits, share * weight, self.aux_loss_scale)
 
@@ -130,7 +132,7 @@ class TopKRouter(nn.Module):
         return tensor
 
     def _apply_load_balancing_loss(
-        self, logits: torch.Tensor, probs: torch.Tensor, num_sequences: int
+        self, logits: torch.Tensor, probs: torch.Tensor, num_sequences: int, recording: bool
     ) -> torch.Tensor:
         moe = self.moe
         routing_map, scores = routing.scores_for_aux_loss(logits, moe.topk, moe.score_function)
@@ -145,7 +147,8 @@ class TopKRouter(nn.Module):
         share = routing.load_balancing_loss(scores, counts, total, moe.topk, moe.num_experts)
         if moe.load_balancing_type == "seq_aux_loss":
             share = share / num_sequences
-        self.stats.add_loss(moe.aux_loss_name, share)
+        if recording:
+            self.stats.add_loss(moe.aux_loss_name, share)
         weight = moe.aux_loss_coeff * self._per_token_factor(num_tokens)
         return attach_aux_loss(probs, share * weight, self.aux_loss_scale)
 
