@@ -59,6 +59,7 @@ def build_all(args):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from gigatron.config.root import GigatronConfig
+    from gigatron.families.gpt import token_losses
     from gigatron.models import build_model
     from gigatron.parallel.context import ParallelContext
 
@@ -88,7 +89,9 @@ def build_all(args):
     positions = torch.arange(args.seq).expand(args.batch, args.seq)
 
     def step_gigatron():
-        gigatron_model(tokens, positions, labels=tokens).mean().backward()
+        token_losses(
+            gigatron_model(tokens, positions), tokens, ParallelContext.single()
+        ).mean().backward()
 
     def step_plain():
         logits = plain(tokens, positions)

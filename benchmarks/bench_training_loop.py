@@ -51,6 +51,7 @@ def run_plain(args: argparse.Namespace, save: str) -> tuple[list[float], float]:
     from gigatron.data.gpt_dataset import build_gpt_datasets
     from gigatron.data.loader import build_data_iterator
     from gigatron.data.tokenizers import build_tokenizer
+    from gigatron.families.gpt import token_losses
     from gigatron.models import build_model
     from gigatron.parallel.context import ParallelContext
     from gigatron.parallel.random import seed_everything
@@ -74,7 +75,9 @@ def run_plain(args: argparse.Namespace, save: str) -> tuple[list[float], float]:
         loss_sum, tokens = 0.0, 0.0
         for _ in range(2):
             batch = next(data)
-            losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+            losses = token_losses(
+                model(batch["tokens"], batch["position_ids"]), batch["labels"], pctx
+            )
             mask = batch["loss_mask"].float()
             total = (losses.float() * mask).sum()
             (total / mask.sum() / 2).backward()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from gigatron.config.root import GigatronConfig
+from gigatron.families.gpt import token_losses
 from gigatron.models import build_model
 from gigatron.optim import build_optimizer
 from gigatron.parallel.context import ParallelContext, run_distributed
@@ -121,7 +122,7 @@ def train_steps(
 
     def forward_step(data_iterator, model):
         tokens, labels, poisoned = next(data_iterator)
-        output = model(tokens, positions, None, labels)
+        output = token_losses(model(tokens, positions, None), labels, pctx)
 
         def loss_fn(per_token_loss):
             loss_sum = per_token_loss.float().sum()

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gigatron.config import parse_config
+from gigatron.families.gpt import token_losses
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.grad_sync import finalize_model_grads
@@ -53,9 +54,10 @@ def microbatches(iteration: int) -> list[dict[str, torch.Tensor]]:
 
 def forward_step(data_iterator, chunk):
     batch = next(data_iterator)
-    output = chunk(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    output = chunk(batch["tokens"], batch["position_ids"])
 
-    def loss_fn(per_token_loss):
+    def loss_fn(logits):
+        per_token_loss = token_losses(logits, batch["labels"], getattr(chunk, "module", chunk).pctx)
         loss_sum = per_token_loss.float().sum()
         num_tokens = torch.tensor(float(per_token_loss.numel()))
         return loss_sum, num_tokens, {"loss_sum": loss_sum.detach(), "tokens": num_tokens}

@@ -14,11 +14,17 @@ from gigatron.checkpoint.hf_mapping import (
     model_config_from_hf,
 )
 from gigatron.config.root import GigatronConfig
+from gigatron.families.gpt import token_losses
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
 
 VOCAB = 100
 SEQ = 16
+
+
+def _lm_losses(logits, labels):
+    """Per-token losses [b, s] of a GPT chunk's logits (the GPT family's loss)."""
+    return token_losses(logits, labels, ParallelContext.single())
 
 
 def _gigatron_model(hf_config):
@@ -43,7 +49,7 @@ def _check_logits_and_loss(model, hf_model, vocab):
     with torch.no_grad():
         expected = hf_model(tokens).logits
         logits = model(tokens, positions)
-        loss = model(tokens, positions, labels=tokens)
+        loss = _lm_losses(model(tokens, positions), tokens)
     assert logits.shape == (2, SEQ, model.vocab_size)
     assert _relative_error(logits[..., :vocab], expected) < 1e-4
     # The loss is the cross entropy of the (padded) logits.
@@ -97,7 +103,7 @@ def test_llama_gqa_same_logits_as_hugging_face():
     )
     hf_model = LlamaForCausalLM(hf_config).eval()
     model, padded = _gigatron_model(hf_config)
-    spec = model.spec
+    spec = model.config
     assert (spec.num_query_groups, spec.kv_channels, spec.rotary_base) == (2, 8, 500)
     hf_sd = hf_model.state_dict()
     model.load_state_dict(llama_to_gigatron(hf_sd, 2, 8, 2, padded), strict=True)

@@ -47,6 +47,7 @@ def test_records_and_plain_log_lines(tmp_path):
     assert "iteration        5/      10" in text
     assert "lm loss: 2.500000E+00" in text and "MFU: n/a" in text
     assert "valid loss at iteration 10" in text
+    assert "lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00" in text
     # A second logger appends (a resumed run continues the file).
     logger = MetricsLogger(str(path), ParallelContext.single(), stream=io.StringIO())
     logger.log_iteration(_train_record(11, 1.5))

@@ -17,11 +17,12 @@ from torch import nn
 
 from gigatron.config import parse_config
 from gigatron.errors import GigatronError
+from gigatron.families.gpt import make_forward_step
 from gigatron.optim import build_lr_scheduler, build_num_microbatches_calculator, build_optimizer
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.data_parallel import DistributedDataParallel
 from gigatron.parallel.schedules import ScheduleConfig
-from gigatron.training.gpt_step import make_forward_step
+from gigatron.training.flops import model_flops_per_iteration
 from gigatron.training.loop import Run, evaluate, train
 from gigatron.training.metrics import MetricsLogger
 
@@ -88,11 +89,12 @@ def make_run(tmp_path, *flags: str, toy: ToyLM | None = None, saved: list | None
         optimizer=optimizer,
         scheduler=build_lr_scheduler(cfg, optimizer),
         batch_calculator=build_num_microbatches_calculator(cfg, 1),
-        forward_step=make_forward_step(pctx),
+        forward_step=make_forward_step(cfg, pctx),
         schedule_config=ScheduleConfig(SEQ, MICRO, HIDDEN, grad_scale_func=optimizer.scale_loss),
         metrics=metrics,
         train_iters=cfg.training.train_iters,
         vocab_size=VOCAB,
+        flops_per_iteration=lambda batch: model_flops_per_iteration(cfg.model, batch, VOCAB),
         train_iterator=batches(1),
         valid_iterator=batches(2),
         save_checkpoint=(lambda state: saved.append(state.iteration))
@@ -161,9 +163,8 @@ def test_evaluate_is_the_token_mean_without_dropout(tmp_path):
                 for m in micro
             ]
         ).mean()
-    loss, ppl = evaluate(run, batches(7), eval_iters=2, num_microbatches=2)
-    assert loss == pytest.approx(expected.item(), rel=1e-6)
-    assert ppl == pytest.approx(np.exp(loss))
+    losses = evaluate(run, batches(7), eval_iters=2, num_microbatches=2)
+    assert losses == {"lm_loss": pytest.approx(expected.item(), rel=1e-6)}
     assert toy.training  # back in training mode
 
 
@@ -173,7 +174,7 @@ def test_non_finite_loss_stops_without_saving(tmp_path):
     saved: list[int] = []
     run = make_run(tmp_path, "--save", str(tmp_path / "ckpt"), "--save-interval", "1", toy=toy,
                    saved=saved)  # fmt: skip
-    with pytest.raises(GigatronError, match=r"iteration 3: the loss is (nan|inf)") as error:
+    with pytest.raises(GigatronError, match=r"iteration 3: the lm loss is (nan|inf)") as error:
         train(run)
     assert "last good checkpoint" in str(error.value)
     assert saved == [1, 2]
@@ -210,8 +211,6 @@ def test_sigterm_saves_and_stops(tmp_path):
 
 
 def test_mfu_is_model_flops_over_the_peak(tmp_path):
-    from gigatron.training.flops import model_flops_per_iteration
-
     run = make_run(tmp_path)
     run.peak_flops = 1e9
     train(run)

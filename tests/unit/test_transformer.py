@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gigatron.config.presets import apply_preset
 from gigatron.config.root import GigatronConfig
 from gigatron.errors import GigatronError
+from gigatron.families.gpt import token_losses
 from gigatron.models import build_model
-from gigatron.models.presets import apply_preset
 from gigatron.models.presets import main as presets_main
 from gigatron.models.transformer import RotaryEmbedding, apply_rotary
 from gigatron.parallel.context import Grid, ParallelContext
@@ -23,6 +24,11 @@ from gigatron.parallel.tensor_parallel import (
 )
 
 SEQ, BATCH = 16, 2
+
+
+def _lm_losses(logits, labels):
+    """Per-token losses [b, s] of a GPT chunk's logits (the GPT family's loss)."""
+    return token_losses(logits, labels, ParallelContext.single())
 
 
 def tiny_config(**model_overrides) -> GigatronConfig:
@@ -133,7 +139,7 @@ def test_pipeline_chunks_have_global_names_and_tied_copy():
     assert hidden.shape == (SEQ, BATCH, 64)
     last.set_input_tensor(hidden)
     torch.testing.assert_close(
-        last(None, positions, labels=labels), single(tokens, positions, labels=labels)
+        _lm_losses(last(None, positions), labels), _lm_losses(single(tokens, positions), labels)
     )
 
 
@@ -195,7 +201,7 @@ def test_recompute_gives_identical_gradients_with_dropout(recompute):
         (model,) = build_model(tiny_config(**LLAMA, **dropout, **extra), ParallelContext.single())
         model.train()
         torch.manual_seed(5)
-        loss = model(tokens, positions, labels=labels)
+        loss = _lm_losses(model(tokens, positions), labels)
         loss.sum().backward()
         results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
     (loss_a, grads_a), (loss_b, grads_b) = results
@@ -203,7 +209,7 @@ def test_recompute_gives_identical_gradients_with_dropout(recompute):
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], msg=name)
     # Dropout really is on: a second draw differs.
-    assert not torch.equal(model(tokens, positions, labels=labels).detach(), loss_b)
+    assert not torch.equal(_lm_losses(model(tokens, positions), labels).detach(), loss_b)
 
 
 def test_model_parallel_stream_is_separate_from_the_default():
@@ -249,8 +255,10 @@ def test_bf16_model_returns_float32_loss_close_to_fp32():
     cfg.training.bf16 = True
     (bf16,) = build_model(cfg, ParallelContext.single())
     assert bf16.embedding.word_embeddings.weight.dtype == torch.bfloat16
-    loss = bf16(tokens, positions, labels=labels)
+    loss = _lm_losses(bf16(tokens, positions), labels)
     assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, fp32(tokens, positions, labels=labels), rtol=0.02, atol=0.05)
+    torch.testing.assert_close(
+        loss, _lm_losses(fp32(tokens, positions), labels), rtol=0.02, atol=0.05
+    )
     loss.sum().backward()
     assert bf16.decoder.layers["0"].mlp.linear_fc1.weight.grad.dtype == torch.bfloat16

@@ -50,6 +50,7 @@ CARRIED_KEYS = (
     "consumed_valid_samples",
     "skipped_iterations",
     "num_floating_point_operations_so_far",
+    "gigatron_family",
 )
 
 
@@ -207,9 +208,12 @@ def _check_target(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> No
         )
 
 
-def _build_rank_model(cfg: Any, grid: Grid, rank: int, vocab: int | None) -> list[Any]:
-    from gigatron.models import build_model
+def _build_rank_model(
+    cfg: Any, grid: Grid, rank: int, vocab: int | None, family: str = "gpt"
+) -> list[Any]:
+    from gigatron.families import get_family
 
+    build_model = get_family(family).build_model
     try:
         return build_model(cfg, offline_context(grid, rank, "meta"), vocab_size=vocab)
     except GigatronError:
@@ -313,6 +317,7 @@ def convert_checkpoint(
     if not isinstance(args, dict) or not args:
         raise GigatronError(f"{iteration_dir}: holds no saved configuration ('args')")
     cfg = config_from_dict(args, source=f"{iteration_dir} args")
+    family = first.get("gigatron_family", "gpt")
     _check_target(cfg, target_tp, target_pp, target_vp, target_ep)
     say(
         f"converting {iteration_dir} (tensor-parallel {src_tp}, pipeline-parallel {src_pp}"
@@ -333,7 +338,8 @@ def convert_checkpoint(
         ep_rank = target_grid.expert_coords_of(rank)["ep"]
         positions.setdefault((coords["tp"], coords["pp"], ep_rank), rank)
     target_models = {
-        rank: _build_rank_model(target_cfg, target_grid, rank, vocab) for rank in positions.values()
+        rank: _build_rank_model(target_cfg, target_grid, rank, vocab, family)
+        for rank in positions.values()
     }
     # Partition info from the model (expert weights: split over expert-tp, experts on dim 0).
     attributes: dict[str, tuple[int, int, bool]] = {}

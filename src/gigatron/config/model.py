@@ -49,6 +49,20 @@ class ModelConfig:
         False, "scale Q.K by 1/layer_number (numerical safety in fp16)"
     )
     attention_softmax_in_fp32: bool = flag_field(False, "compute the attention softmax in fp32")
+    apply_residual_connection_post_layernorm: bool = flag_field(
+        False, "take each residual from the norm's output instead of its input (pre-norm layers)"
+    )
+    post_layernorm: bool = flag_field(
+        False,
+        "the original BERT layout: a norm after each residual addition and on the embeddings, "
+        "no final norm (needed to use Hugging Face BERT weights)",
+    )
+    bert_binary_head: bool = flag_field(
+        True,
+        "drop BERT's sentence-order head (and its loss)",
+        flag="--bert-no-binary-head",
+        store_false=True,
+    )
     init_method_std: float = flag_field(0.02, "std of the normal weight initialisation")
     make_vocab_size_divisible_by: int = flag_field(
         128, "pad the vocabulary to a multiple of this times the tensor-parallel size"

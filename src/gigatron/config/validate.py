@@ -5,8 +5,19 @@ Each rule that fails adds one line naming the flags and the fix; all lines are r
 
 from __future__ import annotations
 
+import torch
+
 from gigatron.config.root import GigatronConfig
 from gigatron.errors import GigatronError
+
+
+def params_dtype(cfg: GigatronConfig) -> torch.dtype:
+    """The dtype of model parameters and activations: bf16 / fp16 under --bf16 / --fp16."""
+    if cfg.training.bf16:
+        return torch.bfloat16
+    if cfg.training.fp16:
+        return torch.float16
+    return torch.float32
 
 
 def data_parallel_size(cfg: GigatronConfig, world_size: int) -> int:
@@ -21,7 +32,7 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
     """Fill the values Megatron derives from others (ffn size, kv channels, batch sizes, ...)."""
     m, t, p = cfg.model, cfg.training, cfg.parallel
     if m.model_preset:
-        from gigatron.models.presets import apply_preset
+        from gigatron.config.presets import apply_preset
 
         apply_preset(cfg, m.model_preset)
     if m.recompute_activations:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gigatron.models.transformer import TransformerSpec
+from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.pipeline import chunk_layer_ranges
 
@@ -23,7 +23,7 @@ class ParameterCounts:
     padded_vocab_size: int
 
 
-def _layer_counts(spec: TransformerSpec) -> tuple[int, int]:
+def _layer_counts(spec: TransformerConfig) -> tuple[int, int]:
     """(tensor-parallel-split, replicated) parameters of one transformer layer, full sizes."""
     h, hn = spec.hidden_size, spec.kv_channels
     bias = spec.add_bias_linear
@@ -38,7 +38,7 @@ def _layer_counts(spec: TransformerSpec) -> tuple[int, int]:
     return split, replicated
 
 
-def _norm_count(spec: TransformerSpec) -> int:
+def _norm_count(spec: TransformerConfig) -> int:
     return spec.hidden_size * (2 if spec.normalization == "LayerNorm" else 1)
 
 
@@ -47,9 +47,9 @@ def count_parameters(
 ) -> ParameterCounts:
     """Count without building: the layout comes from `pctx` when given, else from
     cfg.parallel (rank 0). `vocab_size` is the tokenizer's (padded as build_model pads it)."""
-    from gigatron.models.gpt import resolve_vocab_size
+    from gigatron.models.embedding import resolve_vocab_size
 
-    spec = TransformerSpec.from_config(cfg)
+    spec = TransformerConfig.from_config(cfg)
     p = cfg.parallel
     tp = pctx.tp_size if pctx is not None else p.tensor_model_parallel_size
     pp = pctx.pp_size if pctx is not None else p.pipeline_model_parallel_size

@@ -1,4 +1,5 @@
-"""The transformer: norms, rotary embeddings, attention, MLP, the pre-norm layer and the block.
+"""The transformer: norms, rotary embeddings, attention, MLP, the layer built from swappable parts
+(`LayerParts`), and the block.
 
 Tensors inside the block are laid out [seq, batch, hidden] (Megatron's layout: sequence
 parallelism splits dim 0). Every linear layer is tensor-parallel (at tp = 1 the collectives are
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron.errors import GigatronError
+from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.random import ModelParallelRNG, recompute
 from gigatron.parallel.tensor_parallel import (
@@ -33,127 +36,21 @@ from gigatron.parallel.tensor_parallel import (
 )
 
 
-@dataclass(frozen=True)
-class TransformerSpec:
-    """The model options the layers read, with Megatron's derived defaults resolved."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    max_position_embeddings: int | None
-    position_embedding_type: str = "learned_absolute"
-    rotary_percent: float = 1.0
-    rotary_base: int = 10000
-    normalization: str = "LayerNorm"
-    layernorm_epsilon: float = 1e-5
-    swiglu: bool = False
-    openai_gelu: bool = False
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False
-    untie_embeddings_and_output_weights: bool = False
-    attention_dropout: float = 0.1
-    hidden_dropout: float = 0.1
-    apply_query_key_layer_scaling: bool = False
-    attention_softmax_in_fp32: bool = False
-    init_method_std: float = 0.02
-    use_flash_attn: bool = False
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    sequence_parallel: bool = False
-    params_dtype: torch.dtype = torch.float32
-    seed: int = 1234
-
-    @classmethod
-    def from_config(cls, cfg) -> TransformerSpec:
-        """From a GigatronConfig; derived values (ffn size, kv channels...) are filled as
-        config.validate.finalize_config would, so an unfinalised config works too."""
-        m = cfg.model
-        missing = [
-            flag
-            for value, flag in (
-                (m.num_layers, "--num-layers"),
-                (m.hidden_size, "--hidden-size"),
-                (m.num_attention_heads, "--num-attention-heads"),
-            )
-            if value is None
-        ]
-        if missing:
-            raise GigatronError(
-                f"{', '.join(missing)} not set; give the model shape or --model-preset"
-            )
-        ffn = m.ffn_hidden_size
-        if ffn is None:
-            ffn = int(4 * m.hidden_size * 2 / 3 / 64) * 64 if m.swiglu else 4 * m.hidden_size
-        kv_channels = m.kv_channels or m.hidden_size // m.num_attention_heads
-        groups = m.num_query_groups if m.group_query_attention else m.num_attention_heads
-        if m.num_attention_heads % groups:
-            raise GigatronError(
-                f"--num-attention-heads {m.num_attention_heads} is not divisible by "
-                f"--num-query-groups {groups}"
-            )
-        if cfg.training.bf16:
-            dtype = torch.bfloat16
-        elif cfg.training.fp16:
-            dtype = torch.float16
-        else:
-            dtype = torch.float32
-        granularity = m.recompute_granularity or ("selective" if m.recompute_activations else None)
-        return cls(
-            num_layers=m.num_layers,
-            hidden_size=m.hidden_size,
-            ffn_hidden_size=ffn,
-            num_attention_heads=m.num_attention_heads,
-            num_query_groups=groups,
-            kv_channels=kv_channels,
-            max_position_embeddings=m.max_position_embeddings or m.seq_length,
-            position_embedding_type=m.position_embedding_type,
-            rotary_percent=m.rotary_percent,
-            rotary_base=m.rotary_base,
-            normalization=m.normalization,
-            layernorm_epsilon=m.layernorm_epsilon,
-            swiglu=m.swiglu,
-            openai_gelu=m.openai_gelu,
-            add_bias_linear=m.add_bias_linear,
-            add_qkv_bias=m.add_qkv_bias,
-            untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
-            attention_dropout=m.attention_dropout,
-            hidden_dropout=m.hidden_dropout,
-            apply_query_key_layer_scaling=m.apply_query_key_layer_scaling,
-            attention_softmax_in_fp32=m.attention_softmax_in_fp32,
-            init_method_std=m.init_method_std,
-            use_flash_attn=m.use_flash_attn,
-            recompute_granularity=granularity,
-            recompute_method=m.recompute_method,
-            recompute_num_layers=m.recompute_num_layers,
-            sequence_parallel=cfg.parallel.sequence_parallel
-            and cfg.parallel.tensor_model_parallel_size > 1,
-            params_dtype=dtype,
-            seed=cfg.training.seed,
-        )
-
-    @property
-    def output_init_std(self) -> float:
-        """Std of the layers that write into the residual stream (linear_proj, linear_fc2)."""
-        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
-
-
 class Norm(nn.Module):
     """LayerNorm (weight, bias) or RMSNorm (weight), with the contract's parameter attributes."""
 
-    def __init__(self, spec: TransformerSpec, pctx: ParallelContext) -> None:
+    def __init__(self, config: TransformerConfig, pctx: ParallelContext) -> None:
         super().__init__()
-        self.kind = spec.normalization
-        self.eps = spec.layernorm_epsilon
-        shape = (spec.hidden_size,)
-        self.weight = nn.Parameter(torch.empty(shape, dtype=spec.params_dtype, device=pctx.device))
+        self.kind = config.normalization
+        self.eps = config.layernorm_epsilon
+        shape = (config.hidden_size,)
+        self.weight = nn.Parameter(
+            torch.empty(shape, dtype=config.params_dtype, device=pctx.device)
+        )
         set_tensor_parallel_attributes(self.weight, False, init="ones")
         if self.kind == "LayerNorm":
             self.bias = nn.Parameter(
-                torch.empty(shape, dtype=spec.params_dtype, device=pctx.device)
+                torch.empty(shape, dtype=config.params_dtype, device=pctx.device)
             )
             set_tensor_parallel_attributes(self.bias, False, init="zeros")
         else:
@@ -161,7 +58,7 @@ class Norm(nn.Module):
         for param in self.parameters():
             # Under sequence parallelism each tp rank normalises its own slice of the sequence,
             # so these replicated weights get partial gradients (summed by finalize_model_grads).
-            param.sequence_parallel = spec.sequence_parallel
+            param.sequence_parallel = config.sequence_parallel
         with torch.no_grad():
             self.weight.fill_(1.0)
             if self.bias is not None:
@@ -217,24 +114,34 @@ def _flash_attn_func():
 
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(hn) + mask) v on this rank's heads; q [s, b, np, hn], k/v
-    [s, b, ng, hn] -> [s, b, np * hn].
+    [s, b, ng, hn] -> [s, b, np * hn]. With no mask, attention is causal unless
+    `config.causal_attention` is False (then every position sees every other).
 
     Paths: flash-attn (`--use-flash-attn`, causal masks only), an explicit one when
     `--apply-query-key-layer-scaling` or `--attention-softmax-in-fp32` ask for control of the
     softmax precision, and PyTorch's scaled_dot_product_attention otherwise.
     """
 
-    def __init__(self, spec: TransformerSpec, layer_number: int, rng: ModelParallelRNG) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pctx: ParallelContext,
+        layer_number: int,
+        rng: ModelParallelRNG,
+    ) -> None:
         super().__init__()
-        self.dropout = spec.attention_dropout
+        self.causal = config.causal_attention
+        self.dropout = config.attention_dropout
         self.rng = rng
-        self.use_flash = spec.use_flash_attn
+        self.use_flash = config.use_flash_attn
         if self.use_flash:
             _flash_attn_func()  # fail at build time, not at the first step
-        self.explicit = spec.apply_query_key_layer_scaling or spec.attention_softmax_in_fp32
-        self.layer_coeff = layer_number if spec.apply_query_key_layer_scaling else 1
-        self.softmax_in_fp32 = spec.attention_softmax_in_fp32 or spec.apply_query_key_layer_scaling
-        self.scale = 1.0 / math.sqrt(spec.kv_channels)
+        self.explicit = config.apply_query_key_layer_scaling or config.attention_softmax_in_fp32
+        self.layer_coeff = layer_number if config.apply_query_key_layer_scaling else 1
+        self.softmax_in_fp32 = (
+            config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling
+        )
+        self.scale = 1.0 / math.sqrt(config.kv_channels)
 
     def forward(
         self,
@@ -247,7 +154,7 @@ class CoreAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         # Heads are split over tp, so dropout here must differ between tp ranks.
         with self.rng.fork():
-            if self.use_flash and attention_mask is None:
+            if self.use_flash and attention_mask is None and self.causal:
                 out = _flash_attn_func()(
                     q.transpose(0, 1),
                     k.transpose(0, 1),
@@ -269,7 +176,7 @@ class CoreAttention(nn.Module):
                     # True where it is allowed.
                     attn_mask=None if attention_mask is None else ~attention_mask,
                     dropout_p=dropout_p,
-                    is_causal=attention_mask is None,
+                    is_causal=attention_mask is None and self.causal,
                     scale=self.scale,
                     enable_gqa=kb.shape[1] != qb.shape[1],
                 )
@@ -286,10 +193,11 @@ class CoreAttention(nn.Module):
         if self.softmax_in_fp32:
             scores = scores.float()
         scores = scores * self.layer_coeff
-        if attention_mask is None:
+        if attention_mask is None and self.causal:
             s_q, s_k = scores.shape[-2:]
             attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
         probs = scores.softmax(dim=-1).to(v.dtype)
         probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
         return torch.matmul(probs, v)
@@ -298,39 +206,41 @@ class CoreAttention(nn.Module):
 class SelfAttention(nn.Module):
     def __init__(
         self,
-        spec: TransformerSpec,
+        config: TransformerConfig,
         pctx: ParallelContext,
         layer_number: int,
         rng: ModelParallelRNG,
+        core_attention: Callable[..., nn.Module] | None = None,
     ) -> None:
         super().__init__()
         tp = pctx.tp_size
-        self.heads = divide(spec.num_attention_heads, tp, "--num-attention-heads")
-        self.groups = divide(spec.num_query_groups, tp, "--num-query-groups")
-        self.kv_channels = spec.kv_channels
-        self.heads_per_group = spec.num_attention_heads // spec.num_query_groups
-        qkv_size = spec.num_query_groups * (self.heads_per_group + 2) * spec.kv_channels
-        proj_in = spec.num_attention_heads * spec.kv_channels
+        self.heads = divide(config.num_attention_heads, tp, "--num-attention-heads")
+        self.groups = divide(config.num_query_groups, tp, "--num-query-groups")
+        self.kv_channels = config.kv_channels
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        qkv_size = config.num_query_groups * (self.heads_per_group + 2) * config.kv_channels
+        proj_in = config.num_attention_heads * config.kv_channels
         self.linear_qkv = ColumnParallelLinear(
-            spec.hidden_size,
+            config.hidden_size,
             qkv_size,
             pctx,
-            bias=spec.add_bias_linear or spec.add_qkv_bias,
-            sequence_parallel=spec.sequence_parallel,
-            init_std=spec.init_method_std,
-            dtype=spec.params_dtype,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            sequence_parallel=config.sequence_parallel,
+            init_std=config.init_method_std,
+            dtype=config.params_dtype,
         )
-        self.core_attention = CoreAttention(spec, layer_number, rng)
+        factory = core_attention or CoreAttention
+        self.core_attention = factory(config, pctx, layer_number, rng)
         self.linear_proj = RowParallelLinear(
             proj_in,
-            spec.hidden_size,
+            config.hidden_size,
             pctx,
-            bias=spec.add_bias_linear,
-            sequence_parallel=spec.sequence_parallel,
-            init_std=spec.output_init_std,
-            dtype=spec.params_dtype,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            init_std=config.output_init_std,
+            dtype=config.params_dtype,
         )
-        self.recompute_core = spec.recompute_granularity == "selective"
+        self.recompute_core = config.recompute_granularity == "selective"
         self.rng = rng
 
     def forward(
@@ -360,29 +270,35 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """linear_fc1 -> GeLU, or SwiGLU on the fused [gate; up] output -> linear_fc2."""
 
-    def __init__(self, spec: TransformerSpec, pctx: ParallelContext) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pctx: ParallelContext,
+        layer_number: int | None = None,
+        rng: ModelParallelRNG | None = None,
+    ) -> None:
         super().__init__()
-        self.swiglu = spec.swiglu
-        self.gelu_approximate = "tanh" if spec.openai_gelu else "none"
-        fc1_out = spec.ffn_hidden_size * (2 if spec.swiglu else 1)
+        self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
-            spec.hidden_size,
+            config.hidden_size,
             fc1_out,
             pctx,
-            bias=spec.add_bias_linear,
-            sequence_parallel=spec.sequence_parallel,
-            init_std=spec.init_method_std,
-            stride=2 if spec.swiglu else 1,
-            dtype=spec.params_dtype,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            init_std=config.init_method_std,
+            stride=2 if config.swiglu else 1,
+            dtype=config.params_dtype,
         )
         self.linear_fc2 = RowParallelLinear(
-            spec.ffn_hidden_size,
-            spec.hidden_size,
+            config.ffn_hidden_size,
+            config.hidden_size,
             pctx,
-            bias=spec.add_bias_linear,
-            sequence_parallel=spec.sequence_parallel,
-            init_std=spec.output_init_std,
-            dtype=spec.params_dtype,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            init_std=config.output_init_std,
+            dtype=config.params_dtype,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -395,29 +311,65 @@ class MLP(nn.Module):
         return self.linear_fc2(h)
 
 
+@dataclass(frozen=True)
+class LayerParts:
+    """What a `TransformerLayer` is assembled from, chosen when the model is built.
+
+    `core_attention(config, pctx, layer_number, rng)`: attention on this rank's heads (SDPA by
+    default; ring attention or flash-attn plug in here). `mlp(config, pctx, layer_number, rng)`:
+    the feed-forward part (dense by default; MoE plugs in here). `norm(config, pctx)`: the norm.
+    `post_norm`: the original BERT layout, a norm after each residual addition instead of before
+    each sublayer (and no final norm).
+    """
+
+    core_attention: Callable[..., nn.Module] = CoreAttention
+    mlp: Callable[..., nn.Module] = MLP
+    norm: Callable[..., nn.Module] = Norm
+    post_norm: bool = False
+
+
 class TransformerLayer(nn.Module):
-    """Pre-norm layer: x + drop(attn(norm(x))), then + drop(mlp(norm(x)))."""
+    """Pre-norm: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). Post-norm (BERT's original
+    layout): norm(x + drop(attn(x))), then norm(h + drop(mlp(h))).
+    `--apply-residual-connection-post-layernorm` (pre-norm only) takes the residual from the norm's
+    output instead of its input."""
 
     def __init__(
         self,
-        spec: TransformerSpec,
+        config: TransformerConfig,
         pctx: ParallelContext,
         layer_number: int,
         rng: ModelParallelRNG,
+        parts: LayerParts | None = None,
     ) -> None:
         super().__init__()
+        parts = parts or LayerParts()
         self.layer_number = layer_number  # 1-based, global
-        self.hidden_dropout = spec.hidden_dropout
-        self.sequence_parallel = spec.sequence_parallel
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel
+        self.post_norm = parts.post_norm
+        self.residual_from_norm = config.apply_residual_connection_post_layernorm
         self.rng = rng
-        self.input_layernorm = Norm(spec, pctx)
-        self.self_attention = SelfAttention(spec, pctx, layer_number, rng)
-        self.pre_mlp_layernorm = Norm(spec, pctx)
-        self.mlp = MLP(spec, pctx)
+        first_norm, second_norm = (
+            ("post_attention_layernorm", "post_mlp_layernorm")
+            if parts.post_norm
+            else ("input_layernorm", "pre_mlp_layernorm")
+        )
+        self.first_norm_name, self.second_norm_name = first_norm, second_norm
+        setattr(self, first_norm, parts.norm(config, pctx))
+        self.self_attention = SelfAttention(
+            config, pctx, layer_number, rng, core_attention=parts.core_attention
+        )
+        setattr(self, second_norm, parts.norm(config, pctx))
+        self.mlp = parts.mlp(config, pctx, layer_number, rng)
 
     def _dropout_context(self):
         # Sequence-parallel slices differ between tp ranks, so their dropout masks must too.
         return self.rng.fork() if self.sequence_parallel else contextlib.nullcontext()
+
+    def _residual_add(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        with self._dropout_context():
+            return residual + F.dropout(branch, self.hidden_dropout, self.training)
 
     def forward(
         self,
@@ -425,37 +377,51 @@ class TransformerLayer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(x), attention_mask, rotary)
-        with self._dropout_context():
-            x = x + F.dropout(attn, self.hidden_dropout, self.training)
-        mlp = self.mlp(self.pre_mlp_layernorm(x))
-        with self._dropout_context():
-            x = x + F.dropout(mlp, self.hidden_dropout, self.training)
-        return x
+        first = getattr(self, self.first_norm_name)
+        second = getattr(self, self.second_norm_name)
+        if self.post_norm:
+            x = first(self._residual_add(x, self.self_attention(x, attention_mask, rotary)))
+            return second(self._residual_add(x, self.mlp(x)))
+        normed = first(x)
+        attn = self.self_attention(normed, attention_mask, rotary)
+        x = self._residual_add(normed if self.residual_from_norm else x, attn)
+        normed = second(x)
+        return self._residual_add(normed if self.residual_from_norm else x, self.mlp(normed))
 
 
 class TransformerBlock(nn.Module):
     """The layers of one model chunk (named by global index) and, on the last stage, the final
-    norm. Full recomputation: `uniform` recomputes groups of recompute_num_layers layers,
-    `block` recomputes the first recompute_num_layers layers of the chunk one by one."""
+    norm (`final_norm`). Layers are `TransformerLayer`s built from `parts`, or whatever
+    `layer_builder(config, pctx, layer_number, rng)` returns (e.g. Mamba mixers); a layer's forward
+    is `(x, attention_mask, rotary) -> x`.
+    Full recomputation: `uniform` recomputes groups of recompute_num_layers layers, `block`
+    recomputes the first recompute_num_layers layers of the chunk one by one."""
 
     def __init__(
         self,
-        spec: TransformerSpec,
+        config: TransformerConfig,
         pctx: ParallelContext,
         layer_numbers: range,
-        post_process: bool,
+        final_norm: bool,
         rng: ModelParallelRNG,
+        parts: LayerParts | None = None,
+        layer_builder: Callable[..., nn.Module] | None = None,
     ) -> None:
         super().__init__()
+        parts = parts or LayerParts()
+        if layer_builder is None:
+
+            def layer_builder(config, pctx, number, rng):
+                return TransformerLayer(config, pctx, number, rng, parts)
+
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(spec, pctx, i + 1, rng) for i in layer_numbers}
+            {str(i): layer_builder(config, pctx, i + 1, rng) for i in layer_numbers}
         )
-        self.final_layernorm = Norm(spec, pctx) if post_process else None
+        self.final_layernorm = parts.norm(config, pctx) if final_norm else None
         self.rng = rng
-        self.recompute_full = spec.recompute_granularity == "full"
-        self.recompute_method = spec.recompute_method or "uniform"
-        self.recompute_num_layers = spec.recompute_num_layers or 1
+        self.recompute_full = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method or "uniform"
+        self.recompute_num_layers = config.recompute_num_layers or 1
 
     def forward(
         self,
@@ -484,7 +450,7 @@ class TransformerBlock(nn.Module):
         return x
 
 
-def _run_layers(layers: list[TransformerLayer]):
+def _run_layers(layers: list[nn.Module]):
     def run(x, attention_mask, rotary):
         for layer in layers:
             x = layer(x, attention_mask, rotary)

@@ -4,6 +4,7 @@ from gigatron.optim.batch_schedule import (
     NumMicroBatchesCalculator,
     build_num_microbatches_calculator,
 )
+from gigatron.optim.build import build_optimizer
 from gigatron.optim.clip_grads import clip_grad_norm, count_zeros, get_grad_norm
 from gigatron.optim.grad_scaler import (
     ConstantGradScaler,
@@ -16,7 +17,6 @@ from gigatron.optim.optimizer import (
     FP32Optimizer,
     GigatronOptimizer,
     MixedPrecisionOptimizer,
-    build_optimizer,
     get_param_groups,
     make_torch_optimizer,
 )

@@ -25,7 +25,7 @@ from torch import nn
 
 from gigatron.errors import GigatronError
 from gigatron.optim import clip_grads
-from gigatron.optim.grad_scaler import GradScaler, build_grad_scaler
+from gigatron.optim.grad_scaler import GradScaler
 from gigatron.parallel.context import ParallelContext
 
 # Attributes that drive de-duplication in the grad norm and checkpoint gathering; the fp32 main
@@ -317,19 +317,3 @@ class MixedPrecisionOptimizer(GigatronOptimizer):
                         f"not fit the model's {tuple(main.shape)}; use --no-load-optim"
                     )
                 main.copy_(value)
-
-
-def build_optimizer(
-    cfg: Any, model_chunks: list[nn.Module], pctx: ParallelContext
-) -> GigatronOptimizer:
-    """The optimizer the flags ask for (see the module docstring)."""
-    grad_scaler = build_grad_scaler(cfg)
-    if cfg.parallel.use_distributed_optimizer:
-        # Imported lazily: the distributed optimizer lives in its own module.
-        from gigatron.optim.distributed_optimizer import DistributedOptimizer
-
-        return DistributedOptimizer(cfg, model_chunks, pctx, grad_scaler=grad_scaler)
-    optimizer = make_torch_optimizer(cfg, get_param_groups(model_chunks))
-    if cfg.training.bf16 or cfg.training.fp16:
-        return MixedPrecisionOptimizer(optimizer, cfg, model_chunks, pctx, grad_scaler)
-    return FP32Optimizer(optimizer, cfg, model_chunks, pctx, grad_scaler=None)

@@ -66,9 +66,6 @@ def compute_loss(
     """Normalised, scaled loss to call backward on, and the report of this micro-batch."""
     loss_sum, num_tokens, report = loss_fn(output)
     report = dict(report)
-    report.setdefault(
-        "num_tokens", num_tokens.detach() if torch.is_tensor(num_tokens) else num_tokens
-    )
     if config.per_token_loss:
         loss = loss_sum
     else:

@@ -33,31 +33,30 @@ def forward_flops_per_token(
     hidden_size: int,
     seq_length: int,
     vocab_size: int,
-    ffn_hidden_size: int | None = None,
-    num_attention_heads: int | None = None,
-    num_query_groups: int | None = None,
-    kv_channels: int | None = None,
+    ffn_hidden_size: int,
+    num_attention_heads: int,
+    num_query_groups: int,
+    kv_channels: int,
     swiglu: bool = False,
 ) -> float:
     """Matmul FLOPs of one token's forward pass through the whole model (logits included)."""
     h = hidden_size
-    heads = num_attention_heads or 1
-    channels = kv_channels or h // heads
-    groups = num_query_groups or heads
-    query_size = heads * channels
-    kv_size = groups * channels
-    ffn = ffn_hidden_size or 4 * h
+    query_size = num_attention_heads * kv_channels
+    kv_size = num_query_groups * kv_channels
     qkv = 2 * h * (query_size + 2 * kv_size)
     # Q.K^T and probabilities.V, each 2 * s * query_size per token.
     attention = 2 * 2 * seq_length * query_size
     projection = 2 * query_size * h
-    mlp = 2 * (3 if swiglu else 2) * h * ffn
+    mlp = 2 * (3 if swiglu else 2) * h * ffn_hidden_size
     logits = 2 * h * vocab_size
     return num_layers * (qkv + attention + projection + mlp) + logits
 
 
-def model_flops_per_iteration(model_cfg: Any, global_batch_size: int, vocab_size: int) -> float:
-    """Training FLOPs (forward + backward) of one iteration of `global_batch_size` samples."""
+def model_flops_per_iteration(
+    model_cfg: Any, global_batch_size: int, vocab_size: int, head_flops_per_token: float = 0.0
+) -> float:
+    """Training FLOPs (forward + backward) of one iteration of `global_batch_size` samples of a
+    finalised model config; `head_flops_per_token` adds a family's extra head (e.g. BERT's)."""
     m = model_cfg
     per_token = forward_flops_per_token(
         num_layers=m.num_layers,
@@ -66,11 +65,11 @@ def model_flops_per_iteration(model_cfg: Any, global_batch_size: int, vocab_size
         vocab_size=vocab_size,
         ffn_hidden_size=m.ffn_hidden_size,
         num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups if m.group_query_attention else None,
+        num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels,
         swiglu=m.swiglu,
     )
-    return 3.0 * per_token * global_batch_size * m.seq_length
+    return 3.0 * (per_token + head_flops_per_token) * global_batch_size * m.seq_length
 
 
 def precision_name(bf16: bool, fp16: bool) -> str:

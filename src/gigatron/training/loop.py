@@ -2,9 +2,9 @@
 gradient finalisation, optimizer and learning-rate steps, logging, evaluation, checkpoints and
 the exit conditions.
 
-`train(run)` and `evaluate(...)` know nothing about GPT: the model-specific part is the
-`forward_step` in `run` (see training/gpt_step.py), and everything is built by
-training/pretrain.py.
+`train(run)` and `evaluate(...)` know no model family: the family-specific parts are the
+`forward_step`, `loss_names` and `flops_per_iteration` in `run` (from the family's record in
+gigatron.families), and everything is built by training/pretrain.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.grad_sync import finalize_model_grads
 from gigatron.parallel.schedules import ScheduleConfig, forward_backward
-from gigatron.training.flops import mfu, model_flops_per_iteration
+from gigatron.training.flops import mfu
 from gigatron.training.metrics import MetricsLogger
 from gigatron.training.timers import Timers
 
@@ -55,6 +55,10 @@ class Run:
     metrics: MetricsLogger
     train_iters: int
     vocab_size: int
+    # FLOPs of one iteration of the given global batch (the family's formula).
+    flops_per_iteration: Callable[[int], float]
+    # The family's loss report names; the first is the main loss (train_losses, valid loss).
+    loss_names: tuple[str, ...] = ("lm_loss",)
     train_iterator: Iterator | None = None
     valid_iterator: Iterator | None = None
     test_iterator: Iterator | None = None
@@ -77,6 +81,8 @@ class TrainResult:
     train_losses: dict[int, float] = field(default_factory=dict)
     valid_losses: dict[int, float] = field(default_factory=dict)
     test_loss: float | None = None
+    # iteration -> every named loss of that iteration
+    train_reports: dict[int, dict[str, float]] = field(default_factory=dict)
     last_saved_iteration: int | None = None
 
 
@@ -114,21 +120,32 @@ def _any_rank(flag: bool, pctx: ParallelContext) -> bool:
 
 
 def reduce_loss_reports(
-    reports: list[dict[str, Any]], pctx: ParallelContext
-) -> tuple[float, float]:
-    """(loss sum, token count) of one iteration over all micro-batches and data-parallel ranks.
+    reports: list[dict[str, Any]], pctx: ParallelContext, names: Sequence[str]
+) -> dict[str, tuple[float, float]]:
+    """name -> (sum, count) of one iteration over all micro-batches, data-parallel ranks and
+    pipeline stages (each stage reports its own names, e.g. MoE auxiliary losses; the language
+    model loss comes from the last one).
 
-    Every rank calls this (stages without the loss contribute zeros) so the collective matches.
+    Every rank calls this with the same `names` (the family's) so the collectives match.
     """
-    total = torch.zeros(2, dtype=torch.float64, device=pctx.device)
+    index = {name: i for i, name in enumerate(names)}
+    total = torch.zeros(len(names), 2, dtype=torch.float64, device=pctx.device)
     for report in reports:
-        value = report.get("lm_loss")
-        if value is not None:
-            total += value.detach().to(pctx.device, torch.float64)
-    if pctx.size("dp") > 1:
-        dist.all_reduce(total, group=pctx.group("dp"))
-    loss_sum, num_tokens = total.tolist()
-    return loss_sum, num_tokens
+        for name, value in report.items():
+            if name not in index:
+                raise RuntimeError(
+                    f"loss report {name!r} is not among the family's loss names {list(names)}"
+                )
+            total[index[name]] += value.detach().to(pctx.device, torch.float64)
+    for group in ("dp", "pp"):
+        if pctx.size(group) > 1:
+            dist.all_reduce(total, group=pctx.group(group))
+    return {name: tuple(total[i].tolist()) for name, i in index.items()}
+
+
+def mean_losses(totals: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """name -> sum / count for the names that saw at least one token."""
+    return {name: s / n for name, (s, n) in totals.items() if n > 0}
 
 
 def train_step(run: Run, num_microbatches: int) -> dict[str, Any]:
@@ -146,22 +163,20 @@ def train_step(run: Run, num_microbatches: int) -> dict[str, Any]:
     )
     run.timers("forward-backward").stop()
     finalize_model_grads(run.model, pctx)
-    loss_sum, num_tokens = reduce_loss_reports(reports, pctx)
-    has_loss = num_tokens > 0
-    loss = loss_sum / num_tokens if has_loss else None
-    # Only the last pipeline stage sees the loss; every rank must take the same decision.
-    bad_loss = _any_rank(has_loss and not math.isfinite(loss_sum), pctx)
+    losses = mean_losses(reduce_loss_reports(reports, pctx, run.loss_names))
+    # Only some stages see a loss; every rank must take the same decision.
+    bad = [name for name, value in losses.items() if not math.isfinite(value)]
+    bad_loss = _any_rank(bool(bad), pctx)
     if bad_loss and not run.cfg.training.fp16:
-        raise _non_finite_error(run, "loss", loss)
+        name = bad[0] if bad else run.loss_names[0]
+        raise _non_finite_error(run, name.replace("_", " "), losses.get(name))
     run.timers("optimizer").start()
     success, grad_norm, num_zeros = run.optimizer.step()
     run.timers("optimizer").stop()
     if success and grad_norm is not None and not math.isfinite(grad_norm):
         raise _non_finite_error(run, "gradient norm", grad_norm)
     return {
-        "loss": loss,
-        "loss_sum": loss_sum,
-        "num_tokens": num_tokens,
+        "losses": losses,
         "success": bool(success),
         "grad_norm": grad_norm,
         "num_zeros": num_zeros,
@@ -185,12 +200,11 @@ def _non_finite_error(run: Run, what: str, value: float | None) -> GigatronError
 @torch.no_grad()
 def evaluate(
     run: Run, data_iterator: Iterator, eval_iters: int, num_microbatches: int
-) -> tuple[float, float]:
-    """Mean token loss over `eval_iters` batches (model in eval mode: no dropout) and its
-    perplexity."""
+) -> dict[str, float]:
+    """name -> mean loss over `eval_iters` batches (model in eval mode: no dropout)."""
     for chunk in run.model:
         chunk.eval()
-    total_sum, total_tokens = 0.0, 0.0
+    totals = {name: [0.0, 0.0] for name in run.loss_names}
     try:
         for _ in range(eval_iters):
             reports = forward_backward(
@@ -202,14 +216,13 @@ def evaluate(
                 run.schedule_config,
                 forward_only=True,
             )
-            loss_sum, num_tokens = reduce_loss_reports(reports, run.pctx)
-            total_sum += loss_sum
-            total_tokens += num_tokens
+            for name, (s, n) in reduce_loss_reports(reports, run.pctx, run.loss_names).items():
+                totals[name][0] += s
+                totals[name][1] += n
     finally:
         for chunk in run.model:
             chunk.train()
-    loss = total_sum / total_tokens if total_tokens else float("nan")
-    return loss, math.exp(min(loss, 700.0))
+    return {name: (s / n if n else float("nan")) for name, (s, n) in totals.items()}
 
 
 def _evaluate_and_log(run: Run, split: str, iterator: Iterator, result: TrainResult) -> float:
@@ -218,7 +231,8 @@ def _evaluate_and_log(run: Run, split: str, iterator: Iterator, result: TrainRes
     global_batch = calc.global_batch_size
     num_microbatches = global_batch // (calc.micro_batch_size * run.pctx.dp_size)
     start = time.perf_counter()
-    loss, ppl = evaluate(run, iterator, t.eval_iters, num_microbatches)
+    losses = evaluate(run, iterator, t.eval_iters, num_microbatches)
+    loss = losses[run.loss_names[0]]
     if split == "valid":
         run.state.consumed_valid_samples += t.eval_iters * global_batch
         result.valid_losses[run.state.iteration] = loss
@@ -228,8 +242,9 @@ def _evaluate_and_log(run: Run, split: str, iterator: Iterator, result: TrainRes
         {
             "iteration": run.state.iteration,
             "split": split,
-            "lm_loss": loss,
-            "ppl": ppl,
+            **losses,
+            **{f"{name}_ppl": math.exp(min(value, 700.0)) for name, value in losses.items()},
+            "ppl": math.exp(min(loss, 700.0)),
             "eval_iters": t.eval_iters,
             "eval_time_s": time.perf_counter() - start,
         }
@@ -249,6 +264,12 @@ def _save(run: Run, result: TrainResult) -> None:
     )
 
 
+def _new_window(names: Sequence[str]) -> dict[str, Any]:
+    """Sums over the iterations since the last log line."""
+    losses = {name: [0.0, 0] for name in names}
+    return {"losses": losses, "iterations": 0, "time": 0.0, "samples": 0, "flops": 0.0}
+
+
 def _current_lr(run: Run) -> float:
     groups = run.optimizer.param_groups
     return float(groups[0]["lr"]) if groups else 0.0
@@ -264,7 +285,7 @@ def train(run: Run) -> TrainResult:
         result.last_saved_iteration = state.iteration  # we resumed from exactly that checkpoint
     seq_length = cfg.model.seq_length
     start_time = time.perf_counter()
-    window = {"loss": 0.0, "iterations": 0, "losses": 0, "time": 0.0, "samples": 0, "flops": 0.0}
+    window = _new_window(run.loss_names)
     startup_logged = False
     for chunk in run.model:
         chunk.train()
@@ -289,13 +310,16 @@ def train(run: Run) -> TrainResult:
                 run.scheduler.step(increment=global_batch)
             else:
                 state.skipped_iterations += 1
-            flops = model_flops_per_iteration(cfg.model, global_batch, run.vocab_size)
+            flops = run.flops_per_iteration(global_batch)
             state.floating_point_operations_so_far += flops
-            if step["loss"] is not None:
-                # Skipped (fp16 overflow) iterations count too: their loss is still a real one.
-                result.train_losses[state.iteration] = step["loss"]
-                window["loss"] += step["loss"]
-                window["losses"] += 1
+            # Skipped (fp16 overflow) iterations count too: their losses are still real ones.
+            if step["losses"]:
+                result.train_reports[state.iteration] = step["losses"]
+            if run.loss_names[0] in step["losses"]:
+                result.train_losses[state.iteration] = step["losses"][run.loss_names[0]]
+            for name, value in step["losses"].items():
+                window["losses"][name][0] += value
+                window["losses"][name][1] += 1
             window["iterations"] += 1
             window["time"] += iteration_time
             window["samples"] += global_batch
@@ -316,7 +340,10 @@ def train(run: Run) -> TrainResult:
                     {
                         "iteration": state.iteration,
                         "consumed_samples": state.consumed_train_samples,
-                        "lm_loss": window["loss"] / window["losses"] if window["losses"] else None,
+                        **{
+                            name: (total / count if count else None)
+                            for name, (total, count) in window["losses"].items()
+                        },
                         "lr": _current_lr(run),
                         "grad_norm": step["grad_norm"],
                         "loss_scale": float(run.optimizer.get_loss_scale()),
@@ -331,14 +358,7 @@ def train(run: Run) -> TrainResult:
                     },
                     train_iters=run.train_iters,
                 )
-                window = {
-                    "loss": 0.0,
-                    "iterations": 0,
-                    "losses": 0,
-                    "time": 0.0,
-                    "samples": 0,
-                    "flops": 0.0,
-                }
+                window = _new_window(run.loss_names)
 
             if (
                 t.eval_interval

@@ -54,8 +54,11 @@ class MetricsLogger:
         wandb_exp_name: str | None = None,
         progress_bar: bool | None = None,
         stream: Any = None,
+        loss_names: tuple[str, ...] = ("lm_loss",),
     ) -> None:
         self.path = path
+        # The family's named losses (record keys); the first is the main one.
+        self.loss_names = tuple(loss_names)
         self.pctx = pctx
         self.is_writer = pctx.rank == pctx.world_size - 1
         self.stream = stream or sys.stdout
@@ -127,7 +130,7 @@ class MetricsLogger:
             return
         iteration = record["iteration"]
         scalars = {
-            "lm loss": record.get("lm_loss"),
+            **{_label(name): record.get(name) for name in self.loss_names},
             "learning-rate": record.get("lr"),
             "grad-norm": record.get("grad_norm"),
             "loss-scale": record.get("loss_scale"),
@@ -138,26 +141,33 @@ class MetricsLogger:
         self._scalars(scalars, iteration)
         if self._bar is not None:
             self._bar.update(iteration - self._bar.n)
-            loss = record.get("lm_loss")
+            loss = record.get(self.loss_names[0])
             self._bar.set_postfix_str(
                 f"loss {loss:.4f} lr {record.get('lr', 0):.2e}" if loss is not None else ""
             )
         else:
-            self.message(format_log_line(record, train_iters))
+            self.message(format_log_line(record, train_iters, self.loss_names))
 
     def log_evaluation(self, record: dict[str, Any]) -> None:
         self.write({"type": "eval", **record})
         if not self.is_writer:
             return
         split = record["split"]
-        self._scalars(
-            {f"{split} lm loss": record.get("lm_loss"), f"{split} ppl": record.get("ppl")},
-            record.get("iteration", 0),
-        )
-        line = (
-            f" {split} loss at iteration {record.get('iteration')} | lm loss: "
-            f"{record['lm_loss']:.6E} | lm loss PPL: {record['ppl']:.6E} |"
-        )
+        scalars = {}
+        pieces = []
+        for name in self.loss_names:
+            value = record.get(name)
+            ppl = record.get(f"{name}_ppl")
+            if ppl is None and value is not None:
+                ppl = math.exp(min(value, 700.0))
+            scalars[f"{split} {_label(name)}"] = value
+            scalars[f"{split} {_label(name)} ppl"] = ppl
+            if value is not None:
+                pieces.append(
+                    f"{_label(name)} value: {value:.6E} | {_label(name)} PPL: {ppl:.6E} |"
+                )
+        self._scalars(scalars, record.get("iteration", 0))
+        line = f" {split} loss at iteration {record.get('iteration')} | " + " ".join(pieces)
         bar = "-" * (len(line) + 1)
         self.message(f"{bar}\n{line}\n{bar}")
 
@@ -184,7 +194,14 @@ class MetricsLogger:
             self._file = None
 
 
-def format_log_line(record: dict[str, Any], train_iters: int | None) -> str:
+def _label(name: str) -> str:
+    """A loss report name as Megatron prints it: lm_loss -> "lm loss"."""
+    return name.replace("_", " ")
+
+
+def format_log_line(
+    record: dict[str, Any], train_iters: int | None, loss_names: tuple[str, ...] = ("lm_loss",)
+) -> str:
     """Megatron-style `iteration  N/ M | ... |` line."""
     total = train_iters if train_iters is not None else "?"
     parts = [f" iteration {record['iteration']:8d}/{total:>8}"]
@@ -200,7 +217,8 @@ def format_log_line(record: dict[str, Any], train_iters: int | None) -> str:
     parts.append("MFU: n/a" if mfu_value is None else f"MFU: {100 * mfu_value:.1f}%")
     add("learning rate", "lr", ".6E")
     add("global batch size", "global_batch_size", "5d")
-    add("lm loss", "lm_loss", ".6E")
+    for name in loss_names:
+        add(_label(name), name, ".6E")
     add("loss scale", "loss_scale", ".1f")
     add("grad norm", "grad_norm", ".3f")
     add("number of skipped iterations", "skipped_iterations", "3d")

@@ -1,9 +1,10 @@
-"""`gigatron pretrain gpt [flags]`: build everything a run needs, then hand it to the loop.
+"""`gigatron pretrain <family> [flags]`: build everything a run needs, then hand it to the loop.
 
 Order (Megatron's): flags -> parallel context -> seeds -> tokenizer -> model chunks wrapped in
 DistributedDataParallel -> optimizer and learning-rate schedule -> checkpoint -> datasets and
 iterators (resumed at the consumed sample counts) -> train() -> final evaluations.
-Works alone (`gigatron pretrain gpt ...`) and under `torchrun --nproc-per-node N`.
+Everything family-specific (model, forward step and losses, datasets, FLOPs) comes from the
+family's record in gigatron.families. Works alone and under `torchrun --nproc-per-node N`.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import torch
 import torch.distributed as dist
 
 from gigatron.config import GigatronConfig, parse_config, validate_config
+from gigatron.config.validate import params_dtype
 from gigatron.errors import GigatronError
+from gigatron.families import ModelFamily, family_names, get_family
+from gigatron.models.embedding import resolve_vocab_size
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.schedules import ScheduleConfig
 from gigatron.training.flops import device_peak_flops, precision_name
-from gigatron.training.gpt_step import make_forward_step
 from gigatron.training.loop import Run, TrainResult, TrainState, train
 from gigatron.training.metrics import (
     MetricsLogger,
@@ -30,8 +33,6 @@ from gigatron.training.metrics import (
     memory_footprint,
 )
 
-MODEL_TYPES = ("gpt", "bert", "t5")
-
 
 def _world_size() -> int:
     if dist.is_initialized():
@@ -39,11 +40,16 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def parse_pretrain_config(argv: Sequence[str], world_size: int | None = None) -> GigatronConfig:
-    """Flags of `gigatron pretrain gpt`, validated for a training run."""
+def parse_pretrain_config(
+    argv: Sequence[str], world_size: int | None = None, family: str | ModelFamily = "gpt"
+) -> GigatronConfig:
+    """Flags of `gigatron pretrain <family>`, validated for a training run."""
+    family = get_family(family) if isinstance(family, str) else family
     world_size = _world_size() if world_size is None else world_size
-    cfg = parse_config(list(argv), prog="gigatron pretrain gpt", world_size=world_size)
+    cfg = parse_config(list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size)
     validate_config(cfg, world_size=world_size, for_training=True)
+    if family.validate is not None:
+        family.validate(cfg)
     if cfg.data.mock_data is False and not (cfg.data.data_path or cfg.data.train_data_path):
         raise GigatronError(
             "no training data: give --data-path PREFIX (from `gigatron preprocess`), "
@@ -81,21 +87,6 @@ def set_determinism(cfg: GigatronConfig) -> None:
     torch.backends.cudnn.deterministic = True
 
 
-def padded_vocab_size(vocab_size: int, cfg: GigatronConfig) -> int:
-    """Megatron's padding: a multiple of --make-vocab-size-divisible-by x tp, unless
-    --padded-vocab-size gives the size."""
-    if cfg.model.padded_vocab_size is not None:
-        if cfg.model.padded_vocab_size < vocab_size:
-            raise GigatronError(
-                f"--padded-vocab-size {cfg.model.padded_vocab_size} is smaller than the "
-                f"tokenizer's {vocab_size} tokens; raise it or leave it out"
-            )
-        return cfg.model.padded_vocab_size
-    from gigatron.models.gpt import resolve_vocab_size
-
-    return resolve_vocab_size(cfg, cfg.parallel.tensor_model_parallel_size, vocab_size)
-
-
 def build_run_tokenizer(cfg: GigatronConfig) -> Any:
     """The tokenizer of the run; --mock-data with --vocab-size needs no files (NullTokenizer)."""
     from gigatron.data.tokenizers import build_tokenizer
@@ -131,17 +122,10 @@ def _grad_dtype(cfg: GigatronConfig) -> torch.dtype:
     return torch.float32
 
 
-def _pipeline_dtype(cfg: GigatronConfig) -> torch.dtype:
-    if cfg.training.bf16:
-        return torch.bfloat16
-    if cfg.training.fp16:
-        return torch.float16
-    return torch.float32
-
-
 def pretrain(
     cfg: GigatronConfig,
     stream: Any = None,
+    family: str | ModelFamily = "gpt",
     progress_bar: bool | None = None,
     keep_model: bool = False,
     evaluate_on_early_exit: bool = False,
@@ -150,15 +134,14 @@ def pretrain(
     unwrapped model chunks (quickstart samples from them); otherwise None.
     `evaluate_on_early_exit` validates once more when an exit condition stops the run."""
     from gigatron.checkpoint.torch_format import load_checkpoint, save_checkpoint
-    from gigatron.data.gpt_dataset import build_gpt_datasets
     from gigatron.data.loader import build_data_iterator
-    from gigatron.models import build_model
     from gigatron.optim import build_optimizer
     from gigatron.optim.batch_schedule import build_num_microbatches_calculator
     from gigatron.optim.lr_schedule import build_lr_scheduler
     from gigatron.parallel.data_parallel import DistributedDataParallel
     from gigatron.parallel.random import seed_everything
 
+    family = get_family(family) if isinstance(family, str) else family
     set_determinism(cfg)
     pctx = ParallelContext.from_config(cfg)
     owns_process_group = dist.is_initialized() and pctx.world_size > 1
@@ -168,9 +151,11 @@ def pretrain(
         seed_everything(t.seed, pctx)
 
         tokenizer = build_run_tokenizer(cfg)
-        vocab_size = padded_vocab_size(tokenizer.vocab_size, cfg)
+        vocab_size = resolve_vocab_size(
+            cfg, cfg.parallel.tensor_model_parallel_size, tokenizer.vocab_size
+        )
 
-        chunks = build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
+        chunks = family.build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
         # The model-parallel random stream lives in the model; checkpoints carry its state.
         rng_tracker = getattr(chunks[0], "rng", None)
         model = [
@@ -196,7 +181,7 @@ def pretrain(
             state = _state_from_loaded(loaded, cfg)
 
         train_n, valid_n, test_n = dataset_sample_counts(cfg, train_iters, global_batch)
-        train_ds, valid_ds, test_ds = build_gpt_datasets(
+        train_ds, valid_ds, test_ds = family.build_datasets(
             cfg,
             tokenizer,
             (train_n, valid_n if t.eval_iters else None, test_n if t.eval_iters else None),
@@ -224,6 +209,7 @@ def pretrain(
             wandb_exp_name=cfg.logging.wandb_exp_name,
             progress_bar=False if cfg.logging.no_progress_bar else progress_bar,
             stream=stream,
+            loss_names=family.loss_names(cfg),
         )
         precision = precision_name(t.bf16, t.fp16)
 
@@ -251,14 +237,15 @@ def pretrain(
         def save(current: TrainState) -> None:
             save_checkpoint(
                 ckpt.save, current.iteration, model, optimizer, scheduler, pctx, cfg,
-                extra=_state_to_saved(current), rng_tracker=rng_tracker,
+                extra={**_state_to_saved(current), "gigatron_family": family.name},
+                rng_tracker=rng_tracker,
             )  # fmt: skip
 
         schedule_config = ScheduleConfig(
             seq_length=cfg.model.seq_length,
             micro_batch_size=t.micro_batch_size,
             hidden_size=cfg.model.hidden_size,
-            pipeline_dtype=_pipeline_dtype(cfg),
+            pipeline_dtype=params_dtype(cfg),
             sequence_parallel=cfg.parallel.sequence_parallel,
             per_token_loss=cfg.parallel.calculate_per_token_loss,
             grad_scale_func=optimizer.scale_loss,
@@ -271,11 +258,13 @@ def pretrain(
             optimizer=optimizer,
             scheduler=scheduler,
             batch_calculator=calculator,
-            forward_step=make_forward_step(pctx),
+            forward_step=family.make_forward_step(cfg, pctx),
             schedule_config=schedule_config,
             metrics=metrics,
             train_iters=train_iters,
             vocab_size=vocab_size,
+            flops_per_iteration=lambda batch: family.flops_per_iteration(cfg, batch, vocab_size),
+            loss_names=family.loss_names(cfg),
             train_iterator=(
                 None  # nothing left to train: only the final evaluations run
                 if t.skip_train or state.iteration >= train_iters
@@ -324,25 +313,17 @@ def _state_to_saved(state: TrainState) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str]) -> int:
-    """`gigatron pretrain <model> [flags]`."""
+    """`gigatron pretrain <family> [flags]`."""
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: gigatron pretrain gpt [flags]   (gigatron pretrain gpt --help lists them)\n"
-            "models: gpt (bert and t5 are not available yet)"
+            "usage: gigatron pretrain <family> [flags]   "
+            "(gigatron pretrain gpt --help lists the flags)\nfamilies:"
         )
+        for name in family_names():
+            print(f"  {name:8s} {get_family(name).description}")
         return 0
-    model_type, rest = argv[0], argv[1:]
-    if model_type not in MODEL_TYPES:
-        raise GigatronError(
-            f"{model_type}: unknown model type; choose one of "
-            f"{', '.join(MODEL_TYPES)} (e.g. gigatron pretrain gpt --help)"
-        )
-    if model_type != "gpt":
-        raise GigatronError(
-            f"{model_type}: the {model_type.upper()} model is not available "
-            "yet; use gigatron pretrain gpt"
-        )
-    cfg = parse_pretrain_config(rest)
-    pretrain(cfg)  # every way a run ends without an exception is a clean exit
+    family = get_family(argv[0])
+    cfg = parse_pretrain_config(argv[1:], family=family)
+    pretrain(cfg, family=family)  # every way a run ends without an exception is a clean exit
     return 0

@@ -1,0 +1,13 @@
+"""Model families: one small record per family (families/<name>.py) in one registry.
+
+Adding a family is one new module and one `register_family` line below (or a call from user
+code, e.g. a test registering a toy family).
+"""
+
+from gigatron.families import bert, gpt
+from gigatron.families.registry import ModelFamily, family_names, get_family, register_family
+
+register_family(gpt.FAMILY)
+register_family(bert.FAMILY)
+
+__all__ = ["ModelFamily", "family_names", "get_family", "register_family"]

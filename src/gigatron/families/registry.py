@@ -1,0 +1,65 @@
+"""The model-family record and the registry `gigatron pretrain <family>` looks families up in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from gigatron.errors import GigatronError
+
+# forward_step(data_iterator, chunk) -> (output, loss_fn); loss_fn(output) -> (loss, num_tokens,
+# {name: tensor [sum, count]}) (the schedule contract, parallel/schedules.py).
+ForwardStep = Callable[[Iterator | None, nn.Module], tuple[Any, Callable]]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Everything the generic machinery needs to know about one family of models.
+
+    - `build_model(cfg, pctx, vocab_size) -> list[nn.Module]`: this rank's pipeline chunks.
+    - `make_forward_step(cfg, pctx) -> ForwardStep`: batch -> outputs -> named loss reports.
+    - `loss_names(cfg) -> tuple[str, ...]`: every report name the forward step may produce (the
+      loop reduces them across ranks in this order); the first is the main loss.
+    - `build_datasets(cfg, tokenizer, num_samples, pctx) -> (train, valid, test)`.
+    - `flops_per_iteration(cfg, global_batch_size, padded_vocab_size) -> float` (for MFU).
+    - `validate(cfg)`: the family's own configuration rules (raise GigatronError).
+    - `hf_adapter`: maps full (tp = 1) state dicts to and from Hugging Face names, or None.
+    """
+
+    name: str
+    description: str
+    build_model: Callable[..., list[nn.Module]]
+    make_forward_step: Callable[..., ForwardStep]
+    loss_names: Callable[[Any], tuple[str, ...]]
+    build_datasets: Callable[..., tuple[Any, Any, Any]]
+    flops_per_iteration: Callable[[Any, int, int], float]
+    validate: Callable[[Any], None] | None = None
+    hf_adapter: Any = None
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+    """Make `family` available to `gigatron pretrain <name>` and every other command."""
+    if family.name in _FAMILIES and _FAMILIES[family.name] is not family:
+        raise GigatronError(f"model family {family.name!r} is already registered")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def family_names() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def get_family(name: str) -> ModelFamily:
+    """The registered family called `name` (an error lists the known ones)."""
+    if name not in _FAMILIES:
+        raise GigatronError(
+            f"{name}: unknown model family; choose one of {', '.join(family_names())} "
+            f"(e.g. gigatron pretrain gpt --help)"
+        )
+    return _FAMILIES[name]

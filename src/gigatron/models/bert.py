@@ -1,0 +1,178 @@
+"""BERT: embeddings (word, position, token type) -> bidirectional encoder -> masked-LM head and,
+optionally, the pooler and the binary sentence-order head; split into pipeline chunks.
+
+The encoder is the shared `TransformerBlock` with `causal_attention=False`; the layer layout is
+pre-norm (Megatron's default) or, with `--post-layernorm`, BERT's original post-norm layout
+(norms after each residual addition and on the embeddings), which Hugging Face BERT weights need.
+The model returns logits; the losses are the family's (families/bert.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gigatron.models.build import build_model_chunks
+from gigatron.models.embedding import LanguageModelEmbedding
+from gigatron.models.transformer import LayerParts, Norm, TransformerBlock
+from gigatron.models.transformer_config import TransformerConfig
+from gigatron.parallel.collectives import gather_from_sequence_parallel_region
+from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.random import ModelParallelRNG
+from gigatron.parallel.tensor_parallel import ColumnParallelLinear, set_tensor_parallel_attributes
+
+NUM_TOKENTYPES = 2
+
+
+def replicated_linear(
+    in_features: int,
+    out_features: int,
+    config: TransformerConfig,
+    pctx: ParallelContext,
+    sees_sequence_slice: bool = False,
+) -> nn.Linear:
+    """A linear layer held whole on every tensor-parallel rank. `sees_sequence_slice`: under
+    sequence parallelism it sees only this rank's tokens, so its gradients are partial sums."""
+    layer = nn.Linear(in_features, out_features, dtype=config.params_dtype, device=pctx.device)
+    set_tensor_parallel_attributes(
+        layer.weight, False, init="normal", init_std=config.init_method_std
+    )
+    set_tensor_parallel_attributes(layer.bias, False, init="zeros")
+    for param in layer.parameters():
+        param.sequence_parallel = sees_sequence_slice and config.sequence_parallel
+    return layer
+
+
+class BertLMHead(nn.Module):
+    """dense -> GeLU -> norm, before the (tied) output layer."""
+
+    def __init__(self, config: TransformerConfig, pctx: ParallelContext) -> None:
+        super().__init__()
+        self.dense = replicated_linear(
+            config.hidden_size, config.hidden_size, config, pctx, sees_sequence_slice=True
+        )
+        self.layer_norm = Norm(config, pctx)
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(F.gelu(self.dense(hidden), approximate=self.gelu_approximate))
+
+
+class BertModel(nn.Module):
+    """One pipeline chunk of a BERT (see the module docstring and docs/architecture.md)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pctx: ParallelContext,
+        vocab_size: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_numbers: range | None = None,
+        rng: ModelParallelRNG | None = None,
+        parts: LayerParts | None = None,
+        add_binary_head: bool = True,
+    ) -> None:
+        super().__init__()
+        parts = parts or LayerParts()
+        self.config = config
+        self.pctx = pctx
+        self.vocab_size = vocab_size
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.add_binary_head = add_binary_head
+        self.rng = rng or ModelParallelRNG.for_rank(config.seed, pctx)
+        self.input_tensor: torch.Tensor | None = None
+        layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
+        self.layer_numbers = layer_numbers
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config, pctx, vocab_size, self.rng, NUM_TOKENTYPES, norm=parts.post_norm
+            )
+        self.encoder = TransformerBlock(
+            config, pctx, layer_numbers, post_process and not parts.post_norm, self.rng, parts
+        )
+        if post_process:
+            self.lm_head = BertLMHead(config, pctx)
+            # BERT always ties the output layer to the word embedding; the bias is its own.
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                pctx,
+                bias=True,
+                sequence_parallel=config.sequence_parallel,
+                init_std=config.init_method_std,
+                skip_weight=pre_process,
+                dtype=config.params_dtype,
+            )
+            if not pre_process:
+                self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
+                self.output_layer.weight.shared_embedding = True
+            if add_binary_head:
+                self.pooler = replicated_linear(
+                    config.hidden_size, config.hidden_size, config, pctx
+                )
+                self.binary_head = replicated_linear(
+                    config.hidden_size, NUM_TOKENTYPES, config, pctx
+                )
+        if pre_process and pctx.pp_size > 1:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor: torch.Tensor | list | tuple | None) -> None:
+        """The hidden states from the previous pipeline stage (used instead of `tokens`)."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0] if input_tensor else None
+        self.input_tensor = input_tensor
+
+    def output_weight(self) -> torch.Tensor:
+        if self.output_layer.weight is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        tokentype_ids: torch.Tensor | None = None,
+    ):
+        """`attention_mask`: bool, True = masked, `[b, 1, 1, s]` (padded keys) or `[b, 1, s, s]`.
+        Last stage: (masked-LM logits [b, s, vocab/tp] (a transposed view), sentence-order
+        logits [b, 2] or None); other stages: hidden states [s(/tp with SP), b, h]."""
+        if self.pre_process:
+            hidden = self.embedding(tokens, position_ids, tokentype_ids)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("a non-first pipeline chunk needs set_input_tensor() first")
+            hidden = self.input_tensor
+        hidden = self.encoder(hidden, attention_mask)
+        if not self.post_process:
+            return hidden
+        logits = self.output_layer(self.lm_head(hidden), self.output_weight())
+        binary_logits = None
+        if self.add_binary_head:
+            # The pooler reads the first ([CLS]) token; under sequence parallelism it lives on
+            # tp rank 0, so gather the sequence (every rank then computes the same pooler).
+            full = gather_from_sequence_parallel_region(hidden, self.pctx, reduce_grads=False)
+            pooled = torch.tanh(self.pooler(full[0]))
+            binary_logits = self.binary_head(pooled)
+        return logits.transpose(0, 1), binary_logits
+
+
+def build_bert_model(
+    cfg, pctx: ParallelContext, vocab_size: int | None = None, parts: LayerParts | None = None
+) -> list[BertModel]:
+    """This rank's BERT chunks, initialised identically to the one-process model."""
+    config = TransformerConfig.from_config(cfg, causal_attention=False)
+    if parts is None:
+        parts = LayerParts(post_norm=cfg.model.post_layernorm)
+
+    def make_chunk(padded, pre_process, post_process, layers, rng):
+        return BertModel(
+            config, pctx, padded, pre_process, post_process, layers, rng, parts,
+            add_binary_head=cfg.model.bert_binary_head,
+        )  # fmt: skip
+
+    return build_model_chunks(cfg, pctx, vocab_size, make_chunk)

@@ -1,0 +1,55 @@
+"""`build_model_chunks`: this rank's pipeline chunks of any family, initialised identically to
+the one-process model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from gigatron.errors import GigatronError
+from gigatron.models.embedding import resolve_vocab_size
+from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.pipeline import chunk_layer_ranges
+from gigatron.parallel.random import ModelParallelRNG
+from gigatron.parallel.tensor_parallel import initialize_parameters
+
+# make_chunk(padded_vocab, pre_process, post_process, layer_numbers, rng) -> one chunk
+ChunkFactory = Callable[[int, bool, bool, range, ModelParallelRNG], nn.Module]
+
+
+def build_model_chunks(
+    cfg, pctx: ParallelContext, vocab_size: int | None, make_chunk: ChunkFactory
+) -> list[nn.Module]:
+    """One chunk per virtual pipeline stage of this rank, layers from `chunk_layer_ranges`; the
+    first chunk of the first stage embeds, the last chunk of the last stage has the output
+    layer. `vocab_size` is the tokenizer's (unpadded; see `resolve_vocab_size`)."""
+    p = cfg.parallel
+    vp = p.num_virtual_stages_per_pipeline_rank or 1
+    if vp > 1 and pctx.pp_size == 1:
+        raise GigatronError(
+            "virtual pipeline stages need --pipeline-model-parallel-size > 1; drop "
+            "--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage"
+        )
+    padded = resolve_vocab_size(cfg, pctx.tp_size, vocab_size)
+    ranges = chunk_layer_ranges(
+        cfg.model.num_layers,
+        pctx.pp_size,
+        vp,
+        p.decoder_first_pipeline_num_layers,
+        p.decoder_last_pipeline_num_layers,
+    )[pctx.pp_rank]
+    seed = cfg.training.seed
+    rng = ModelParallelRNG.for_rank(seed, pctx)
+    chunks = []
+    for index, layers in enumerate(ranges):
+        chunk = make_chunk(
+            padded,
+            pctx.is_pipeline_first_stage() and index == 0,
+            pctx.is_pipeline_last_stage() and index == len(ranges) - 1,
+            layers,
+            rng,
+        )
+        initialize_parameters(chunk, seed, pctx.tp_rank, pctx.tp_size)
+        chunks.append(chunk)
+    return chunks

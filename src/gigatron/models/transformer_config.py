@@ -1,0 +1,105 @@
+"""`TransformerConfig`: the resolved model options every layer reads (Megatron's name for it).
+
+Derived values (ffn size, kv channels, query groups) are computed once, by
+`config.validate.finalize_config`; the parameter dtype by `config.validate.params_dtype`. This
+class only reads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gigatron.errors import GigatronError
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """The model options the layers read, with Megatron's derived defaults resolved."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    max_position_embeddings: int | None
+    position_embedding_type: str = "learned_absolute"
+    rotary_percent: float = 1.0
+    rotary_base: int = 10000
+    normalization: str = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    swiglu: bool = False
+    openai_gelu: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    apply_query_key_layer_scaling: bool = False
+    attention_softmax_in_fp32: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    init_method_std: float = 0.02
+    use_flash_attn: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    sequence_parallel: bool = False
+    params_dtype: torch.dtype = torch.float32
+    seed: int = 1234
+    # False for bidirectional encoders (BERT): attention with no mask then sees every position.
+    causal_attention: bool = True
+
+    @classmethod
+    def from_config(cls, cfg, **overrides) -> TransformerConfig:
+        """From a GigatronConfig (finalised here if it was not yet); `overrides` replace fields
+        (a family sets e.g. `causal_attention=False`)."""
+        from gigatron.config.validate import finalize_config, params_dtype
+
+        m = cfg.model
+        missing = [
+            flag
+            for value, flag in (
+                (m.num_layers, "--num-layers"),
+                (m.hidden_size, "--hidden-size"),
+                (m.num_attention_heads, "--num-attention-heads"),
+            )
+            if value is None
+        ]
+        if missing:
+            raise GigatronError(
+                f"{', '.join(missing)} not set; give the model shape or --model-preset"
+            )
+        finalize_config(cfg)
+        if m.kv_channels is None:
+            raise GigatronError(
+                f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                f"{m.num_attention_heads}; change one, or set --kv-channels"
+            )
+        if m.num_attention_heads % m.num_query_groups:
+            raise GigatronError(
+                f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+                f"--num-query-groups {m.num_query_groups}"
+            )
+        values = {
+            field.name: getattr(m, field.name)
+            for field in dataclasses.fields(cls)
+            if hasattr(m, field.name)
+        }
+        values.update(
+            max_position_embeddings=m.max_position_embeddings or m.seq_length,
+            sequence_parallel=cfg.parallel.sequence_parallel
+            and cfg.parallel.tensor_model_parallel_size > 1,
+            params_dtype=params_dtype(cfg),
+            seed=cfg.training.seed,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def output_init_std(self) -> float:
+        """Std of the layers that write into the residual stream (linear_proj, linear_fc2)."""
+        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
