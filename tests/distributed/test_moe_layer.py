@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from gigatron.config.root import GigatronConfig
 from gigatron.models.moe import MoELayer, MoESpec, collect_moe_reports
-from gigatron.models.transformer import TransformerSpec
+from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.tensor_parallel import initialize_parameters, merge_partitions
 
@@ -34,7 +34,7 @@ def _specs(tp: int, sp: bool, **moe_options):
         setattr(e, key, value)
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.sequence_parallel = sp
-    return TransformerSpec.from_config(cfg), MoESpec.from_config(cfg)
+    return TransformerConfig.from_config(cfg), MoESpec.from_config(cfg)
 
 
 def _data(dp_rank: int):

@@ -11,7 +11,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
 from gigatron.config.root import GigatronConfig
 from gigatron.models.moe import MoELayer, MoESpec
-from gigatron.models.transformer import TransformerSpec
+from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 
 HIDDEN, EXPERTS, FFN = 32, 8, 16
@@ -49,7 +49,7 @@ def test_deepseek_v3_moe_block_matches_hugging_face():
     e.moe_router_topk_scaling_factor, e.moe_router_dtype = 2.5, "fp32"
     e.moe_shared_expert_intermediate_size = 2 * FFN
     layer = MoELayer(
-        TransformerSpec.from_config(cfg), MoESpec.from_config(cfg), ParallelContext.single(), 1
+        TransformerConfig.from_config(cfg), MoESpec.from_config(cfg), ParallelContext.single(), 1
     ).eval()
     shared = block.shared_experts
     weights = {

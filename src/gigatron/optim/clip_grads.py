@@ -60,15 +60,16 @@ def _has_expert_layout(pctx: ParallelContext) -> bool:
     return pctx.size("ep") > 1 or pctx.group_ranks["expert_tp"] != pctx.group_ranks["tp"]
 
 
-def _reduce_pair(
+def reduce_model_statistic(
     dense: torch.Tensor,
     expert: torch.Tensor,
     pctx: ParallelContext,
     sharded_group: str | None,
     op: Any = None,
 ) -> torch.Tensor:
-    """dense (reduced over the model group [+ sharded group]) combined with expert (reduced over
-    expert-tp x ep x pp [+ expert-dp]): their sum, or their max with op MAX."""
+    """A statistic of the whole model from this rank's dense and expert parts (1-element
+    tensors): dense reduced over the model group [+ sharded group], expert over
+    expert-tp x ep x pp [+ expert-dp]; their sum, or their max with op MAX."""
     is_max = op == dist.ReduceOp.MAX
     if not _has_expert_layout(pctx):
         total = torch.maximum(dense, expert) if is_max else dense + expert
@@ -126,8 +127,10 @@ def get_grad_norm(
     dense = _local_norm(grads, norm_type, device).to(pctx.device)
     expert = _local_norm(expert_grads, norm_type, device).to(pctx.device)
     if norm_type == float("inf"):
-        return float(_reduce_pair(dense, expert, pctx, sharded_group, dist.ReduceOp.MAX).item())
-    total = _reduce_pair(dense, expert, pctx, sharded_group)
+        return float(
+            reduce_model_statistic(dense, expert, pctx, sharded_group, dist.ReduceOp.MAX).item()
+        )
+    total = reduce_model_statistic(dense, expert, pctx, sharded_group)
     return float(total.item() ** (1.0 / norm_type))
 
 
@@ -167,7 +170,7 @@ def count_zeros(
         for g in grads:
             total += (g.numel() - torch.count_nonzero(g)).to(pctx.device)
         counts.append(total)
-    return int(_reduce_pair(*counts, pctx, sharded_group).item())
+    return int(reduce_model_statistic(*counts, pctx, sharded_group).item())
 
 
 def unscale_and_check_overflow(

@@ -14,6 +14,8 @@ Parameter names: `router.weight` (+ buffer `router.expert_bias`), `experts.linea
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ from gigatron.models.moe.experts import GroupedExperts
 from gigatron.models.moe.router import TopKRouter
 from gigatron.models.moe.shared_experts import SharedExpertMLP
 from gigatron.models.moe.spec import MoESpec
+from gigatron.models.transformer import MLP, LayerParts
 from gigatron.parallel.collectives import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -82,3 +85,20 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+
+def moe_layer_parts(cfg, parts: LayerParts | None = None) -> LayerParts | None:
+    """`parts` (default: the standard ones) with MoE layers as the MLP of the layers
+    `--moe-layer-freq` selects; `parts` unchanged for a dense model (no --num-experts)."""
+    moe = MoESpec.from_config(cfg)
+    if moe is None:
+        return parts
+    parts = parts or LayerParts()
+    dense_mlp = parts.mlp if parts.mlp is not None else MLP
+
+    def mlp(config, pctx: ParallelContext, layer_number: int, rng=None) -> nn.Module:
+        if moe.is_moe_layer(layer_number):
+            return MoELayer(config, moe, pctx, layer_number)
+        return dense_mlp(config, pctx, layer_number, rng)
+
+    return dataclasses.replace(parts, mlp=mlp)

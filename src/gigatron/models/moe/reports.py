@@ -123,6 +123,21 @@ def reports_from_table(table: torch.Tensor, layers: list[int], spec) -> dict[str
     return reports
 
 
+def report_names(spec) -> tuple[str, ...]:
+    """Every name `collect_moe_reports` may return for this MoE configuration."""
+    names = [name for name in LOSS_NAMES if _loss_enabled(spec, name)]
+    names += ["tokens_per_expert_mean", "tokens_per_expert_max", "load_imbalance"]
+    if spec.capacity_factor is not None:
+        names.append("dropped_token_fraction")
+    if spec.per_layer_logging:
+        names += [
+            f"{name}_layer_{number - 1}"
+            for name in list(names)
+            for number in spec.moe_layer_numbers
+        ]
+    return tuple(names)
+
+
 def _loss_enabled(spec, name: str) -> bool:
     if name == "z_loss":
         return spec.z_loss_coeff is not None
