@@ -13,6 +13,7 @@ import torch
 from gigatron.config.root import GigatronConfig
 from gigatron.config.validate import finalize_config
 from gigatron.families import get_family
+from gigatron.models.params import count_parameters as count_model_parameters
 from gigatron.optim import build_optimizer
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.data_parallel import DistributedDataParallel
@@ -21,6 +22,7 @@ from gigatron.parallel.random import seed_everything
 from gigatron.parallel.schedules import ScheduleConfig, forward_backward
 from gigatron.parallel.tensor_parallel import slice_for_rank
 from gigatron.training.loop import mean_losses, reduce_loss_reports
+from gigatron.training.metrics import count_active_parameters, count_parameters
 
 pytestmark = pytest.mark.distributed
 
@@ -105,6 +107,10 @@ def train(cfg: GigatronConfig, pctx: ParallelContext):
         norms.append(norm)
     params = {n: p.detach().clone() for c in model for n, p in c.module.named_parameters()}
     buffers = {n: b.clone() for c in model for n, b in c.module.named_buffers() if "bias" in n}
+    # Parameter counts, with the experts of every rank counted once.
+    params["counts"] = torch.tensor(
+        [count_parameters(model, pctx), count_active_parameters(model, pctx, 2, 8)]
+    )
     return losses, norms, first_grads, {**params, **buffers}, model
 
 
@@ -197,4 +203,6 @@ def test_expert_parallel_training_matches_single_process() -> None:
     references = {False: _reference({}), True: _reference(BIASED)}
     # The routing changes with the expert bias: the two references differ.
     assert references[False][0][-1]["lm_loss"] != references[True][0][-1]["lm_loss"]
+    analytic = count_model_parameters(_config(), VOCAB)
+    assert references[False][3]["counts"].tolist() == [analytic.total, analytic.active]
     run_distributed(_layouts, 4, references)

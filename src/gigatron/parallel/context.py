@@ -269,7 +269,7 @@ class ParallelContext:
 
     @property
     def ep_rank(self) -> int:
-        return self.group_ranks["ep"].index(self.rank)
+        return self.grid.expert_coords_of(self.rank)["ep"]
 
     @property
     def etp_size(self) -> int:
@@ -277,7 +277,7 @@ class ParallelContext:
 
     @property
     def etp_rank(self) -> int:
-        return self.group_ranks["expert_tp"].index(self.rank)
+        return self.grid.expert_coords_of(self.rank)["etp"]
 
     @property
     def dp_cp_rank(self) -> int:
