@@ -111,7 +111,9 @@ class MetricsLogger:
             params = record.get("parameters")
             per_rank = record.get("bytes_per_rank") or []
             if params is not None:
-                self.message(f"> model parameters: {params:,}")
+                active = record.get("active_parameters")
+                extra = f" ({active:,} active per token)" if active is not None else ""
+                self.message(f"> model parameters: {params:,}{extra}")
             for entry in per_rank:
                 self.message(
                     "> rank {rank}: parameters {p:.1f} MiB, gradients {g:.1f} MiB, "
