@@ -5,10 +5,14 @@ Each rule that fails adds one line naming the flags and the fix; all lines are r
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from gigatron.config.root import GigatronConfig
 from gigatron.errors import GigatronError
+
+if TYPE_CHECKING:  # root.py calls into this module: a runtime import would be a cycle
+    from gigatron.config.root import GigatronConfig
 
 
 def params_dtype(cfg: GigatronConfig) -> torch.dtype:
