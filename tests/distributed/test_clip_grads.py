@@ -135,3 +135,40 @@ def test_tp2_pp2_and_sharded_dp():
     # One spawn of 2 processes, three layouts of them: tp = 2, pp = 2, dp = 2 (process startup
     # dominates the cost on a 2-core machine).
     run_distributed(_layouts, 2)
+
+
+def _expert_layouts(rank, world_size):
+    """Expert weights: different experts on ep ranks, etp slices or etp replicas; the norm and
+    the zero count are those of all experts plus the dense weights, each counted once, with or
+    without the gradients sharded over the (expert-)data-parallel ranks."""
+    g = torch.Generator().manual_seed(3)
+    dense_full = torch.randn(8, generator=g)
+    experts_full = torch.randn(4, 6, 8, generator=g)
+    experts_full[1, :2] = 0.0
+    expected = math.sqrt(float(dense_full.double().norm() ** 2 + experts_full.double().norm() ** 2))
+    expected_zeros = 16  # experts_full[1, :2]: 2 x 8
+    for sizes in (dict(tp=2, ep=2), dict(tp=2, ep=2, etp=1), dict(ep=4), dict(tp=2, ep=4, etp=1)):
+        pctx = ParallelContext.from_sizes(**sizes)
+        dense = make_param(dense_full, False)
+        local = experts_full.chunk(pctx.ep_size)[pctx.ep_rank]
+        local = local.chunk(pctx.etp_size, dim=1)[pctx.etp_rank]
+        expert = make_param(local, True)
+        expert.expert_parallel = True
+        assert count_zeros([dense, expert], pctx) == expected_zeros, sizes
+        assert clip_grad_norm([dense, expert], 0.0, pctx) == pytest.approx(expected, rel=1e-6)
+        # Sharded over the data-parallel ranks (dense) and expert-data-parallel ranks (experts).
+        dense_shard = dense_full.chunk(pctx.size("dp_cp"))[pctx.rank_in("dp_cp")]
+        expert_shard = local.flatten().chunk(pctx.size("expert_dp"))[pctx.rank_in("expert_dp")]
+        sharded = [make_param(dense_shard, False), make_param(expert_shard, True)]
+        sharded[1].expert_parallel = True
+        norm = clip_grad_norm(sharded, 0.0, pctx, sharded_group="dp_cp")
+        assert norm == pytest.approx(expected, rel=1e-6), sizes
+        # An overflow in one rank's experts stops every rank.
+        grads = [torch.ones(2)]
+        if rank == world_size - 1:
+            grads[0][1] = float("inf")
+        assert unscale_and_check_overflow(grads, torch.tensor([1.0]), pctx) is True
+
+
+def test_expert_parallel_norm_counts_each_expert_once():
+    run_distributed(_expert_layouts, 4)

@@ -45,3 +45,24 @@ def test_mfu_and_peaks():
     assert mfu(1e15, 1.0, 2, 989e12) == pytest.approx(1e15 / (2 * 989e12))
     assert mfu(1e15, 1.0, 2, None) is None
     assert device_peak_flops(torch.device("cpu"), "bf16") is None
+
+
+def test_moe_counts_the_experts_a_token_uses():
+    # The GQA/SwiGLU model above with layer 0 an MoE layer of 8 experts of 32, top-2, and a
+    # shared expert of 64: its MLP works like a dense one of 2 * 32 + 64 = 128 (layer 1 is
+    # dense with 128 too), so the count is unchanged; with top-4 it is 4 * 32 + 64 = 192:
+    # + 2*3*64*64 = 24576 per token.
+    from gigatron.families import get_family
+
+    argv = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--group-query-attention", "--num-query-groups", "2", "--swiglu",
+        "--ffn-hidden-size", "128", "--seq-length", "8", "--disable-bias-linear",
+        "--num-experts", "8", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,0]",
+        "--moe-shared-expert-intermediate-size", "64",
+    ]  # fmt: skip
+    gpt = get_family("gpt")
+    cfg = parse_config([*argv, "--moe-router-topk", "2"])
+    assert gpt.flops_per_iteration(cfg, 3, 100) == 3 * 164352 * 3 * 8
+    cfg = parse_config([*argv, "--moe-router-topk", "4"])
+    assert gpt.flops_per_iteration(cfg, 3, 100) == 3 * (164352 + 24576) * 3 * 8

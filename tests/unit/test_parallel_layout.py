@@ -15,10 +15,31 @@ def test_megatron_rank_order():
 
 
 def test_expert_groups_carved_from_dp():
-    grid = Grid(tp=1, cp=1, dp=4, pp=1, ep=2)
-    ep, edp = grid.expert_groups()
-    assert ep == [[0, 1], [2, 3]]
-    assert edp == [[0, 2], [1, 3]]
+    groups = Grid(tp=1, cp=1, dp=4, pp=1, ep=2).expert_groups()
+    assert groups["ep"] == [[0, 1], [2, 3]]
+    assert groups["expert_dp"] == [[0, 2], [1, 3]]
+    assert groups["expert_tp"] == [[0], [1], [2], [3]]
+
+
+def test_expert_groups_with_tensor_parallel_experts():
+    # etp = tp = 2 (default): ep groups hold one tp rank each, expert-tp groups are the tp groups.
+    groups = Grid(tp=2, cp=1, dp=4, pp=2, ep=2).expert_groups()
+    assert groups["ep"][:4] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["expert_dp"][:2] == [[0, 4], [1, 5]]
+    assert groups["expert_tp"] == Grid(tp=2, dp=4, pp=2).groups_varying(["tp"])
+    # etp = 1: ep spans the tensor-parallel ranks.
+    groups = Grid(tp=2, cp=1, dp=2, pp=1, ep=2, etp=1).expert_groups()
+    assert groups["ep"] == [[0, 1], [2, 3]]
+    assert groups["expert_dp"] == [[0, 2], [1, 3]]
+    assert groups["expert_tp"] == [[0], [1], [2], [3]]
+
+
+def test_expert_layout_errors():
+    assert "must be 1 or the tensor-parallel size 4" in describe_layout_error(
+        8, tp=4, cp=1, pp=1, ep=1, etp=2
+    )
+    assert "does not divide data-parallel 2" in describe_layout_error(4, tp=2, cp=1, pp=1, ep=4)
+    assert describe_layout_error(4, tp=2, cp=1, pp=1, ep=4, etp=1) is None
 
 
 def test_layout_error_shows_arithmetic():

@@ -97,3 +97,42 @@ def test_known_model_sizes():
     finalize_config(cfg)
     # GPT-2 small has 124,439,808 parameters at vocabulary 50257; padding to 50304 adds 47 rows.
     assert count_parameters(cfg, 50257).total == 124_439_808 + 47 * 768
+
+
+def test_moe_counts_total_active_and_per_rank():
+    from gigatron.checkpoint.convert import offline_context
+
+    def config(**sizes) -> GigatronConfig:
+        cfg = _config("llama-gqa", dict(tp=sizes.get("tp", 1), pp=sizes.get("pp", 1)))
+        e = cfg.moe
+        e.num_experts, e.moe_router_topk, e.moe_layer_freq = 4, 2, "[1,0,1,1]"
+        e.moe_ffn_hidden_size, e.moe_shared_expert_intermediate_size = 32, 16
+        e.moe_shared_expert_gate = True
+        cfg.parallel.expert_model_parallel_size = sizes.get("ep", 1)
+        cfg.parallel.expert_tensor_parallel_size = sizes.get("etp")
+        return cfg
+
+    vocab = 100
+    cfg = config()
+    (single,) = build_model(cfg, ParallelContext.single(), vocab_size=vocab)
+    counts = count_parameters(cfg, vocab)
+    assert counts.total == sum(p.numel() for p in single.parameters())
+    # 3 MoE layers of 4 experts, each h * 2F + F * h = 64 * 64 + 32 * 64; a token uses 2 of 4.
+    experts_per_layer = 4 * (64 * 64 + 32 * 64)
+    assert counts.active == counts.total - 3 * experts_per_layer // 2
+    for sizes in (
+        dict(ep=2, dp=2),
+        dict(tp=2, ep=2, dp=2),
+        dict(tp=2, ep=2, etp=1),
+        dict(pp=2, ep=2, dp=2),
+    ):
+        grid = Grid(
+            tp=sizes.get("tp", 1), pp=sizes.get("pp", 1), dp=sizes.get("dp", 1),
+            ep=sizes["ep"], etp=sizes.get("etp"),
+        )  # fmt: skip
+        cfg = config(**sizes)
+        for rank in range(grid.world_size):
+            pctx = offline_context(grid, rank)
+            chunks = build_model(cfg, pctx, vocab_size=vocab)
+            held = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+            assert count_parameters(cfg, vocab, pctx).this_rank == held, (sizes, rank)

@@ -1,4 +1,4 @@
-"""`gigatron convert-checkpoint`: re-split a `torch`-format checkpoint for another tp/pp layout.
+"""`gigatron convert-checkpoint`: re-split a `torch`-format checkpoint for another tp/pp/ep layout.
 
 Model weights only (as Megatron-LM's tools/checkpoint/convert.py): optimizer, learning-rate
 schedule and random states are dropped. The source shards of every parameter are merged into the
@@ -6,12 +6,16 @@ full tensor (`merge_partitions`) and sliced again for each target rank (`slice_f
 Parameter names carry global layer numbers, so the pipeline split only decides which names go
 into which file. Partition dimensions and strides come from the model itself: the target layout's
 model is built in-process (on the `meta` device, no process groups) for every target rank.
+Expert weights (`expert_parallel`) hold the experts of one expert-parallel rank along dim 0: they
+are concatenated over the source's ep ranks (each merged over its expert-tensor-parallel slices)
+and cut again for the target's ep ranks.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import re
 import shutil
@@ -58,13 +62,14 @@ def offline_context(grid: Grid, rank: int, device: str = "cpu") -> ParallelConte
     ctx = ParallelContext(grid=grid, rank=rank, device=torch.device(device))
     layouts = {"tp": ["tp"], "pp": ["pp"], "dp": ["dp"], "cp": ["cp"], "dp_cp": ["cp", "dp"]}
     layouts.update({"tp_cp": ["tp", "cp"], "model": ["tp", "pp"]})
+    groups = {name: grid.groups_varying(dims) for name, dims in layouts.items()}
+    groups.update(grid.expert_groups())
     for name in GROUP_NAMES:
         ctx.groups[name] = None
         ctx.group_ranks[name] = [rank]
-        if name in layouts:
-            for ranks in grid.groups_varying(layouts[name]):
-                if rank in ranks:
-                    ctx.group_ranks[name] = ranks
+        for ranks in groups.get(name, []):
+            if rank in ranks:
+                ctx.group_ranks[name] = ranks
     return ctx
 
 
@@ -87,21 +92,55 @@ def _resolve_iteration(load_dir: Path, iteration: int | None) -> tuple[Path, int
     return located
 
 
-def _read_source(iteration_dir: Path) -> tuple[tuple[int, int], dict[tuple[int, int], dict]]:
-    layout = saved_layout(iteration_dir)
-    if layout is None:
+def _read_source(
+    iteration_dir: Path,
+) -> tuple[tuple[int, int, int], dict[tuple[int, int, int], dict]]:
+    """((tp, pp, ep) sizes, {(tp, pp, ep) rank: state} for every file there). With ep > 1 and
+    expert-tensor-parallel size 1 only the (tp, ep) pairs that ranks hold exist."""
+    first = next(
+        (
+            iteration_dir / name / CHECKPOINT_FILENAME
+            for name in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000")
+            if (iteration_dir / name / CHECKPOINT_FILENAME).is_file()
+        ),
+        None,
+    )
+    if first is None:
         raise GigatronError(
-            f"{iteration_dir}: holds no mp_rank_* directories; it is not a torch-format checkpoint"
+            f"{iteration_dir}: holds no mp_rank_00* file; it is not a torch-format checkpoint"
         )
-    tp, pp = layout
+    first_state = safe_load(first)
+    args = first_state.get("args")
+    parallel = args.get("parallel", {}) if isinstance(args, dict) else {}
+    ep = int(parallel.get("expert_model_parallel_size") or 1)
+    layout = saved_layout(iteration_dir, expert_parallel=ep > 1)
+    tp, pp, _ = layout
     states = {}
     for pp_rank in range(pp):
         for tp_rank in range(tp):
-            path = iteration_dir / mp_rank_dir_name(tp_rank, pp_rank, pp) / CHECKPOINT_FILENAME
-            if not path.is_file():
-                raise GigatronError(f"{path} is missing; the checkpoint is incomplete")
-            states[(tp_rank, pp_rank)] = safe_load(path)
-    return layout, states
+            for ep_rank in range(ep):
+                name = mp_rank_dir_name(tp_rank, pp_rank, pp, ep_rank, ep)
+                path = iteration_dir / name / CHECKPOINT_FILENAME
+                if path.is_file():
+                    states[(tp_rank, pp_rank, ep_rank)] = (
+                        first_state if path == first else safe_load(path)
+                    )
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            if not any((tp_rank, pp_rank, e) in states for e in range(ep)):
+                raise GigatronError(
+                    f"{iteration_dir}: no file for tensor-parallel rank {tp_rank}, pipeline "
+                    f"rank {pp_rank}; the checkpoint is incomplete"
+                )
+    return (tp, pp, ep), states
+
+
+def _source_part(states: dict, tp_rank: int, pp_rank: int, ep_rank: int | None, key: str):
+    """The `key` model state of a file at (tp_rank, pp_rank) and `ep_rank` (any ep if None)."""
+    for (t, p, e), state in sorted(states.items()):
+        if t == tp_rank and p == pp_rank and (ep_rank is None or e == ep_rank):
+            return state[key]
+    return None
 
 
 def _true_vocab_size(cfg: Any) -> int | None:
@@ -116,11 +155,17 @@ def _true_vocab_size(cfg: Any) -> int | None:
         return cfg.tokenizer.vocab_size
 
 
-def _target_config(cfg: Any, tp: int, pp: int, vp: int | None) -> Any:
+def _target_config(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> Any:
     target = copy.deepcopy(cfg)
     p = target.parallel
+    # Experts stay split over expert-tp like the dense weights over tp, or stay whole.
+    if p.expert_tensor_parallel_size not in (None, p.tensor_model_parallel_size):
+        p.expert_tensor_parallel_size = 1
+    else:
+        p.expert_tensor_parallel_size = tp if cfg.moe.num_experts else None
     p.tensor_model_parallel_size = tp
     p.pipeline_model_parallel_size = pp
+    p.expert_model_parallel_size = ep
     p.num_virtual_stages_per_pipeline_rank = vp if vp and vp > 1 else None
     p.num_layers_per_virtual_pipeline_stage = None
     # An uneven first/last split belongs to the source pipeline size.
@@ -129,9 +174,15 @@ def _target_config(cfg: Any, tp: int, pp: int, vp: int | None) -> Any:
     return target
 
 
-def _check_target(cfg: Any, tp: int, pp: int, vp: int | None) -> None:
-    if tp < 1 or pp < 1 or (vp is not None and vp < 1):
+def _check_target(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> None:
+    if tp < 1 or pp < 1 or ep < 1 or (vp is not None and vp < 1):
         raise GigatronError("target sizes must be positive integers")
+    experts = cfg.moe.num_experts
+    if ep > 1 and (not experts or experts % ep):
+        raise GigatronError(
+            f"--target-expert-parallel-size {ep}: the model has {experts or 'no'} experts; "
+            "pick a divisor of --num-experts"
+        )
     m = cfg.model
     heads = m.num_attention_heads
     if heads is not None and heads % tp:
@@ -183,6 +234,55 @@ def _resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, pad], 0)
 
 
+def _target_grid(tp: int, pp: int, ep: int, etp: int) -> Grid:
+    """The smallest grid holding every (tp, pp, ep) position of the target layout."""
+    dp = ep * etp // math.gcd(tp, ep * etp)
+    return Grid(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
+
+
+def _merge_source(
+    states: dict, sizes: tuple[int, int, int], experts_split: bool, attributes: dict, where: Path
+) -> dict[str, torch.Tensor]:
+    """Full tensors: dense weights merged over the source tp ranks; expert weights merged over
+    their expert-tp slices (when split) and concatenated over the ep ranks."""
+    src_tp, src_pp, src_ep = sizes
+    full: dict[str, torch.Tensor] = {}
+    for pp_rank in range(src_pp):
+        sample = next(state for (t, p, e), state in sorted(states.items()) if p == pp_rank)
+        for key in _chunk_keys(sample):
+            for name in sample[key]:
+                if name in full:
+                    raise GigatronError(f"{where}: parameter {name} appears twice")
+                dim, stride, expert = attributes.get(name, (-1, 1, False))
+                if not expert:
+                    parts = [
+                        _source_part(states, t, pp_rank, None, key)[name] for t in range(src_tp)
+                    ]
+                    full[name] = merge_partitions(parts, dim, stride) if dim >= 0 else parts[0]
+                    continue
+                blocks = []
+                for e in range(src_ep):
+                    ranks = range(src_tp) if experts_split else [None]
+                    parts = []
+                    for t in ranks:
+                        found = [
+                            state[key][name]
+                            for (ft, fp, fe), state in sorted(states.items())
+                            if fp == pp_rank and fe == e and (t is None or ft == t)
+                        ]
+                        if not found:
+                            raise GigatronError(
+                                f"{where}: no file holds the experts of expert-parallel rank "
+                                f"{e} (pipeline rank {pp_rank}); the checkpoint is incomplete"
+                            )
+                        parts.append(found[0])
+                    blocks.append(
+                        merge_partitions(parts, dim, stride) if experts_split else parts[0]
+                    )
+                full[name] = torch.cat(blocks, dim=0)
+    return full
+
+
 def convert_checkpoint(
     load_dir: str | Path,
     save_dir: str | Path,
@@ -191,10 +291,11 @@ def convert_checkpoint(
     iteration: int | None = None,
     target_vp: int | None = None,
     log: Any = None,
+    target_ep: int = 1,
 ) -> Path:
     """Write the model weights of `load_dir`'s checkpoint (latest, or `iteration`) to `save_dir`
-    split for tensor-parallel `target_tp`, pipeline-parallel `target_pp` (and `target_vp` virtual
-    stages per rank). Returns the new iteration directory."""
+    split for tensor-parallel `target_tp`, pipeline-parallel `target_pp` (`target_vp` virtual
+    stages per rank) and expert-parallel `target_ep`. Returns the new iteration directory."""
     from gigatron.config import config_from_dict
 
     say = log or (lambda text: None)
@@ -207,8 +308,8 @@ def convert_checkpoint(
         raise GigatronError(
             f"--save {save_dir}: already holds {final.name}; give a new directory or remove it"
         )
-    (src_tp, src_pp), states = _read_source(iteration_dir)
-    first = states[(0, 0)]
+    (src_tp, src_pp, src_ep), states = _read_source(iteration_dir)
+    first = states[min(states)]
     args = first.get("args")
     if isinstance(args, argparse.Namespace):
         raise GigatronError(
@@ -219,45 +320,41 @@ def convert_checkpoint(
         raise GigatronError(f"{iteration_dir}: holds no saved configuration ('args')")
     cfg = config_from_dict(args, source=f"{iteration_dir} args")
     family = first.get("gigatron_family", "gpt")
-    if (cfg.parallel.expert_model_parallel_size or 1) > 1:
-        raise GigatronError(
-            f"{iteration_dir}: was saved with expert-parallel size "
-            f"{cfg.parallel.expert_model_parallel_size}; converting expert-parallel checkpoints "
-            "is not supported (train with --expert-model-parallel-size 1 to convert)"
-        )
-    _check_target(cfg, target_tp, target_pp, target_vp)
+    _check_target(cfg, target_tp, target_pp, target_vp, target_ep)
     say(
-        f"converting {iteration_dir} (tensor-parallel {src_tp}, pipeline-parallel {src_pp}) to "
-        f"tensor-parallel {target_tp}, pipeline-parallel {target_pp}"
+        f"converting {iteration_dir} (tensor-parallel {src_tp}, pipeline-parallel {src_pp}"
+        + (f", expert-parallel {src_ep}" if src_ep > 1 else "")
+        + f") to tensor-parallel {target_tp}, pipeline-parallel {target_pp}"
+        + (f", expert-parallel {target_ep}" if target_ep > 1 else "")
         + (f", {target_vp} virtual stages per rank" if target_vp and target_vp > 1 else "")
     )
 
-    # Full tensors: merge every name over the source tp ranks (partition info from the model).
-    target_cfg = _target_config(cfg, target_tp, target_pp, target_vp)
+    target_cfg = _target_config(cfg, target_tp, target_pp, target_vp, target_ep)
+    target_etp = target_cfg.parallel.expert_tensor_parallel_size or target_tp
     vocab = _true_vocab_size(cfg)
-    target_grid = Grid(tp=target_tp, pp=target_pp)
+    target_grid = _target_grid(target_tp, target_pp, target_ep, target_etp)
+    # One model per (tp, pp, ep) position: the ranks that write a file.
+    positions: dict[tuple[int, int, int], int] = {}
+    for rank in range(target_grid.world_size):
+        coords = target_grid.coords_of(rank)
+        ep_rank = target_grid.expert_coords_of(rank)["ep"]
+        positions.setdefault((coords["tp"], coords["pp"], ep_rank), rank)
     target_models = {
         rank: _build_rank_model(target_cfg, target_grid, rank, vocab, family)
-        for rank in range(target_grid.world_size)
+        for rank in positions.values()
     }
-    attributes: dict[str, tuple[int, int]] = {}
+    # Partition info from the model (expert weights: split over expert-tp, experts on dim 0).
+    attributes: dict[str, tuple[int, int, bool]] = {}
     for chunks in target_models.values():
         for chunk in chunks:
             for name, param in chunk.named_parameters():
                 if getattr(param, "tensor_model_parallel", False):
-                    attributes[name] = (param.partition_dim, param.partition_stride)
+                    expert = bool(getattr(param, "expert_parallel", False))
+                    attributes[name] = (param.partition_dim, param.partition_stride, expert)
     if WORD_EMBEDDING in attributes:
         attributes.setdefault(OUTPUT_WEIGHT, attributes[WORD_EMBEDDING])
-
-    full: dict[str, torch.Tensor] = {}
-    for pp_rank in range(src_pp):
-        for key in _chunk_keys(states[(0, pp_rank)]):
-            for name in states[(0, pp_rank)][key]:
-                parts = [states[(tp_rank, pp_rank)][key][name] for tp_rank in range(src_tp)]
-                if name in full:
-                    raise GigatronError(f"{iteration_dir}: parameter {name} appears twice")
-                dim, stride = attributes.get(name, (-1, 1))
-                full[name] = merge_partitions(parts, dim, stride) if dim >= 0 else parts[0]
+    src_etp = cfg.parallel.expert_tensor_parallel_size or src_tp
+    full = _merge_source(states, (src_tp, src_pp, src_ep), src_etp > 1, attributes, iteration_dir)
     del states
 
     tied = not getattr(cfg.model, "untie_embeddings_and_output_weights", False)
@@ -267,8 +364,9 @@ def convert_checkpoint(
     save_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     target_args = config_as_dict(target_cfg)
-    for rank, chunks in target_models.items():
-        coords = target_grid.coords_of(rank)
+    for (tp_rank, pp_rank, ep_rank), rank in positions.items():
+        chunks = target_models[rank]
+        etp_rank = target_grid.expert_coords_of(rank)["etp"]
         state: dict[str, Any] = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
@@ -291,20 +389,24 @@ def convert_checkpoint(
                     )
                 used.add(source_name)
                 tensor = full[source_name]
-                dim, stride = attributes.get(name, (-1, 1))
+                dim, stride, expert = attributes.get(name, (-1, 1, False))
                 if name in VOCAB_ROWS:
                     tensor = _resize_vocab(tensor, expected.shape[0] * target_tp)
-                if dim >= 0:
-                    tensor = slice_for_rank(tensor, dim, stride, coords["tp"], target_tp)
+                if expert:
+                    tensor = tensor.chunk(target_ep, dim=0)[ep_rank]
+                    tensor = slice_for_rank(tensor, dim, stride, etp_rank, target_etp)
+                elif dim >= 0:
+                    tensor = slice_for_rank(tensor, dim, stride, tp_rank, target_tp)
                 if tuple(tensor.shape) != tuple(expected.shape):
                     raise GigatronError(
                         f"{iteration_dir}: '{name}' has shape {tuple(tensor.shape)} for target "
-                        f"rank tp {coords['tp']} pp {coords['pp']}, expected "
+                        f"rank tp {tp_rank} pp {pp_rank} ep {ep_rank}, expected "
                         f"{tuple(expected.shape)}; the checkpoint does not match its config"
                     )
                 model_state[name] = tensor.clone().contiguous()
             state[key] = model_state
-        path = tmp / mp_rank_dir_name(coords["tp"], coords["pp"], target_pp) / CHECKPOINT_FILENAME
+        directory = mp_rank_dir_name(tp_rank, pp_rank, target_pp, ep_rank, target_ep)
+        path = tmp / directory / CHECKPOINT_FILENAME
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, path)
         written += 1
@@ -327,7 +429,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron convert-checkpoint",
-        description="Re-split a torch-format checkpoint for another tensor/pipeline-parallel "
+        description="Re-split a torch-format checkpoint for another tensor/pipeline/expert-parallel "
         "layout (model weights only; optimizer and random states are dropped).",
     )
     parser.add_argument("--load", required=True, help="checkpoint directory to read")
@@ -351,6 +453,12 @@ def _parser() -> argparse.ArgumentParser:
         help="virtual pipeline stages per rank in the target (default: none)",
     )
     parser.add_argument(
+        "--target-expert-parallel-size",
+        type=int,
+        default=1,
+        help="expert-parallel size of the target (MoE models; default 1)",
+    )
+    parser.add_argument(
         "--ckpt-step", type=int, default=None, help="iteration to convert (default: the latest)"
     )
     return parser
@@ -367,6 +475,7 @@ def main(argv: Sequence[str]) -> int:
         iteration=args.ckpt_step,
         target_vp=args.target_num_virtual_stages_per_pipeline_rank,
         log=lambda text: print(text, flush=True),
+        target_ep=args.target_expert_parallel_size,
     )
     print(
         f"done: {final} holds model weights only (optimizer, learning-rate schedule and random "

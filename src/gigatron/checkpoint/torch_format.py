@@ -4,6 +4,10 @@ Layout (as Megatron-LM writes it):
     <dir>/latest_checkpointed_iteration.txt      the iteration number, or "release"
     <dir>/iter_0000100/mp_rank_00/model_optim_rng.pt          pp = 1: mp_rank_{tp:02d}
     <dir>/iter_0000100/mp_rank_00_001/model_optim_rng.pt      pp > 1: mp_rank_{tp:02d}_{pp:03d}
+    <dir>/iter_0000100/mp_rank_00_001_002/...                  ep > 1: `_{ep:03d}` appended
+(With ep > 1 and pp = 1 the name is mp_rank_{tp:02d}_{ep:03d}, as Megatron writes it; the
+saved configuration tells it from a pipeline rank.) Each file holds the weights of its (tp, pp)
+position, with the experts of its expert-parallel rank.
 
 Each file is a dict of tensors and plain Python values only: `checkpoint_version` 3.0,
 `iteration`, `model` (or `model0`, `model1`, ... one per virtual pipeline chunk), `optimizer`,
@@ -57,10 +61,16 @@ def iteration_dir_name(iteration: int, release: bool = False) -> str:
     return "release" if release else f"iter_{iteration:07d}"
 
 
-def mp_rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    if pp_size == 1:
-        return f"mp_rank_{tp_rank:02d}"
-    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def mp_rank_dir_name(
+    tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1
+) -> str:
+    name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep_size == 1 else f"{name}_{ep_rank:03d}"
+
+
+def rank_dir_name(pctx: ParallelContext) -> str:
+    """This rank's `mp_rank_*` directory name."""
+    return mp_rank_dir_name(pctx.tp_rank, pctx.pp_rank, pctx.pp_size, pctx.ep_rank, pctx.ep_size)
 
 
 def checkpoint_file(
@@ -70,16 +80,17 @@ def checkpoint_file(
     return (
         Path(root)
         / iteration_dir_name(iteration, release)
-        / mp_rank_dir_name(pctx.tp_rank, pctx.pp_rank, pctx.pp_size)
+        / rank_dir_name(pctx)
         / CHECKPOINT_FILENAME
     )
 
 
-def convert_command_hint(load_dir: str | Path, tp: int, pp: int) -> str:
-    return (
+def convert_command_hint(load_dir: str | Path, tp: int, pp: int, ep: int = 1) -> str:
+    hint = (
         f"gigatron convert-checkpoint --load {load_dir} --save <new dir> "
         f"--target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
     )
+    return hint + (f" --target-expert-parallel-size {ep}" if ep > 1 else "")
 
 
 # ---- random states --------------------------------------------------------------------------
@@ -172,9 +183,16 @@ def _barrier(pctx: ParallelContext) -> None:
         pctx.barrier()
 
 
-def _writes_checkpoint(pctx: ParallelContext) -> bool:
-    """One rank per (tp, pp) position writes: data- and context-parallel rank 0."""
-    return pctx.rank_in("dp_cp") == 0
+def writes_checkpoint(pctx: ParallelContext) -> bool:
+    """One rank per (tp, pp, ep) position writes: the first of its data x context-parallel
+    group with its expert-parallel rank (data- and context-parallel rank 0 when ep = 1)."""
+    if pctx.ep_size == 1:
+        return pctx.rank_in("dp_cp") == 0
+    mine = pctx.grid.expert_coords_of(pctx.rank)["ep"]
+    for rank in pctx.group_ranks["dp_cp"]:
+        if pctx.grid.expert_coords_of(rank)["ep"] == mine:
+            return rank == pctx.rank
+    return False
 
 
 def _model_state(model_chunks: list[nn.Module]) -> dict[str, Any]:
@@ -239,12 +257,12 @@ def save_checkpoint(
         tmp.mkdir()
     _barrier(pctx)
 
-    rank_dir = tmp / mp_rank_dir_name(pctx.tp_rank, pctx.pp_rank, pctx.pp_size)
+    rank_dir = tmp / rank_dir_name(pctx)
     # A sharded (distributed) optimizer writes its own per-rank state (collective over dp).
     sharded_optimizer = optimizer is not None and hasattr(optimizer, "save_sharded_state")
     if sharded_optimizer and not no_save_optim:
         optimizer.save_sharded_state(rank_dir)
-    if _writes_checkpoint(pctx):
+    if writes_checkpoint(pctx):
         state: dict[str, Any] = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
@@ -290,17 +308,27 @@ def read_tracker(load_dir: Path) -> tuple[int, bool] | None:
     return iteration, False
 
 
-def saved_layout(iteration_dir: Path) -> tuple[int, int] | None:
-    """(tp, pp) sizes read from the `mp_rank_*` directory names, or None when there are none."""
-    tp_ranks, pp_ranks = set(), set()
+def saved_layout(iteration_dir: Path, expert_parallel: bool = False) -> tuple[int, int, int] | None:
+    """(tp, pp, ep) sizes read from the `mp_rank_*` directory names, or None when there are
+    none. A name with two numbers is (tp, pp), or (tp, ep) when `expert_parallel` (Megatron's
+    names do not tell them apart; the saved configuration does)."""
+    ranks: list[tuple[int, int, int]] = []
     for entry in iteration_dir.iterdir():
         match = _MP_RANK_DIR.match(entry.name)
         if match and entry.is_dir():
-            tp_ranks.add(int(match.group(1)))
-            pp_ranks.add(int(match.group(2)) if match.group(2) is not None else 0)
-    if not tp_ranks:
+            numbers = [int(g) for g in match.groups() if g is not None]
+            if len(numbers) == 3:
+                ranks.append((numbers[0], numbers[1], numbers[2]))
+            elif len(numbers) == 2:
+                second = numbers[1]
+                ranks.append(
+                    (numbers[0], 0, second) if expert_parallel else (numbers[0], second, 0)
+                )
+            else:
+                ranks.append((numbers[0], 0, 0))
+    if not ranks:
         return None
-    return max(tp_ranks) + 1, max(pp_ranks) + 1
+    return tuple(max(r[i] for r in ranks) + 1 for i in range(3))  # type: ignore[return-value]
 
 
 def safe_load(path: Path) -> dict[str, Any]:
@@ -341,6 +369,7 @@ def _parallel_sizes(args: Any) -> dict[str, int | None]:
         "pp": flat.get("pipeline_model_parallel_size"),
         "vp": flat.get("num_virtual_stages_per_pipeline_rank")
         or flat.get("virtual_pipeline_model_parallel_size"),
+        "ep": flat.get("expert_model_parallel_size") or 1,
     }
 
 
@@ -348,7 +377,8 @@ def _layout_error(load_dir: Path, saved: str, pctx: ParallelContext, now: str) -
     return GigatronError(
         f"--load {load_dir}: the checkpoint was saved with {saved} but this run uses {now}; "
         "a torch-format checkpoint loads only into the layout it was saved with. Run with the "
-        "saved layout, or convert it: " + convert_command_hint(load_dir, pctx.tp_size, pctx.pp_size)
+        "saved layout, or convert it: "
+        + convert_command_hint(load_dir, pctx.tp_size, pctx.pp_size, pctx.ep_size)
     )
 
 
@@ -493,26 +523,28 @@ def load_checkpoint(
         return result
     iteration_dir, iteration, release = located
 
-    layout = saved_layout(iteration_dir)
+    layout = saved_layout(iteration_dir, expert_parallel=pctx.ep_size > 1)
     if layout is None:
         raise GigatronError(
             f"--load {load_dir}: {iteration_dir.name} holds no mp_rank_* directories; it is not a "
             "torch-format checkpoint (gigatron reads Megatron's torch format only)"
         )
-    if layout != (pctx.tp_size, pctx.pp_size):
-        raise _layout_error(
-            load_dir,
-            f"tensor-parallel {layout[0]}, pipeline-parallel {layout[1]}",
-            pctx,
-            f"tensor-parallel {pctx.tp_size}, pipeline-parallel {pctx.pp_size}",
+    now = f"tensor-parallel {pctx.tp_size}, pipeline-parallel {pctx.pp_size}" + (
+        f", expert-parallel {pctx.ep_size}" if pctx.ep_size > 1 else ""
+    )
+    if layout != (pctx.tp_size, pctx.pp_size, pctx.ep_size):
+        saved = f"tensor-parallel {layout[0]}, pipeline-parallel {layout[1]}" + (
+            f", expert-parallel {layout[2]}" if layout[2] > 1 else ""
         )
-    path = iteration_dir / mp_rank_dir_name(pctx.tp_rank, pctx.pp_rank, pctx.pp_size)
-    path = path / CHECKPOINT_FILENAME
+        raise _layout_error(load_dir, saved, pctx, now)
+    path = iteration_dir / rank_dir_name(pctx) / CHECKPOINT_FILENAME
     if not path.is_file():
         raise GigatronError(f"--load {load_dir}: {path} is missing; the checkpoint is incomplete")
     state = safe_load(path)
 
     sizes = _parallel_sizes(state.get("args"))
+    if sizes.get("ep", 1) != pctx.ep_size:
+        raise _layout_error(load_dir, f"expert-parallel {sizes.get('ep')}", pctx, now)
     saved_chunks = sum(1 for k in state if re.fullmatch(r"model\d+", k)) or 1
     if saved_chunks != len(model_chunks):
         raise _layout_error(

@@ -8,6 +8,7 @@ from gigatron.config.checkpoint import CheckpointConfig
 from gigatron.config.data import DataConfig
 from gigatron.config.logging import LoggingConfig
 from gigatron.config.model import ModelConfig
+from gigatron.config.moe import MoEConfig
 from gigatron.config.optimizer import OptimizerConfig
 from gigatron.config.parallel import ParallelConfig
 from gigatron.config.root import (
@@ -28,6 +29,7 @@ __all__ = [
     "DataConfig",
     "GigatronConfig",
     "LoggingConfig",
+    "MoEConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",

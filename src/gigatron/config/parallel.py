@@ -20,6 +20,9 @@ class ParallelConfig:
         choices=["p2p", "a2a", "allgather"],
     )
     expert_model_parallel_size: int = flag_field(1, "expert-parallel size (ep)")
+    expert_tensor_parallel_size: Optional[int] = flag_field(
+        None, "tensor-parallel size of the experts: 1 or the tensor-parallel size (default)"
+    )
     sequence_parallel: bool = flag_field(
         False, "shard norms and dropout along the sequence over tp"
     )

@@ -16,6 +16,7 @@ from gigatron.config.data import DataConfig
 from gigatron.config.fields import add_dataclass_arguments, coerce_value
 from gigatron.config.logging import LoggingConfig
 from gigatron.config.model import ModelConfig
+from gigatron.config.moe import MoEConfig
 from gigatron.config.optimizer import OptimizerConfig
 from gigatron.config.parallel import ParallelConfig
 from gigatron.config.tokenizer import TokenizerConfig
@@ -26,6 +27,7 @@ from gigatron.errors import GigatronError
 @dataclass
 class GigatronConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

@@ -69,6 +69,10 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         )
     if m.max_position_embeddings is None and m.seq_length is not None:
         m.max_position_embeddings = m.seq_length
+    if cfg.moe.num_experts and cfg.moe.moe_ffn_hidden_size is None:
+        cfg.moe.moe_ffn_hidden_size = m.ffn_hidden_size
+    if cfg.moe.num_experts and p.expert_tensor_parallel_size is None:
+        p.expert_tensor_parallel_size = p.tensor_model_parallel_size
     if world_size is not None and t.micro_batch_size is not None and t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * max(1, data_parallel_size(cfg, world_size))
     if p.num_virtual_stages_per_pipeline_rank is None and p.num_layers_per_virtual_pipeline_stage:
@@ -289,5 +293,131 @@ def validate_config(
                 except GigatronError as error:
                     problems.append(str(error))
 
+    problems.extend(moe_problems(cfg, world_size))
+
     if problems:
         raise GigatronError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def moe_problems(cfg: GigatronConfig, world_size: int | None = None) -> list[str]:
+    """The Mixture-of-Experts rules (Megatron's, plus what gigatron does not implement)."""
+    import dataclasses
+
+    from gigatron.config.moe import MoEConfig, moe_layer_pattern
+
+    m, e, p = cfg.model, cfg.moe, cfg.parallel
+    problems: list[str] = []
+    if e.num_experts is None:
+        changed = [
+            "--" + f.name.replace("_", "-")
+            for f in dataclasses.fields(MoEConfig)
+            if getattr(e, f.name) != (f.default if f.default is not dataclasses.MISSING else None)
+        ]
+        if changed:
+            problems.append(f"{', '.join(changed)} need --num-experts (an MoE model)")
+        if p.expert_model_parallel_size > 1:
+            problems.append(
+                f"--expert-model-parallel-size {p.expert_model_parallel_size} needs --num-experts"
+            )
+        return problems
+    experts, ep, tp = e.num_experts, p.expert_model_parallel_size, p.tensor_model_parallel_size
+    if experts < 1:
+        return [f"--num-experts {experts} must be positive (leave it out for a dense model)"]
+    if ep > 0 and experts % ep:
+        problems.append(
+            f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}; "
+            "every expert-parallel rank holds the same number of experts"
+        )
+    etp = p.expert_tensor_parallel_size or tp
+    if etp not in (1, tp):
+        problems.append(
+            f"--expert-tensor-parallel-size {etp}: must be 1 or the tensor-parallel size {tp}"
+        )
+    if m.add_bias_linear:
+        problems.append("MoE experts have no biases: add --disable-bias-linear")
+    if not 1 <= e.moe_router_topk <= experts:
+        problems.append(f"--moe-router-topk {e.moe_router_topk} must lie in [1, {experts}]")
+    softmax_after_topk = e.moe_router_score_function == "softmax" and not e.moe_router_pre_softmax
+    if e.moe_router_topk == 1 and softmax_after_topk:
+        if e.moe_router_load_balancing_type != "sinkhorn":
+            problems.append(
+                "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a "
+                "softmax over one logit is constant: the router would get no gradient)"
+            )
+    if e.moe_router_group_topk is not None or e.moe_router_num_groups is not None:
+        groups, group_topk = e.moe_router_num_groups, e.moe_router_group_topk
+        if groups is None or group_topk is None:
+            problems.append(
+                "group-limited routing needs both --moe-router-num-groups and "
+                "--moe-router-group-topk"
+            )
+        elif experts % groups or not 1 <= group_topk <= groups:
+            problems.append(
+                f"--moe-router-num-groups {groups} must divide --num-experts {experts} and "
+                f"--moe-router-group-topk {group_topk} must lie in [1, {groups}]"
+            )
+        elif e.moe_router_topk < group_topk or (
+            e.moe_router_topk > group_topk * (experts // groups)
+        ):
+            problems.append(
+                f"--moe-router-topk {e.moe_router_topk}: must lie between "
+                f"--moe-router-group-topk {group_topk} and the experts in the selected groups "
+                f"({group_topk * (experts // groups)})"
+            )
+    if e.moe_router_enable_expert_bias and e.moe_router_score_function == "softmax":
+        problems.append(
+            "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or "
+            "sqrtsoftplus"
+        )
+    balancing = e.moe_router_load_balancing_type
+    if e.moe_aux_loss_coeff < 0:
+        problems.append(f"--moe-aux-loss-coeff {e.moe_aux_loss_coeff} must not be negative")
+    elif e.moe_aux_loss_coeff > 0 and balancing not in ("aux_loss", "seq_aux_loss"):
+        problems.append(
+            f"--moe-aux-loss-coeff {e.moe_aux_loss_coeff} has no effect with "
+            f"--moe-router-load-balancing-type {balancing}; use aux_loss or seq_aux_loss, or "
+            "drop the coefficient"
+        )
+    if e.moe_expert_capacity_factor is not None:
+        if e.moe_expert_capacity_factor <= 0:
+            problems.append(
+                f"--moe-expert-capacity-factor {e.moe_expert_capacity_factor} must be positive "
+                "(leave it out for dropless routing)"
+            )
+        if balancing == "sinkhorn":
+            problems.append(
+                "--moe-expert-capacity-factor works with aux_loss, seq_aux_loss or none load "
+                "balancing, not sinkhorn"
+            )
+    elif e.moe_pad_expert_input_to_capacity:
+        problems.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if e.moe_input_jitter_eps is not None and not 0.0 < e.moe_input_jitter_eps < 1.0:
+        problems.append(f"--moe-input-jitter-eps {e.moe_input_jitter_eps} must lie in (0, 1)")
+    if e.moe_shared_expert_gate and e.moe_shared_expert_intermediate_size is None:
+        problems.append("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+    for value, flag, divisor in (
+        (e.moe_ffn_hidden_size, "--moe-ffn-hidden-size", etp),
+        (e.moe_shared_expert_intermediate_size, "--moe-shared-expert-intermediate-size", tp),
+    ):
+        if value is not None and (value < 1 or value % divisor):
+            problems.append(f"{flag} {value} must be a positive multiple of {divisor}")
+    if tp > 1 and not p.sequence_parallel and m.seq_length and m.seq_length % tp:
+        problems.append(
+            f"--seq-length {m.seq_length}: MoE layers split the sequence over the "
+            f"{tp} tensor-parallel ranks; use a multiple of {tp}"
+        )
+    if m.num_layers:
+        try:
+            if not any(moe_layer_pattern(e.moe_layer_freq, m.num_layers)):
+                problems.append(f"--moe-layer-freq {e.moe_layer_freq} makes no layer an MoE layer")
+        except GigatronError as error:
+            problems.append(str(error))
+    if world_size is not None and ep > 0 and etp > 0:
+        block = world_size // max(1, p.pipeline_model_parallel_size)
+        if block % (ep * etp):
+            problems.append(
+                f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does "
+                f"not divide the {block} tensor x context x data-parallel ranks of a pipeline "
+                "stage; change the expert-parallel sizes or the number of processes"
+            )
+    return problems

@@ -16,6 +16,8 @@ from gigatron.checkpoint import hf_mapping
 from gigatron.families.registry import ModelFamily
 from gigatron.models.gpt import build_model
 from gigatron.models.hybrid_layout import refuse_hybrid_flags
+from gigatron.models.moe import MoESpec, collect_moe_reports, update_expert_bias
+from gigatron.models.moe import report_names as moe_report_names
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from gigatron.training.batch import get_batch
@@ -72,7 +74,24 @@ def build_datasets(cfg, tokenizer, num_samples, pctx=None):
 
 
 def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> float:
-    return model_flops_per_iteration(cfg.model, global_batch_size, padded_vocab_size)
+    return model_flops_per_iteration(
+        cfg.model, global_batch_size, padded_vocab_size, moe=MoESpec.from_config(cfg)
+    )
+
+
+def loss_names(cfg) -> tuple[str, ...]:
+    """`lm_loss`, then the MoE layers' auxiliary losses and routing statistics (if any)."""
+    moe = MoESpec.from_config(cfg)
+    return ("lm_loss", *(moe_report_names(moe) if moe is not None else ()))
+
+
+def iteration_reports(cfg, pctx: ParallelContext, model_chunks: list[nn.Module]):
+    """After each training iteration: MoE expert-bias update and the MoE reports."""
+    moe = MoESpec.from_config(cfg)
+    if moe is None:
+        return {}
+    update_expert_bias(model_chunks, pctx)
+    return collect_moe_reports(model_chunks, pctx, moe)
 
 
 def validate(cfg) -> None:
@@ -84,9 +103,10 @@ FAMILY = ModelFamily(
     description="decoder-only language model (GPT-2/3, Llama, Mistral, Qwen style)",
     build_model=build_model,
     make_forward_step=make_forward_step,
-    loss_names=lambda cfg: ("lm_loss",),
+    loss_names=loss_names,
     build_datasets=build_datasets,
     flops_per_iteration=flops_per_iteration,
     validate=validate,
     hf_adapter=hf_mapping,
+    iteration_reports=iteration_reports,
 )

@@ -27,6 +27,10 @@ class ModelFamily:
     - `flops_per_iteration(cfg, global_batch_size, padded_vocab_size) -> float` (for MFU).
     - `validate(cfg)`: the family's own configuration rules (raise GigatronError).
     - `hf_adapter`: maps full (tp = 1) state dicts to and from Hugging Face names, or None.
+    - `iteration_reports(cfg, pctx, model_chunks) -> {name: tensor [sum, count]}`: reports of a
+      whole training iteration, not of one micro-batch (MoE auxiliary losses and routing
+      statistics), also the place for per-iteration model updates (MoE expert biases); called
+      by every rank after the gradients are final; names among `loss_names`. Or None.
     """
 
     name: str
@@ -38,6 +42,7 @@ class ModelFamily:
     flops_per_iteration: Callable[[Any, int, int], float]
     validate: Callable[[Any], None] | None = None
     hf_adapter: Any = None
+    iteration_reports: Callable[..., dict[str, Any]] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

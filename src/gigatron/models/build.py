@@ -53,7 +53,16 @@ def build_model_chunks(
             layers,
             rng,
         )
-        initialize_parameters(chunk, seed, pctx.tp_rank, pctx.tp_size)
+        initialize_parameters(
+            chunk,
+            seed,
+            pctx.tp_rank,
+            pctx.tp_size,
+            pctx.ep_rank,
+            pctx.ep_size,
+            pctx.etp_rank,
+            pctx.etp_size,
+        )
         chunks.append(chunk)
     return chunks
 

@@ -126,8 +126,10 @@ def build_model(
 
     `vocab_size` is the tokenizer's vocabulary (unpadded); see `resolve_vocab_size`.
     """
+    from gigatron.models.moe.layer import moe_layer_parts
+
     config = TransformerConfig.from_config(cfg)
-    parts = layer_parts_for_run(cfg, pctx, parts)
+    parts = layer_parts_for_run(cfg, pctx, moe_layer_parts(cfg, parts))
 
     def make_chunk(padded, pre_process, post_process, layers, rng):
         return GPTModel(config, pctx, padded, pre_process, post_process, layers, rng, parts)

@@ -1,4 +1,5 @@
-"""Analytic parameter counts of the GPT that `build_model` builds: in total and per rank."""
+"""Analytic parameter counts of the GPT that `build_model` builds: in total and per rank, and
+the active parameters of an MoE model (those one token uses: top-k of each layer's experts)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from gigatron.parallel.pipeline import chunk_layer_ranges
 class ParameterCounts:
     """`total`: the full model (a tied output weight counted once, padded vocabulary);
     `per_stage[pp_rank]`: what one tensor-parallel rank of that pipeline stage holds (the last
-    stage's copy of a tied embedding included); `this_rank`: per_stage of the given rank."""
+    stage's copy of a tied embedding included); `this_rank`: per_stage of the given rank;
+    `active`: total without the experts a token skips (= total for a dense model); `per_layer`:
+    a dense layer's count."""
 
     total: int
     embedding: int
@@ -21,21 +24,45 @@ class ParameterCounts:
     per_stage: list[int]
     this_rank: int
     padded_vocab_size: int
+    active: int = 0
 
 
 def _layer_counts(spec: TransformerConfig) -> tuple[int, int]:
     """(tensor-parallel-split, replicated) parameters of one transformer layer, full sizes."""
+    split, replicated = _attention_counts(spec)
+    mlp_split, mlp_replicated = _dense_mlp_counts(spec)
+    return split + mlp_split, replicated + mlp_replicated
+
+
+def _attention_counts(spec: TransformerConfig) -> tuple[int, int]:
+    """Attention and the two norms: (tensor-parallel-split, replicated)."""
     h, hn = spec.hidden_size, spec.kv_channels
     bias = spec.add_bias_linear
     qkv_out = (spec.num_attention_heads + 2 * spec.num_query_groups) * hn
-    fc1_out = spec.ffn_hidden_size * (2 if spec.swiglu else 1)
-    split = h * qkv_out + spec.num_attention_heads * hn * h + h * fc1_out + spec.ffn_hidden_size * h
+    split = h * qkv_out + spec.num_attention_heads * hn * h
     if bias or spec.add_qkv_bias:
         split += qkv_out
-    if bias:
-        split += fc1_out
-    replicated = 2 * _norm_count(spec) + (2 * h if bias else 0)  # norms, proj and fc2 biases
+    replicated = 2 * _norm_count(spec) + (h if bias else 0)  # norms, proj bias
     return split, replicated
+
+
+def _dense_mlp_counts(spec: TransformerConfig, ffn: int | None = None) -> tuple[int, int]:
+    h, ffn = spec.hidden_size, ffn or spec.ffn_hidden_size
+    fc1_out = ffn * (2 if spec.swiglu else 1)
+    split = h * fc1_out + ffn * h + (fc1_out if spec.add_bias_linear else 0)
+    return split, (h if spec.add_bias_linear else 0)  # fc2 bias
+
+
+def _moe_mlp_counts(spec: TransformerConfig, moe) -> tuple[int, int, int]:
+    """An MoE layer's MLP: (tp-split shared experts, replicated router and gate, all experts)."""
+    h = spec.hidden_size
+    shared_split = 0
+    replicated = moe.num_experts * h
+    if moe.shared_expert_size:
+        shared_split = _dense_mlp_counts(spec, moe.shared_expert_size)[0]
+        replicated += h if moe.shared_expert_gate else 0
+    expert_split, _ = _dense_mlp_counts(spec, moe.ffn_hidden_size)
+    return shared_split, replicated, moe.num_experts * expert_split
 
 
 def _norm_count(spec: TransformerConfig) -> int:
@@ -58,19 +85,35 @@ def count_parameters(
     h = spec.hidden_size
     tied = not spec.untie_embeddings_and_output_weights
 
-    layer_split, layer_replicated = _layer_counts(spec)
+    from gigatron.models.moe.spec import MoESpec
+
+    moe = MoESpec.from_config(cfg)
+    ep = pctx.ep_size if pctx is not None else p.expert_model_parallel_size
+    etp = pctx.etp_size if pctx is not None else (p.expert_tensor_parallel_size or tp)
+    attention_split, attention_replicated = _attention_counts(spec)
+    dense_split, dense_replicated = _dense_mlp_counts(spec)
+
+    def layer(index: int, tp_size: int, ep_size: int, etp_size: int) -> int:
+        """Parameters of layer `index` one rank holds (all of them with sizes 1)."""
+        count = attention_split // tp_size + attention_replicated
+        if moe is not None and moe.is_moe_layer(index + 1):
+            shared, replicated, experts = _moe_mlp_counts(spec, moe)
+            return count + shared // tp_size + replicated + experts // (ep_size * etp_size)
+        return count + dense_split // tp_size + dense_replicated
+
     positions = (
         spec.max_position_embeddings * h
         if spec.position_embedding_type == "learned_absolute"
         else 0
     )
     embedding = vocab * h + positions
-    total = (
-        embedding
-        + spec.num_layers * (layer_split + layer_replicated)
-        + _norm_count(spec)
-        + (0 if tied else vocab * h)
-    )
+    layers_total = sum(layer(i, 1, 1, 1) for i in range(spec.num_layers))
+    total = embedding + layers_total + _norm_count(spec) + (0 if tied else vocab * h)
+    skipped = 0
+    if moe is not None:
+        experts = _moe_mlp_counts(spec, moe)[2]
+        skipped = len(moe.moe_layer_numbers) * experts * (moe.num_experts - moe.topk)
+        skipped //= moe.num_experts
 
     ranges = chunk_layer_ranges(
         spec.num_layers,
@@ -81,8 +124,7 @@ def count_parameters(
     )
     per_stage = []
     for stage, chunks in enumerate(ranges):
-        layers = sum(len(r) for r in chunks)
-        count = layers * (layer_split // tp + layer_replicated)
+        count = sum(layer(i, tp, ep, etp) for r in chunks for i in r)
         if stage == 0:
             count += vocab * h // tp + positions
         if stage == pp - 1:
@@ -93,8 +135,9 @@ def count_parameters(
     return ParameterCounts(
         total=total,
         embedding=embedding,
-        per_layer=layer_split + layer_replicated,
+        per_layer=sum(_layer_counts(spec)),
         per_stage=per_stage,
         this_rank=per_stage[pp_rank],
         padded_vocab_size=vocab,
+        active=total - skipped,
     )

@@ -9,11 +9,16 @@ Each weight is counted once in the norm:
 The squared sums are then all-reduced over the model group (tp x pp). Ranks of one data-parallel
 group hold the same gradients, so dp is reduced only when the gradients are sharded over it (the
 distributed optimizer passes `sharded_group`, e.g. "dp" or "dp_cp").
+
+Expert weights (`expert_parallel = True`) differ between expert-parallel ranks and are split over
+the expert-tensor-parallel group: counted on every rank holding a slice, only on expert-tp rank 0
+when replicated there, and summed over expert-tp x ep x pp (x expert-dp when sharded).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,16 +26,66 @@ import torch.distributed as dist
 from gigatron.parallel.context import ParallelContext
 
 
+def is_expert(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "expert_parallel", False))
+
+
 def counts_in_norm(param: torch.Tensor, pctx: ParallelContext) -> bool:
     """True when this rank's copy of `param` is the one counted in global statistics."""
     if getattr(param, "shared_embedding", False) and not pctx.is_pipeline_first_stage():
         return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or pctx.tp_rank == 0
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return (pctx.etp_rank if is_expert(param) else pctx.tp_rank) == 0
 
 
 def grads_for_norm(params: Iterable[torch.Tensor], pctx: ParallelContext) -> list[torch.Tensor]:
     """The `.grad` of each parameter counted in the norm on this rank (see module docstring)."""
     return [p.grad for p in params if p.grad is not None and counts_in_norm(p, pctx)]
+
+
+def split_grads_for_norm(
+    params: Iterable[torch.Tensor], pctx: ParallelContext
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(dense, expert) gradients counted in the norm on this rank."""
+    dense, expert = [], []
+    for p in params:
+        if p.grad is not None and counts_in_norm(p, pctx):
+            (expert if is_expert(p) else dense).append(p.grad)
+    return dense, expert
+
+
+def _has_expert_layout(pctx: ParallelContext) -> bool:
+    """Whether expert weights need their own reduction (else they reduce like dense ones)."""
+    return pctx.size("ep") > 1 or pctx.group_ranks["expert_tp"] != pctx.group_ranks["tp"]
+
+
+def reduce_model_statistic(
+    dense: torch.Tensor,
+    expert: torch.Tensor,
+    pctx: ParallelContext,
+    sharded_group: str | None,
+    op: Any = None,
+) -> torch.Tensor:
+    """A statistic of the whole model from this rank's dense and expert parts (1-element
+    tensors): dense reduced over the model group [+ sharded group], expert over
+    expert-tp x ep x pp [+ expert-dp]; their sum, or their max with op MAX."""
+    is_max = op == dist.ReduceOp.MAX
+    if not _has_expert_layout(pctx):
+        total = torch.maximum(dense, expert) if is_max else dense + expert
+        for name in _stat_groups(pctx, sharded_group):
+            pctx.all_reduce(total, name, op=op)
+        return total
+    pair = torch.cat([dense.reshape(1), expert.reshape(1)])
+    pctx.all_reduce(pair, "pp", op=op)
+    dense, expert = pair[:1].clone(), pair[1:].clone()
+    for name in ("tp", sharded_group):
+        if name is not None:
+            pctx.all_reduce(dense, name, op=op)
+    for name in ("expert_tp", "ep", "expert_dp" if sharded_group is not None else None):
+        if name is not None:
+            pctx.all_reduce(expert, name, op=op)
+    return torch.maximum(dense, expert) if is_max else dense + expert
 
 
 def _stat_groups(pctx: ParallelContext, sharded_group: str | None) -> list[str]:
@@ -40,21 +95,11 @@ def _stat_groups(pctx: ParallelContext, sharded_group: str | None) -> list[str]:
     return names
 
 
-def get_grad_norm(
-    grads: list[torch.Tensor],
-    pctx: ParallelContext,
-    norm_type: float = 2.0,
-    sharded_group: str | None = None,
-) -> float:
-    """Norm of the gradients of the whole model (all ranks), accumulated in fp32."""
-    device = grads[0].device if grads else pctx.device
+def _local_norm(grads: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
     if norm_type == float("inf"):
         local = [g.detach().abs().max().float() for g in grads]
         total = torch.stack(local).max() if local else torch.zeros((), device=device)
-        total = total.reshape(1).to(torch.float32)
-        for name in _stat_groups(pctx, sharded_group):
-            pctx.all_reduce(total, name, op=dist.ReduceOp.MAX)
-        return float(total.item())
+        return total.reshape(1).to(device=device, dtype=torch.float32)
     powered = torch.zeros(1, dtype=torch.float32, device=device)
     if grads:
         # One fused kernel per list (fp32 accumulation for low-precision gradients).
@@ -64,9 +109,29 @@ def get_grad_norm(
             n for group in (fp32, other) if group for n in torch._foreach_norm(group, norm_type)
         ]
         powered += torch.stack(norms).pow(norm_type).sum().to(device)
-    for name in _stat_groups(pctx, sharded_group):
-        pctx.all_reduce(powered, name)
-    return float(powered.item() ** (1.0 / norm_type))
+    return powered
+
+
+def get_grad_norm(
+    grads: list[torch.Tensor],
+    pctx: ParallelContext,
+    norm_type: float = 2.0,
+    sharded_group: str | None = None,
+    expert_grads: list[torch.Tensor] | None = None,
+) -> float:
+    """Norm of the gradients of the whole model (all ranks), accumulated in fp32. `grads` are
+    dense gradients, `expert_grads` those of expert weights (see the module docstring)."""
+    expert_grads = expert_grads or []
+    first = (grads or expert_grads)[:1]
+    device = first[0].device if first else pctx.device
+    dense = _local_norm(grads, norm_type, device).to(pctx.device)
+    expert = _local_norm(expert_grads, norm_type, device).to(pctx.device)
+    if norm_type == float("inf"):
+        return float(
+            reduce_model_statistic(dense, expert, pctx, sharded_group, dist.ReduceOp.MAX).item()
+        )
+    total = reduce_model_statistic(dense, expert, pctx, sharded_group)
+    return float(total.item() ** (1.0 / norm_type))
 
 
 def clip_grads_by_norm(params: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
@@ -88,7 +153,8 @@ def clip_grad_norm(
 ) -> float:
     """Global grad norm of `params` (before clipping), then clip them to `max_norm` (if > 0)."""
     params = list(params)
-    total = get_grad_norm(grads_for_norm(params, pctx), pctx, norm_type, sharded_group)
+    dense, expert = split_grads_for_norm(params, pctx)
+    total = get_grad_norm(dense, pctx, norm_type, sharded_group, expert_grads=expert)
     if max_norm > 0.0:
         clip_grads_by_norm(params, max_norm, total)
     return total
@@ -98,17 +164,13 @@ def count_zeros(
     params: Iterable[torch.Tensor], pctx: ParallelContext, sharded_group: str | None = None
 ) -> int:
     """Number of exactly-zero gradient entries over the whole model (each weight counted once)."""
-    params = list(params)
-    total = torch.zeros(1, dtype=torch.float64)
-    grads = grads_for_norm(params, pctx)
-    if grads:
-        total = total.to(grads[0].device)
+    counts = []
+    for grads in split_grads_for_norm(list(params), pctx):
+        total = torch.zeros(1, dtype=torch.float64, device=pctx.device)
         for g in grads:
-            total += g.numel() - torch.count_nonzero(g)
-    total = total.to(pctx.device)
-    for name in _stat_groups(pctx, sharded_group):
-        pctx.all_reduce(total, name)
-    return int(total.item())
+            total += (g.numel() - torch.count_nonzero(g)).to(pctx.device)
+        counts.append(total)
+    return int(reduce_model_statistic(*counts, pctx, sharded_group).item())
 
 
 def unscale_and_check_overflow(
@@ -118,7 +180,8 @@ def unscale_and_check_overflow(
     sharded_group: str | None = None,
 ) -> bool:
     """Multiply `grads` by `inv_scale` in place; True if any rank of the model (and of
-    `sharded_group`) saw an inf or nan, so that every rank skips the same step."""
+    `sharded_group`, and, with experts split over ranks, of the expert groups) saw an inf or
+    nan, so that every rank skips the same step."""
     device = grads[0].device if grads else pctx.device
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if grads:
@@ -131,6 +194,10 @@ def unscale_and_check_overflow(
                 group, found_inf, inv_scale.to(device=group[0].device, dtype=torch.float32)
             )
     found_inf = found_inf.to(pctx.device)
-    for name in _stat_groups(pctx, sharded_group):
-        pctx.all_reduce(found_inf, name, op=dist.ReduceOp.MAX)
+    if _has_expert_layout(pctx) and dist.is_initialized():
+        # Expert gradients live on other ranks than the dense ones: ask everybody.
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+    else:
+        for name in _stat_groups(pctx, sharded_group):
+            pctx.all_reduce(found_inf, name, op=dist.ReduceOp.MAX)
     return bool(found_inf.item() > 0)

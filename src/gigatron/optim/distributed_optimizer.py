@@ -45,9 +45,8 @@ from gigatron.optim.optimizer import (
 )
 from gigatron.parallel.context import ParallelContext
 
-# Dense gradients are sharded over dp x cp, expert gradients over expert-dp (a subgroup of
-# dp x cp whose complement, ep, holds different experts); reducing statistics over dp x cp
-# therefore counts every element once in both cases.
+# Dense gradients are sharded over dp x cp, expert gradients over expert-dp (DDP's buffer groups);
+# the global statistics (optim/clip_grads.py) reduce the expert part over expert-dp.
 SHARDED_GROUP = "dp_cp"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
 
@@ -185,8 +184,8 @@ class DistributedOptimizer(GigatronOptimizer):
         return ["exp_avg", "exp_avg_sq"]
 
     def full_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], float] | None:
-        """(name -> {"param", moments...} full fp32 tensors, step) on data-parallel rank 0,
-        None elsewhere. Collective over the data-parallel group."""
+        """(name -> {"param", moments...} full fp32 tensors, step) on the rank writing this
+        position's checkpoint file, None elsewhere. Collective over the data-parallel group."""
         keys = self._state_keys()
         step = torch.zeros(1, dtype=torch.float64)
         for shard in self.shards:
@@ -194,8 +193,12 @@ class DistributedOptimizer(GigatronOptimizer):
             if "step" in entry:
                 step = torch.maximum(step, torch.as_tensor(entry["step"], dtype=torch.float64))
         self.pctx.all_reduce(step, SHARDED_GROUP, op=torch.distributed.ReduceOp.MAX)
+        from gigatron.checkpoint.torch_format import writes_checkpoint
+
         full: dict[str, dict[str, torch.Tensor]] = {}
-        is_writer = self.pctx.rank_in(SHARDED_GROUP) == 0
+        # The rank that writes this (tp, pp, ep) position's checkpoint file; every rank of a
+        # buffer's group gets the full tensors from the all-reduce below.
+        is_writer = writes_checkpoint(self.pctx)
         for chunk_index, chunk in enumerate(self.model_chunks):
             for buffer in chunk.grad_buffers:
                 mine = [s for s in self.shards if id(s.model_param) in buffer.param_range]

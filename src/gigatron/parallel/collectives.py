@@ -1,4 +1,4 @@
-"""Collectives that autograd sees, for tensor, sequence and context parallelism.
+"""Collectives that autograd sees, for tensor, sequence, context and expert parallelism.
 
 Each function is the forward of a `torch.autograd.Function` whose backward is the conjugate
 collective (an all-reduce's conjugate is the identity, an all-gather's is a reduce-scatter, ...).
@@ -6,6 +6,9 @@ They take the ParallelContext whose tensor-parallel group they talk in, and are 
 that group has a single member. Layouts: "tensor-parallel region" tensors are split along the last
 dimension (hidden or vocabulary); "sequence-parallel region" tensors are split along dimension 0
 (the sequence, in the [seq, batch, hidden] layout).
+
+The expert-parallel ones (at the end) take the name of the group they talk in ("ep",
+"expert_tp"): token exchanges along dimension 0 with equal or per-rank sizes.
 """
 
 from __future__ import annotations
@@ -252,3 +255,133 @@ def all_to_all_context_parallel(
         return x
     group, size, _ = _cp(pctx)
     return _AllToAll.apply(x, group, size, scatter_dim, gather_dim)
+
+
+# ---- expert parallelism: token exchanges along dimension 0 in a named group -------------------
+def _group(pctx: ParallelContext, name: str) -> tuple[Any, int, int]:
+    return pctx.group(name), pctx.size(name), pctx.rank_in(name)
+
+
+def gather_along_first_dim(x: torch.Tensor, pctx: ParallelContext, group: str) -> torch.Tensor:
+    """All-gather equal-size slices along dim 0 (rank order); the gradient is reduce-scattered
+    (each rank's computation on gathered rows sends its partial gradient back to their owner)."""
+    if pctx.size(group) == 1:
+        return x
+    return _GatherFromSP.apply(x, *_group(pctx, group), True)
+
+
+def reduce_scatter_along_first_dim(
+    x: torch.Tensor, pctx: ParallelContext, group: str
+) -> torch.Tensor:
+    """Sum over the group and keep this rank's equal slice of dim 0; the gradient is gathered."""
+    if pctx.size(group) == 1:
+        return x
+    return _ReduceScatterToSP.apply(x, *_group(pctx, group))
+
+
+def all_gather_tensor(x: torch.Tensor, pctx: ParallelContext, group: str) -> torch.Tensor:
+    """[size(group), *x.shape]: every rank's `x` in rank order (no gradient; for counts)."""
+    size = pctx.size(group)
+    if size == 1:
+        return x.unsqueeze(0)
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x.contiguous(), group=pctx.group(group))
+    return out.view(size, *x.shape)
+
+
+def _all_to_all_rows(x: torch.Tensor, group: Any, out_splits: list[int], in_splits: list[int]):
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        return _all_to_all_rows(x, group, out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The conjugate exchange: every row goes back where it came from.
+        return _all_to_all_rows(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor,
+    pctx: ParallelContext,
+    group: str,
+    output_splits: list[int],
+    input_splits: list[int],
+) -> torch.Tensor:
+    """Rows [sum(input_splits), ...] -> [sum(output_splits), ...]: the i-th block of
+    `input_splits` rows goes to rank i of the group, and block i of the result came from it."""
+    if pctx.size(group) == 1:
+        return x
+    return _AllToAllRows.apply(x, pctx.group(group), list(output_splits), list(input_splits))
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    if x.shape[0] == rows:
+        return x.contiguous()
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+def _gather_v(x: torch.Tensor, group: Any, sizes: list[int]) -> torch.Tensor:
+    # Equal-size collectives on padded blocks: one all-gather instead of one broadcast per rank.
+    if max(sizes) == 0:
+        return x.new_zeros((0, *x.shape[1:]))
+    padded = _gather_first(_pad_rows(x, max(sizes)), group, len(sizes))
+    blocks = padded.chunk(len(sizes))
+    return torch.cat([block[:size] for block, size in zip(blocks, sizes)])
+
+
+def _reduce_scatter_v(x: torch.Tensor, group: Any, sizes: list[int], rank: int) -> torch.Tensor:
+    rows = max(sizes)
+    if rows == 0:
+        return x.new_zeros((0, *x.shape[1:]))
+    blocks = [_pad_rows(block, rows) for block in x.split(sizes)]
+    out = _reduce_scatter_first(torch.cat(blocks), group, len(sizes))
+    return out[: sizes[rank]]
+
+
+class _GatherV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes, rank):
+        ctx.group, ctx.sizes, ctx.rank = group, sizes, rank
+        return _gather_v(x, group, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_v(grad, ctx.group, ctx.sizes, ctx.rank), None, None, None
+
+
+class _ReduceScatterV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, sizes, rank):
+        ctx.group, ctx.sizes = group, sizes
+        return _reduce_scatter_v(x, group, sizes, rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_v(grad, ctx.group, ctx.sizes), None, None, None
+
+
+def gather_along_first_dim_v(
+    x: torch.Tensor, pctx: ParallelContext, group: str, sizes: list[int]
+) -> torch.Tensor:
+    """All-gather blocks of `sizes[i]` rows from rank i (in rank order); gradient: reduce-scatter."""
+    if pctx.size(group) == 1:
+        return x
+    return _GatherV.apply(x, pctx.group(group), list(sizes), pctx.rank_in(group))
+
+
+def reduce_scatter_along_first_dim_v(
+    x: torch.Tensor, pctx: ParallelContext, group: str, sizes: list[int]
+) -> torch.Tensor:
+    """Sum over the group rows laid out as blocks of `sizes[i]` (one per rank) and keep this
+    rank's block; gradient: all-gather."""
+    if pctx.size(group) == 1:
+        return x
+    return _ReduceScatterV.apply(x, pctx.group(group), list(sizes), pctx.rank_in(group))

@@ -2,8 +2,11 @@
 
 Rank order follows Megatron-LM: tensor-parallel rank varies fastest, then context, then data, then
 pipeline:  rank = tp + TP * (cp + CP * (dp + DP * pp)).
-Expert parallelism is carved out of the dp x cp ranks of one (tp, pp) position: ep ranks are
-consecutive there, and the remaining factor is the expert-data-parallel dimension.
+Expert layers see the tp x cp x dp ranks of a pipeline stage as a second grid, expert-tensor-
+parallel (etp) fastest, then expert-parallel (ep), then expert-data-parallel (edp):
+    position in the stage = etp + ETP * (ep + EP * edp).
+With ETP = TP (the default) the ep ranks are consecutive among the dp x cp ranks of one tp rank;
+with ETP = 1 they are consecutive ranks of the stage (spanning tp).
 
 A context is built once (`ParallelContext.from_config`) and passed to whatever needs it; nothing
 is looked up globally, so tests can build several in one process (`ParallelContext.single()`).
@@ -33,10 +36,15 @@ class Grid:
     dp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int | None = None  # None: the tensor-parallel size
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     def rank_of(self, tp: int, cp: int, dp: int, pp: int) -> int:
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
@@ -65,20 +73,42 @@ class Grid:
             groups.append(sorted(members))
         return sorted(groups)
 
-    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
-        """(expert-parallel groups, expert-data-parallel groups) carved out of dp x cp."""
-        ep_groups, edp_groups = [], []
-        for dpcp_group in self.groups_varying(["cp", "dp"]):
-            # dpcp_group is sorted, so cp varies fastest within it: consecutive ranks form ep groups.
-            n = len(dpcp_group)
-            for start in range(0, n, self.ep):
-                ep_groups.append(dpcp_group[start : start + self.ep])
-            for offset in range(self.ep):
-                edp_groups.append(dpcp_group[offset :: self.ep])
-        return ep_groups, edp_groups
+    def expert_coords_of(self, rank: int) -> dict[str, int]:
+        """The rank's place in the expert grid: etp, ep, edp (see the module docstring)."""
+        etp = self.expert_tp
+        position = rank % (self.tp * self.cp * self.dp)
+        return {
+            "etp": position % etp,
+            "ep": position // etp % self.ep,
+            "edp": position // (etp * self.ep),
+        }
+
+    def expert_groups(self) -> dict[str, list[list[int]]]:
+        """Groups of the expert grid (see the module docstring): "ep", "expert_dp" and
+        "expert_tp", each a list of rank lists."""
+        etp, ep = self.expert_tp, self.ep
+        block = self.tp * self.cp * self.dp
+        edp = block // (etp * ep)
+        groups: dict[str, list[list[int]]] = {"ep": [], "expert_dp": [], "expert_tp": []}
+        for pp in range(self.pp):
+
+            def rank(t: int, e: int, d: int, pp: int = pp) -> int:
+                return pp * block + t + etp * (e + ep * d)
+
+            for t in range(etp):
+                for d in range(edp):
+                    groups["ep"].append([rank(t, e, d) for e in range(ep)])
+                for e in range(ep):
+                    groups["expert_dp"].append([rank(t, e, d) for d in range(edp)])
+            for e in range(ep):
+                for d in range(edp):
+                    groups["expert_tp"].append([rank(t, e, d) for t in range(etp)])
+        return {name: sorted(members) for name, members in groups.items()}
 
 
-def describe_layout_error(world_size: int, tp: int, cp: int, pp: int, ep: int) -> str | None:
+def describe_layout_error(
+    world_size: int, tp: int, cp: int, pp: int, ep: int, etp: int | None = None
+) -> str | None:
     model_parallel = tp * cp * pp
     if world_size % model_parallel:
         return (
@@ -88,10 +118,21 @@ def describe_layout_error(world_size: int, tp: int, cp: int, pp: int, ep: int) -
             "--pipeline-model-parallel-size"
         )
     dp = world_size // model_parallel
-    if (dp * cp) % ep:
+    etp = tp if etp is None else etp
+    if etp not in (1, tp):
+        return (
+            f"expert-tensor-parallel size {etp} must be 1 or the tensor-parallel size {tp}; "
+            "change --expert-tensor-parallel-size"
+        )
+    if etp == tp and (dp * cp) % ep:
         return (
             f"expert-parallel size {ep} does not divide data-parallel {dp} x context-parallel {cp} = "
             f"{dp * cp}; change --expert-model-parallel-size"
+        )
+    if (tp * cp * dp) % (ep * etp):
+        return (
+            f"expert-parallel size {ep} does not divide the {tp * cp * dp} tensor x context x "
+            "data-parallel ranks of a pipeline stage; change --expert-model-parallel-size"
         )
     return None
 
@@ -128,6 +169,7 @@ class ParallelContext:
         pp: int = 1,
         cp: int = 1,
         ep: int = 1,
+        etp: int | None = None,
         device: str | torch.device | None = None,
         backend: str | None = None,
         timeout_minutes: float = 10,
@@ -139,10 +181,10 @@ class ParallelContext:
             if dist.is_initialized()
             else int(os.environ.get("WORLD_SIZE", "1"))
         )
-        error = describe_layout_error(world_size, tp, cp, pp, ep)
+        error = describe_layout_error(world_size, tp, cp, pp, ep, etp)
         if error:
             raise GigatronError(error)
-        grid = Grid(tp=tp, cp=cp, dp=world_size // (tp * cp * pp), pp=pp, ep=ep)
+        grid = Grid(tp=tp, cp=cp, dp=world_size // (tp * cp * pp), pp=pp, ep=ep, etp=etp)
         device = resolve_device(device or "auto")
         timeout = datetime.timedelta(minutes=timeout_minutes)
         if world_size == 1 and not dist.is_initialized():
@@ -169,6 +211,7 @@ class ParallelContext:
             pp=p.pipeline_model_parallel_size,
             cp=p.context_parallel_size,
             ep=p.expert_model_parallel_size,
+            etp=p.expert_tensor_parallel_size,
             device=p.device,
             backend=p.distributed_backend,
             timeout_minutes=p.distributed_timeout_minutes,
@@ -182,7 +225,7 @@ class ParallelContext:
         for ranks in pp_groups:
             embedding_groups.append(sorted({ranks[0], ranks[-1]}))
             position_embedding_groups.append([ranks[0]])
-        ep_groups, edp_groups = g.expert_groups()
+        expert_layouts = g.expert_groups()
         for name in GROUP_NAMES:
             # A rank outside every group of a kind (a middle pipeline stage and the embedding
             # group) is alone in it.
@@ -198,8 +241,7 @@ class ParallelContext:
             "model": g.groups_varying(["tp", "pp"]),
             "embedding": embedding_groups,
             "position_embedding": position_embedding_groups,
-            "ep": ep_groups,
-            "expert_dp": edp_groups,
+            **expert_layouts,
         }
         # Every rank must create every group, in the same order (a torch.distributed rule).
         for name in GROUP_NAMES:
@@ -231,7 +273,15 @@ class ParallelContext:
 
     @property
     def ep_rank(self) -> int:
-        return self.group_ranks["ep"].index(self.rank)
+        return self.grid.expert_coords_of(self.rank)["ep"]
+
+    @property
+    def etp_size(self) -> int:
+        return self.grid.expert_tp
+
+    @property
+    def etp_rank(self) -> int:
+        return self.grid.expert_coords_of(self.rank)["etp"]
 
     @property
     def dp_cp_rank(self) -> int:
@@ -278,7 +328,8 @@ class ParallelContext:
         return (
             f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size}, "
             f"cp {self.cp_rank}/{self.cp_size}, dp {self.dp_rank}/{self.dp_size}, "
-            f"pp {self.pp_rank}/{self.pp_size}, ep {self.ep_rank}/{self.ep_size}"
+            f"pp {self.pp_rank}/{self.pp_size}, ep {self.ep_rank}/{self.ep_size}, "
+            f"etp {self.etp_rank}/{self.etp_size}"
         )
 
 
@@ -294,6 +345,7 @@ GROUP_NAMES = (
     "position_embedding",
     "ep",
     "expert_dp",
+    "expert_tp",
 )
 
 

@@ -386,6 +386,26 @@ def forward_backward_pipelining_interleaved(
     )
 
 
+def set_aux_loss_scale(
+    model_chunks: list[nn.Module], num_microbatches: int, config: ScheduleConfig
+) -> None:
+    """Tell every module with auxiliary losses (MoE routers: `set_aux_loss_scale`) the gradient
+    such a loss gets in backward: what the main loss of a micro-batch is multiplied by (the loss
+    scale, divided by the number of micro-batches unless the loss is per token)."""
+    modules = [
+        m for chunk in model_chunks for m in chunk.modules() if hasattr(m, "set_aux_loss_scale")
+    ]
+    if not modules:
+        return
+    scale = torch.ones(1)
+    if config.grad_scale_func is not None:
+        scale = config.grad_scale_func(scale)
+    if not config.per_token_loss:
+        scale = scale / num_microbatches
+    for module in modules:
+        module.set_aux_loss_scale(scale)
+
+
 def forward_backward(
     forward_step: ForwardStep,
     data_iterator: Iterator | list[Iterator],
@@ -397,6 +417,8 @@ def forward_backward(
 ) -> list[dict[str, Any]]:
     """Run one iteration's forward (and backward) passes; returns one report per micro-batch on
     the last pipeline stage (an empty list elsewhere)."""
+    if not forward_only:
+        set_aux_loss_scale(model_chunks, num_microbatches, config)
     if pctx.pp_size == 1:
         if isinstance(data_iterator, (list, tuple)):
             (data_iterator,) = data_iterator

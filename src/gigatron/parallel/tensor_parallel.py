@@ -113,9 +113,21 @@ def parameter_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
+def initialize_parameters(
+    module: nn.Module,
+    seed: int,
+    tp_rank: int,
+    tp_size: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
+) -> None:
     """Fill every parameter marked by `set_tensor_parallel_attributes`: draw the full tensor on
-    the CPU in float32 from its own generator, keep this rank's slice, copy it in."""
+    the CPU in float32 from its own generator, keep this rank's slice, copy it in. Expert weights
+    (`expert_parallel = True`, experts along dim 0) are drawn for all experts; this
+    expert-parallel rank keeps its block of them, split over the expert-tensor-parallel ranks
+    (`etp_rank`, `etp_size`; default the tensor-parallel ones)."""
     for name, param in module.named_parameters():
         kind = getattr(param, "init", None)
         if kind is None:
@@ -126,9 +138,15 @@ def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: i
         if kind == "zeros":
             param.zero_()
             continue
+        experts = getattr(param, "expert_parallel", False)
+        rank, size = (tp_rank, tp_size)
+        if experts and etp_size is not None:
+            rank, size = etp_rank, etp_size
         full_shape = list(param.shape)
         if param.tensor_model_parallel:
-            full_shape[param.partition_dim] *= tp_size
+            full_shape[param.partition_dim] *= size
+        if experts:
+            full_shape[0] *= ep_size
         generator = torch.Generator().manual_seed(
             parameter_seed(seed, getattr(param, "init_name", name))
         )
@@ -138,10 +156,10 @@ def initialize_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: i
             full = torch.empty(full_shape, dtype=torch.float32).normal_(
                 0.0, param.init_std, generator=generator
             )
+        if experts:
+            full = full.chunk(ep_size, dim=0)[ep_rank]
         if param.tensor_model_parallel:
-            full = slice_for_rank(
-                full, param.partition_dim, param.partition_stride, tp_rank, tp_size
-            )
+            full = slice_for_rank(full, param.partition_dim, param.partition_stride, rank, size)
         param.copy_(full)
 
 

@@ -11,6 +11,9 @@ full multi-head attention) this is
 score matrix (no causal halving), as Megatron does. Activation recomputation is not counted: MFU
 measures useful model work. The general form below also covers grouped-query attention
 (fewer key/value heads), SwiGLU (three MLP matrices) and a kv_channels other than h/heads.
+
+MoE layers count the work a token does (Megatron's formula): its top-k routed experts and the
+shared experts; not the experts it skips, and (as Megatron) not the small router GEMM.
 """
 
 from __future__ import annotations
@@ -38,8 +41,12 @@ def forward_flops_per_token(
     num_query_groups: int,
     kv_channels: int,
     swiglu: bool = False,
+    num_moe_layers: int = 0,
+    moe_active_ffn: int = 0,
 ) -> float:
-    """Matmul FLOPs of one token's forward pass through the whole model (logits included)."""
+    """Matmul FLOPs of one token's forward pass through the whole model (logits included).
+    `num_moe_layers` of the layers are MoE layers whose MLP work is that of a dense MLP of hidden
+    size `moe_active_ffn` (top-k x expert size + shared expert size)."""
     h = hidden_size
     query_size = num_attention_heads * kv_channels
     kv_size = num_query_groups * kv_channels
@@ -47,17 +54,32 @@ def forward_flops_per_token(
     # Q.K^T and probabilities.V, each 2 * s * query_size per token.
     attention = 2 * 2 * seq_length * query_size
     projection = 2 * query_size * h
-    mlp = 2 * (3 if swiglu else 2) * h * ffn_hidden_size
+    matrices = 3 if swiglu else 2
+    mlp = 2 * matrices * h * ffn_hidden_size
+    moe_mlp = 2 * matrices * h * moe_active_ffn
     logits = 2 * h * vocab_size
-    return num_layers * (qkv + attention + projection + mlp) + logits
+    dense_layers = num_layers - num_moe_layers
+    return (
+        num_layers * (qkv + attention + projection)
+        + dense_layers * mlp
+        + num_moe_layers * moe_mlp
+        + logits
+    )
 
 
 def model_flops_per_iteration(
-    model_cfg: Any, global_batch_size: int, vocab_size: int, head_flops_per_token: float = 0.0
+    model_cfg: Any,
+    global_batch_size: int,
+    vocab_size: int,
+    head_flops_per_token: float = 0.0,
+    moe: Any = None,
 ) -> float:
     """Training FLOPs (forward + backward) of one iteration of `global_batch_size` samples of a
-    finalised model config; `head_flops_per_token` adds a family's extra head (e.g. BERT's)."""
+    finalised model config; `head_flops_per_token` adds a family's extra head (e.g. BERT's);
+    `moe` (a models.moe.MoESpec) makes its layers MoE layers."""
     m = model_cfg
+    moe_layers = len(moe.moe_layer_numbers) if moe is not None else 0
+    active = moe.topk * moe.ffn_hidden_size + (moe.shared_expert_size or 0) if moe else 0
     per_token = forward_flops_per_token(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -68,6 +90,8 @@ def model_flops_per_iteration(
         num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels,
         swiglu=m.swiglu,
+        num_moe_layers=moe_layers,
+        moe_active_ffn=active,
     )
     return 3.0 * (per_token + head_flops_per_token) * global_batch_size * m.seq_length
 

@@ -59,6 +59,9 @@ class Run:
     flops_per_iteration: Callable[[int], float]
     # The family's loss report names; the first is the main loss (train_losses, valid loss).
     loss_names: tuple[str, ...] = ("lm_loss",)
+    # Reports of a whole training iteration (e.g. MoE routing), called on every rank after the
+    # gradients are final (the family's `iteration_reports`).
+    iteration_reports: Callable[[list[nn.Module]], dict[str, torch.Tensor]] | None = None
     train_iterator: Iterator | None = None
     valid_iterator: Iterator | None = None
     test_iterator: Iterator | None = None
@@ -163,6 +166,8 @@ def train_step(run: Run, num_microbatches: int) -> dict[str, Any]:
     )
     run.timers("forward-backward").stop()
     finalize_model_grads(run.model, pctx)
+    if run.iteration_reports is not None:
+        reports = [*reports, run.iteration_reports(run.model)]
     losses = mean_losses(reduce_loss_reports(reports, pctx, run.loss_names))
     # Only some stages see a loss; every rank must take the same decision.
     bad = [name for name, value in losses.items() if not math.isfinite(value)]
@@ -222,7 +227,11 @@ def evaluate(
     finally:
         for chunk in run.model:
             chunk.train()
-    return {name: (s / n if n else float("nan")) for name, (s, n) in totals.items()}
+    # Names nothing reported (e.g. training-only MoE statistics) are left out; the main loss stays.
+    main = run.loss_names[0]
+    return {
+        name: (s / n if n else float("nan")) for name, (s, n) in totals.items() if n or name == main
+    }
 
 
 def _evaluate_and_log(run: Run, split: str, iterator: Iterator, result: TrainResult) -> float:

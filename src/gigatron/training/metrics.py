@@ -120,7 +120,9 @@ class MetricsLogger:
             params = record.get("parameters")
             per_rank = record.get("bytes_per_rank") or []
             if params is not None:
-                self.message(f"> model parameters: {params:,}")
+                active = record.get("active_parameters")
+                extra = f" ({active:,} active per token)" if active is not None else ""
+                self.message(f"> model parameters: {params:,}{extra}")
             for entry in per_rank:
                 self.message(
                     "> rank {rank}: parameters {p:.1f} MiB, gradients {g:.1f} MiB, "
@@ -307,19 +309,38 @@ def memory_footprint(model_chunks: list[nn.Module], optimizer: Any) -> dict[str,
     }
 
 
-def count_parameters(model_chunks: list[nn.Module], pctx: ParallelContext) -> int:
-    """Parameters of the whole model (all tensor- and pipeline-parallel shards, each once)."""
-    local = 0
+def count_parameters_by_kind(
+    model_chunks: list[nn.Module], pctx: ParallelContext
+) -> tuple[int, int]:
+    """(dense, expert) parameters of the whole model: every tensor-, pipeline- and
+    expert-parallel shard once (the rule of the gradient norm, optim/clip_grads.py)."""
+    from gigatron.optim.clip_grads import counts_in_norm, is_expert, reduce_model_statistic
+
+    local = [0, 0]
+    seen: set[int] = set()
     for chunk in model_chunks:
         for p in chunk.parameters():
-            if getattr(p, "shared_embedding", False) and not pctx.is_pipeline_first_stage():
-                continue  # the tied output weight is the first stage's embedding again
-            if getattr(p, "tensor_model_parallel", False) or pctx.tp_rank == 0:
-                local += p.numel()
-    total = torch.tensor([local], dtype=torch.int64, device=pctx.device)
-    if pctx.size("model") > 1:
-        dist.all_reduce(total, group=pctx.group("model"))
-    return int(total.item())
+            if id(p) not in seen and counts_in_norm(p, pctx):
+                seen.add(id(p))
+                local[is_expert(p)] += p.numel()
+    dense, expert = (torch.tensor([n], dtype=torch.float64, device=pctx.device) for n in local)
+    reduced_dense = reduce_model_statistic(dense, torch.zeros_like(expert), pctx, None)
+    reduced_expert = reduce_model_statistic(torch.zeros_like(dense), expert, pctx, None)
+    return int(reduced_dense.item()), int(reduced_expert.item())
+
+
+def count_parameters(model_chunks: list[nn.Module], pctx: ParallelContext) -> int:
+    """Parameters of the whole model (all tensor-, pipeline- and expert-parallel shards, each
+    once)."""
+    return sum(count_parameters_by_kind(model_chunks, pctx))
+
+
+def count_active_parameters(
+    model_chunks: list[nn.Module], pctx: ParallelContext, topk: int, num_experts: int
+) -> int:
+    """Parameters one token uses: the dense ones and topk of every MoE layer's experts."""
+    dense, expert = count_parameters_by_kind(model_chunks, pctx)
+    return dense + expert * topk // num_experts
 
 
 def gather_from_ranks(value: Any, pctx: ParallelContext) -> list[Any]:

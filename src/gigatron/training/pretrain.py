@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,12 +23,14 @@ from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
 from gigatron.faults import name_distributed_failures
 from gigatron.models.embedding import resolve_vocab_size
+from gigatron.models.moe.spec import MoESpec
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.schedules import ScheduleConfig
 from gigatron.training.flops import device_peak_flops, precision_name
 from gigatron.training.loop import Run, TrainResult, TrainState, train
 from gigatron.training.metrics import (
     MetricsLogger,
+    count_active_parameters,
     count_parameters,
     default_metrics_path,
     gather_from_ranks,
@@ -215,8 +218,19 @@ def pretrain(
         def startup_record() -> dict[str, Any]:
             footprint = memory_footprint(model, optimizer)
             per_rank = gather_from_ranks({"rank": pctx.rank, **footprint}, pctx)
+            moe = MoESpec.from_config(cfg)
+            active = (
+                {
+                    "active_parameters": count_active_parameters(
+                        model, pctx, moe.topk, moe.num_experts
+                    )
+                }
+                if moe is not None
+                else {}
+            )
             return {
                 "parameters": count_parameters(model, pctx),
+                **active,
                 "world_size": pctx.world_size,
                 "tp": pctx.tp_size,
                 "pp": pctx.pp_size,
@@ -262,6 +276,11 @@ def pretrain(
             vocab_size=vocab_size,
             flops_per_iteration=lambda batch: family.flops_per_iteration(cfg, batch, vocab_size),
             loss_names=family.loss_names(cfg),
+            iteration_reports=(
+                partial(family.iteration_reports, cfg, pctx)
+                if family.iteration_reports is not None
+                else None
+            ),
             train_iterator=(
                 None  # nothing left to train: only the final evaluations run
                 if t.skip_train or state.iteration >= train_iters

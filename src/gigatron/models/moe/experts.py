@@ -1,0 +1,136 @@
+"""The routed experts of one MoE layer on this rank: their MLP weights stacked, computed on the
+dispatcher's token blocks (rows sorted by local expert).
+
+Weights (names and layouts checkpoints and the Hugging Face maps rely on):
+- `linear_fc1.weight` [local experts, fc1_out / etp, h], fc1_out = 2 x ffn ([gate; up], as the
+  dense SwiGLU MLP) or ffn; split over expert tensor parallelism along dim 1 (stride 2 with
+  SwiGLU);
+- `linear_fc2.weight` [local experts, h, ffn / etp], split along dim 2.
+Both are marked `expert_parallel = True` (the experts dimension is split over "ep", gradients are
+reduced over "expert_dp") and carry the usual tensor-parallel attributes for etp.
+
+Two ways to compute, with the same numbers: one grouped GEMM per weight
+(`torch._grouped_mm`, where this torch build and device have it for the dtype and shapes), or a
+loop over the experts' contiguous blocks (always available; the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.tensor_parallel import set_tensor_parallel_attributes
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (the grouped GEMM's backward
+    rejects broadcast ones, such as the gradient of a sum)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm runs forward and backward here (probed on a tiny problem)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        with torch.enable_grad():
+            x = torch.ones(4, 8, device=device, dtype=dtype, requires_grad=True)
+            w = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=True)
+            offsets = torch.tensor([2, 4], device=device, dtype=torch.int32)
+            y = torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+            y.backward(torch.ones_like(y))
+            return bool(torch.allclose(y.float(), torch.full_like(y.float(), 8.0)))
+    except Exception:  # noqa: BLE001 - any failure means: not here
+        return False
+
+
+class GroupedExperts(nn.Module):
+    """The local experts: `forward(x [N, h], tokens_per_expert [local]) -> [N, h]`."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        pctx: ParallelContext,
+        *,
+        swiglu: bool,
+        openai_gelu: bool,
+        init_std: float,
+        output_init_std: float,
+        params_dtype: torch.dtype,
+        grouped_gemm: bool,
+    ) -> None:
+        super().__init__()
+        etp = pctx.etp_size
+        local_ffn = ffn_hidden_size // etp
+        self.swiglu = swiglu
+        self.gelu_approximate = "tanh" if openai_gelu else "none"
+        fc1_out = local_ffn * (2 if swiglu else 1)
+        shape1 = (num_local_experts, fc1_out, hidden_size)
+        shape2 = (num_local_experts, hidden_size, local_ffn)
+        device = pctx.device
+        self.linear_fc1 = _Weight(torch.empty(shape1, dtype=params_dtype, device=device))
+        self.linear_fc2 = _Weight(torch.empty(shape2, dtype=params_dtype, device=device))
+        # Split over expert-tp (a group of one with etp = 1), like the dense MLP over tp.
+        set_tensor_parallel_attributes(
+            self.linear_fc1.weight, True, 1, 2 if swiglu else 1, "normal", init_std
+        )
+        set_tensor_parallel_attributes(
+            self.linear_fc2.weight, True, 2, 1, "normal", output_init_std
+        )
+        for param in self.parameters():
+            param.expert_parallel = True
+        self.use_grouped_gemm = grouped_gemm
+        # Probed here, not in forward: a probe inside a checkpointed forward would save tensors
+        # that its recomputation does not.
+        self.grouped_gemm_used = grouped_gemm and self._grouped_gemm_available()
+
+    def _grouped_gemm_available(self) -> bool:
+        w1 = self.linear_fc1.weight
+        if w1.device.type == "meta":
+            return False
+        # Strides must be multiples of 16 bytes.
+        sizes = (w1.shape[1], w1.shape[2], self.linear_fc2.weight.shape[2])
+        aligned = all(size * w1.element_size() % 16 == 0 for size in sizes)
+        return aligned and grouped_mm_supported(w1.device, w1.dtype)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        if self.grouped_gemm_used and x.shape[0] > 0:
+            offsets = tokens_per_expert.cumsum(0).to(torch.int32)
+            h = _ContiguousGrad.apply(torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets))
+            h = self._activation(h)
+            return _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets))
+        blocks = x.split(tokens_per_expert.tolist())
+        outputs = [
+            F.linear(self._activation(F.linear(block, w1[e])), w2[e])
+            for e, block in enumerate(blocks)
+        ]
+        if not outputs:
+            return x.new_zeros((0, w2.shape[1]))
+        # Experts without tokens still join the graph, so their weights get zero gradients.
+        return torch.cat(outputs)
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate=self.gelu_approximate)
+
+
+class _Weight(nn.Module):
+    """Holds one stacked weight so that names read `linear_fc1.weight` like the dense MLP's."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(data)

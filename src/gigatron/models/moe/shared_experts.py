@@ -1,0 +1,70 @@
+"""Shared experts (DeepSeek, Qwen-MoE): a dense MLP every token goes through, next to the routed
+experts; optionally scaled by a learned per-token gate, sigmoid(x . gate_weight) (Qwen-MoE)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_parallel_attributes,
+)
+
+
+class SharedExpertMLP(nn.Module):
+    """`forward(x [s, b, h]) -> [s, b, h]` in the layer's (tensor/sequence-parallel) layout.
+
+    Parameters: `linear_fc1.weight`, `linear_fc2.weight` (as the dense MLP) and, with the gate,
+    `gate_weight` [1, h] (replicated over tp; sequence-parallel like a norm weight).
+    """
+
+    def __init__(self, spec, pctx: ParallelContext, ffn_hidden_size: int, gate: bool) -> None:
+        super().__init__()
+        # Parameter names as Megatron's (mlp.shared_experts.linear_fc1.weight, ...).
+        self.linear_fc1 = ColumnParallelLinear(
+            spec.hidden_size,
+            ffn_hidden_size * (2 if spec.swiglu else 1),
+            pctx,
+            bias=False,
+            sequence_parallel=spec.sequence_parallel,
+            init_std=spec.init_method_std,
+            stride=2 if spec.swiglu else 1,
+            dtype=spec.params_dtype,
+        )
+        self.linear_fc2 = RowParallelLinear(
+            ffn_hidden_size,
+            spec.hidden_size,
+            pctx,
+            bias=False,
+            sequence_parallel=spec.sequence_parallel,
+            init_std=spec.output_init_std,
+            dtype=spec.params_dtype,
+        )
+        self.swiglu = spec.swiglu
+        self.gelu_approximate = "tanh" if spec.openai_gelu else "none"
+        if gate:
+            self.gate_weight = nn.Parameter(
+                torch.empty(1, spec.hidden_size, dtype=spec.params_dtype, device=pctx.device)
+            )
+            set_tensor_parallel_attributes(
+                self.gate_weight, False, init="normal", init_std=spec.init_method_std
+            )
+            self.gate_weight.sequence_parallel = spec.sequence_parallel
+        else:
+            self.gate_weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate=self.gelu_approximate)
+        out = self.linear_fc2(h)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(x, self.gate_weight))
+        return out

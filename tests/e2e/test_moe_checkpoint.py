@@ -1,0 +1,131 @@
+"""MoE checkpoints at expert-parallel size 2 (2 processes, distributed optimizer, expert bias):
+one file per expert-parallel rank, an exact resume, and `convert-checkpoint` to ep = 1 (and back
+to ep = 2) evaluating to the same test loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gigatron.checkpoint.convert import convert_checkpoint
+from gigatron.errors import GigatronError
+
+MOE = [
+    "--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "32",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--swiglu",
+    "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+    "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
+    "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1",
+    "--num-workers", "0", "--deterministic-mode", "--hidden-dropout", "0",
+    "--attention-dropout", "0",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[1,0]",
+    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", "0.001", "--moe-router-load-balancing-type", "seq_aux_loss",
+    "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm",
+]  # fmt: skip
+EP2 = ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
+WEIGHTS_ONLY = ["--no-load-optim", "--no-load-rng", "--skip-train", "--train-iters", "4"]
+
+
+def _pretrain(*flags: str, nproc: int = 1) -> None:
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [*launcher, "-m", "gigatron.cli", "pretrain", "gpt", *MOE, *flags]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    if result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
+
+
+def _records(path: Path, kind: str) -> list[dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in records if r["type"] == kind]
+
+
+def _test_loss(path: Path) -> float:
+    (loss,) = [r["lm_loss"] for r in _records(path, "eval") if r["split"] == "test"]
+    return loss
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """4 iterations at ep = 2 saved every 2, and the same run resumed from iteration 2."""
+    root = tmp_path_factory.mktemp("moe_ckpt")
+    _pretrain(*EP2, "--train-iters", "4", "--save-interval", "2", "--save", str(root / "full"),
+              nproc=2)  # fmt: skip
+    _pretrain(*EP2, "--train-iters", "4", "--load", str(root / "full"), "--ckpt-step", "2",
+              "--save", str(root / "resumed"), nproc=2)  # fmt: skip
+    return root
+
+
+def test_one_file_per_expert_parallel_rank(runs):
+    iteration = runs / "full" / "iter_0000004"
+    names = sorted(p.name for p in iteration.iterdir())
+    assert names == ["mp_rank_00_000", "mp_rank_00_001"]
+    states = [
+        torch.load(iteration / name / "model_optim_rng.pt", weights_only=True) for name in names
+    ]
+    experts = "decoder.layers.0.mlp.experts.linear_fc1.weight"
+    shapes = [tuple(s["model"][experts].shape) for s in states]
+    assert shapes == [(2, 128, 32), (2, 128, 32)]  # 2 of the 4 experts each, [gate; up] of 64
+    assert not torch.equal(states[0]["model"][experts], states[1]["model"][experts])
+    bias = "decoder.layers.0.mlp.router.expert_bias"
+    assert torch.equal(states[0]["model"][bias], states[1]["model"][bias])
+    # Moved by the updates (they may swing back to 0, so look at both saved iterations).
+    early = torch.load(
+        runs / "full" / "iter_0000002" / names[0] / "model_optim_rng.pt", weights_only=True
+    )
+    assert early["model"][bias].abs().sum() + states[0]["model"][bias].abs().sum() > 0
+    for name in names:
+        assert (iteration / name / "distrib_optim.pt").is_file()
+
+
+def test_resume_is_exact(runs):
+    full = {r["iteration"]: r for r in _records(runs / "full" / "metrics.jsonl", "train")}
+    resumed = {r["iteration"]: r for r in _records(runs / "resumed" / "metrics.jsonl", "train")}
+    assert sorted(resumed) == [3, 4]
+    keys = ("lm_loss", "seq_load_balancing_loss", "z_loss", "load_imbalance", "grad_norm")
+    for iteration in (3, 4):
+        for key in keys:
+            assert resumed[iteration][key] == full[iteration][key], (iteration, key)
+
+
+def test_convert_to_ep1_and_back(runs):
+    ep1 = runs / "ep1"
+    convert_checkpoint(runs / "full", ep1, target_tp=1, target_pp=1, target_ep=1)
+    (name,) = [p.name for p in (ep1 / "iter_0000004").iterdir()]
+    assert name == "mp_rank_00"
+    state = torch.load(ep1 / "iter_0000004" / name / "model_optim_rng.pt", weights_only=True)
+    experts = state["model"]["decoder.layers.0.mlp.experts.linear_fc1.weight"]
+    source = [
+        torch.load(runs / "full" / "iter_0000004" / d / "model_optim_rng.pt", weights_only=True)
+        for d in ("mp_rank_00_000", "mp_rank_00_001")
+    ]
+    key = "decoder.layers.0.mlp.experts.linear_fc1.weight"
+    assert torch.equal(experts, torch.cat([s["model"][key] for s in source]))
+    assert state["args"]["parallel"]["expert_model_parallel_size"] == 1
+    metrics = runs / "ep1_metrics.jsonl"
+    _pretrain("--load", str(ep1), *WEIGHTS_ONLY, "--metrics-file", str(metrics))
+    expected = _test_loss(runs / "full" / "metrics.jsonl")
+    assert _test_loss(metrics) == pytest.approx(expected, abs=1e-6)
+
+    back = runs / "ep2_again"
+    convert_checkpoint(ep1, back, target_tp=1, target_pp=1, target_ep=2)
+    for rank in range(2):
+        again = torch.load(
+            back / "iter_0000004" / f"mp_rank_00_00{rank}" / "model_optim_rng.pt",
+            weights_only=True,
+        )
+        for key, value in source[rank]["model"].items():
+            assert torch.equal(again["model"][key], value), key
+
+    with pytest.raises(GigatronError, match="pick a divisor of --num-experts"):
+        convert_checkpoint(runs / "full", runs / "bad", target_tp=1, target_pp=1, target_ep=3)
