@@ -1,0 +1,122 @@
+"""`gigatron generate` from a saved checkpoint: the same tokens as the engine in-process, and the
+same tokens at tensor-parallel 2 and pipeline-parallel 2 (torchrun) as at 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gigatron.checkpoint.convert import convert_checkpoint
+from gigatron.checkpoint.torch_format import save_checkpoint
+from gigatron.data.tokenizers import build_tokenizer
+from gigatron.inference import SamplingParams
+from gigatron.inference.load import build_engine
+from gigatron.models import build_model
+from gigatron.parallel.context import ParallelContext
+from gigatron.training.pretrain import parse_pretrain_config
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+MODEL_FLAGS = [
+    "--tokenizer-type", "GPT2BPETokenizer",
+    "--vocab-file", str(DATA / "gpt2-vocab.json"), "--merge-file", str(DATA / "gpt2-merges.txt"),
+    "--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "48", "--micro-batch-size", "1", "--global-batch-size", "1",
+    "--train-iters", "1", "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--init-method-std", "0.2", "--seed", "5",
+]  # fmt: skip
+PROMPTS = ["The quick brown fox", "Hello", "In 1999, the city of Paris had"]
+
+
+def save_tiny_checkpoint(directory: Path, extra_flags: list[str] = ()) -> None:
+    """An untrained GPT with the GPT-2 tokenizer saved as a training checkpoint (iteration 1)."""
+    cfg = parse_pretrain_config([*MODEL_FLAGS, *extra_flags], world_size=1)
+    pctx = ParallelContext.single()
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    chunks = build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
+    save_checkpoint(directory, 1, chunks, None, None, pctx, cfg, extra={"gigatron_family": "gpt"})
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_generate(load: Path, output: Path, *flags: str, nproc: int = 1):
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    prompt_flags = [item for prompt in PROMPTS for item in ("--prompt", prompt)]
+    command = [*launcher, "-m", "gigatron.cli", "generate", "--load", str(load), "--device",
+               "cpu", *prompt_flags, "--output", str(output), *flags]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in output.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("generate") / "ckpt"
+    save_tiny_checkpoint(directory)
+    return directory
+
+
+GREEDY = ["--greedy", "--max-tokens", "10", "--max-batch-size", "2", "--ignore-eos"]
+SAMPLED = ["--temperature", "0.9", "--top-k", "20", "--sampling-seed", "3", "--max-tokens", "10",
+           "--ignore-eos", "--logprobs"]  # fmt: skip
+
+
+def test_generate_matches_the_engine_in_process(checkpoint, tmp_path):
+    records = run_generate(checkpoint, tmp_path / "out.jsonl", *GREEDY)
+    cfg = parse_pretrain_config(MODEL_FLAGS, world_size=1)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    chunks = build_model(cfg, ParallelContext.single(), vocab_size=tokenizer.vocab_size)
+    state = torch.load(
+        checkpoint / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True
+    )
+    chunks[0].load_state_dict(state["model"])
+    engine = build_engine(chunks, ParallelContext.single(), tokenizer, max_batch_size=4)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = engine.generate([tokenizer.tokenize(p) for p in PROMPTS], params)
+    assert [r["prompt"] for r in records] == PROMPTS
+    assert [r["tokens"] for r in records] == [c.output_ids for c in expected]
+    assert [r["text"] for r in records] == [tokenizer.detokenize(c.output_ids) for c in expected]
+    assert all(len(r["tokens"]) == 10 and r["finish_reason"] == "length" for r in records)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> dict[str, list[dict]]:
+    return {
+        "greedy": run_generate(checkpoint, checkpoint.parent / "g1.jsonl", *GREEDY),
+        "sampled": run_generate(checkpoint, checkpoint.parent / "s1.jsonl", *SAMPLED),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel_give_the_same_tokens(checkpoint, reference, tmp_path, tp, pp):
+    split = tmp_path / f"tp{tp}pp{pp}"
+    convert_checkpoint(checkpoint, split, tp, pp)
+    for name, flags in (("greedy", GREEDY), ("sampled", SAMPLED)):
+        records = run_generate(split, tmp_path / f"{name}.jsonl", *flags, nproc=tp * pp)
+        assert [r["tokens"] for r in records] == [r["tokens"] for r in reference[name]]
+        if name == "sampled":
+            for got, want in zip(records, reference[name]):
+                torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
+
+
+def test_generate_refuses_a_wrong_process_count_and_bad_flags(checkpoint, tmp_path):
+    command = [sys.executable, "-m", "gigatron.cli", "generate", "--load", str(checkpoint),
+               "--prompt", "x", "--top-p", "1.5"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=60)
+    assert result.returncode == 2 and "top_p must be in [0, 1]" in result.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "gigatron.cli", "generate", "--load", str(tmp_path), "--prompt", "x"],
+        capture_output=True, text=True, env=env(), timeout=60,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "no checkpoint there" in missing.stderr
