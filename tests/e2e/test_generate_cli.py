@@ -4,46 +4,18 @@ same tokens at tensor-parallel 2 and pipeline-parallel 2 (torchrun) as at 1."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from inference_helpers import engine_from_checkpoint, env, save_tiny_checkpoint
 
 from gigatron.checkpoint.convert import convert_checkpoint
-from gigatron.checkpoint.torch_format import save_checkpoint
-from gigatron.data.tokenizers import build_tokenizer
 from gigatron.inference import SamplingParams
-from gigatron.inference.load import build_engine
-from gigatron.models import build_model
-from gigatron.parallel.context import ParallelContext
-from gigatron.training.pretrain import parse_pretrain_config
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-MODEL_FLAGS = [
-    "--tokenizer-type", "GPT2BPETokenizer",
-    "--vocab-file", str(DATA / "gpt2-vocab.json"), "--merge-file", str(DATA / "gpt2-merges.txt"),
-    "--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "48", "--micro-batch-size", "1", "--global-batch-size", "1",
-    "--train-iters", "1", "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--init-method-std", "0.2", "--seed", "5",
-]  # fmt: skip
 PROMPTS = ["The quick brown fox", "Hello", "In 1999, the city of Paris had"]
-
-
-def save_tiny_checkpoint(directory: Path, extra_flags: list[str] = ()) -> None:
-    """An untrained GPT with the GPT-2 tokenizer saved as a training checkpoint (iteration 1)."""
-    cfg = parse_pretrain_config([*MODEL_FLAGS, *extra_flags], world_size=1)
-    pctx = ParallelContext.single()
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    chunks = build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
-    save_checkpoint(directory, 1, chunks, None, None, pctx, cfg, extra={"gigatron_family": "gpt"})
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def run_generate(load: Path, output: Path, *flags: str, nproc: int = 1):
@@ -72,14 +44,7 @@ SAMPLED = ["--temperature", "0.9", "--top-k", "20", "--sampling-seed", "3", "--m
 
 def test_generate_matches_the_engine_in_process(checkpoint, tmp_path):
     records = run_generate(checkpoint, tmp_path / "out.jsonl", *GREEDY)
-    cfg = parse_pretrain_config(MODEL_FLAGS, world_size=1)
-    tokenizer = build_tokenizer(cfg.tokenizer)
-    chunks = build_model(cfg, ParallelContext.single(), vocab_size=tokenizer.vocab_size)
-    state = torch.load(
-        checkpoint / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True
-    )
-    chunks[0].load_state_dict(state["model"])
-    engine = build_engine(chunks, ParallelContext.single(), tokenizer, max_batch_size=4)
+    engine, tokenizer = engine_from_checkpoint(checkpoint)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     expected = engine.generate([tokenizer.tokenize(p) for p in PROMPTS], params)
     assert [r["prompt"] for r in records] == PROMPTS

@@ -12,6 +12,7 @@ submits while another thread runs `step()` in a loop (`serve_forever`).
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import threading
 from collections import deque
@@ -67,7 +68,7 @@ class SamplingParams:
 @dataclass
 class Completion:
     """A finished (or, in callbacks, running) sequence. `text` is the generated text only, cut
-    at a stop string; `finish_reason` is "stop", "length" or "cancelled"."""
+    at a stop string; `finish_reason` is "stop", "length", "cancelled" or "error"."""
 
     request_id: int
     prompt_ids: list[int]
@@ -190,10 +191,31 @@ class InferenceEngine:
     def serve_forever(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
         """Step while there is work; wait for requests otherwise; return when `stop` is set."""
         while not stop.is_set():
-            if not self.step():
+            try:
+                worked = self.step()
+            except Exception:  # noqa: BLE001 - one failed step must not take the server down
+                logging.getLogger("gigatron.inference").exception("generation step failed")
+                self._fail_running()
+                continue
+            if not worked:
                 with self._work:
                     if not (self._waiting or self._running) and not stop.is_set():
                         self._work.wait(idle_wait_s)
+
+    def _fail_running(self) -> None:
+        with self._lock:
+            failed = list(self._running.values())
+            self._running.clear()
+            for sequence in failed:
+                self._by_id.pop(sequence.completion.request_id, None)
+        for sequence in failed:
+            sequence.completion.finish_reason = "error"
+            self._notify(sequence)
+
+    def stats(self) -> dict[str, int]:
+        """Sequences generating now and waiting for a slot."""
+        with self._lock:
+            return {"running": len(self._running), "waiting": len(self._waiting)}
 
     def close(self) -> None:
         with self._work:
