@@ -85,3 +85,33 @@ def test_generate_refuses_a_wrong_process_count_and_bad_flags(checkpoint, tmp_pa
         capture_output=True, text=True, env=env(), timeout=60,
     )  # fmt: skip
     assert missing.returncode == 2 and "no checkpoint there" in missing.stderr
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_tensor_and_pipeline_parallel_serving_gives_the_same_tokens(
+    checkpoint, reference, tmp_path, tp, pp
+):
+    """Rank 0 serves HTTP, the other rank follows; concurrent requests batch together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+    from inference_helpers import start_server, stop_server
+
+    split = tmp_path / f"serve_tp{tp}pp{pp}"
+    convert_checkpoint(checkpoint, split, tp, pp)
+    process, url = start_server(split, "--max-batch-size", "2", nproc=tp * pp)
+    try:
+
+        def ask(prompt):
+            body = {"prompts": [prompt], "tokens_to_generate": 10, "top_k": 1,
+                    "stop_token": -1}  # fmt: skip
+            return requests.put(url + "/api", json=body, timeout=120).json()["tokens"][0]
+
+        with ThreadPoolExecutor(3) as pool:
+            tokens = list(pool.map(ask, PROMPTS))
+    finally:
+        output = stop_server(process)
+    expected = [r["prompt_tokens"] + r["tokens"] for r in reference["greedy"]]
+    assert tokens == expected, output
