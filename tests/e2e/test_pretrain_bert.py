@@ -42,9 +42,10 @@ def corpus(tmp_path_factory) -> str:
 def _flags(corpus: str, save: Path, *extra: str) -> list[str]:
     return [
         "--data-path", corpus, "--split", "90,8,2", "--tokenizer-type", "BertWordPieceLowerCase",
-        "--vocab-file", str(VOCAB), "--num-layers", "2", "--hidden-size", "32",
+        "--vocab-file", str(VOCAB), "--padded-vocab-size", "30720",  # the same at every tp
+        "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--lr", "2e-3", "--log-interval", "1",
+        "--global-batch-size", "8", "--lr", "1e-2", "--log-interval", "1",
         "--eval-interval", "5", "--eval-iters", "1", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--num-workers", "0", "--save", str(save), *extra,
     ]  # fmt: skip
@@ -76,7 +77,7 @@ def test_both_losses_are_logged_and_fall(reference):
     assert [r["iteration"] for r in train] == list(range(1, 11))
     assert all(r["mlm_loss"] > 0 and r["sop_loss"] > 0 for r in train)
     first, last = train[0], train[-1]
-    assert last["mlm_loss"] < first["mlm_loss"] - 0.5  # ln(30522) ~ 10.3 at the start
+    assert last["mlm_loss"] < first["mlm_loss"] - 1.0  # ln(30522) ~ 10.3 at the start
     evals = _records(reference, "eval")
     assert {"mlm_loss", "sop_loss", "mlm_loss_ppl"} <= set(evals[0])
 
@@ -97,7 +98,7 @@ def test_parallel_layouts_match_one_process(corpus, reference, tmp_path, layout)
     assert sorted(two) == sorted(one)
     for name in ("mlm_loss", "sop_loss"):
         expected = [one[i][name] for i in sorted(one)]
-        assert [two[i][name] for i in sorted(two)] == pytest.approx(expected, rel=2e-4), name
+        assert [two[i][name] for i in sorted(two)] == pytest.approx(expected, rel=2e-5), name
 
 
 def test_no_binary_head_logs_only_the_masked_lm_loss(corpus, tmp_path):
