@@ -243,9 +243,12 @@ def test_unweighted_blend_uses_sizes(corpus, tmp_path):
     cfg.data.data_path = [prefix, other]
     train = build_gpt_datasets(cfg, TOKENIZER, (10, 0, 0))[0]
     sizes = [len(m) for m in train.datasets]
-    assert len(train) == sum(sizes)
+    assert sizes == [84, 21] and [m.num_samples for m in train.datasets] == [None, None]
+    # Megatron-Core: each member read once; the blend holds min(requested, sum of sizes)
+    # samples, weighted by the sizes (84 : 21 = 0.8 : 0.2).
+    assert len(train) == 10
     counts = np.bincount(np.asarray(train.dataset_index), minlength=2)
-    assert counts.tolist() == sizes  # every sample of every member, once
+    assert counts.tolist() == [8, 2]
 
 
 def test_make_sample_flags_hand_computed():

@@ -40,6 +40,8 @@ from gigatron.parallel.tensor_parallel import merge_partitions, slice_for_rank
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHT = "output_layer.weight"
+# Tensors with one row per (padded) vocabulary entry: resized when the padding changes.
+VOCAB_ROWS = (WORD_EMBEDDING, OUTPUT_WEIGHT, "output_layer.bias")
 # Top-level values carried over unchanged from the source files.
 CARRIED_KEYS = (
     "consumed_train_samples",
@@ -288,7 +290,7 @@ def convert_checkpoint(
                 used.add(source_name)
                 tensor = full[source_name]
                 dim, stride = attributes.get(name, (-1, 1))
-                if name in (WORD_EMBEDDING, OUTPUT_WEIGHT):
+                if name in VOCAB_ROWS:
                     tensor = _resize_vocab(tensor, expected.shape[0] * target_tp)
                 if dim >= 0:
                     tensor = slice_for_rank(tensor, dim, stride, coords["tp"], target_tp)

@@ -20,6 +20,10 @@ class DataConfig:
     mock_data: bool = flag_field(False, "synthetic tokens instead of files")
     data_cache_path: Optional[str] = flag_field(None, "where dataset indices are cached")
     mid_level_dataset_surplus: float = flag_field(0.005, "extra samples asked of blended members")
+    mask_prob: float = flag_field(0.15, "BERT: share of the tokens masked for the masked-LM loss")
+    short_seq_prob: float = flag_field(
+        0.1, "BERT: probability that a sample is given a random shorter target length"
+    )
     num_workers: int = flag_field(2, "data-loader worker processes")
     eod_mask_loss: bool = flag_field(False, "no loss on end-of-document tokens")
     reset_position_ids: bool = flag_field(False, "restart position ids after each end of document")

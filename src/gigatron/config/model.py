@@ -59,7 +59,7 @@ class ModelConfig:
     )
     bert_binary_head: bool = flag_field(
         True,
-        "drop BERT's sentence-order head (and its loss)",
+        "drop BERT's sentence-order head (and its loss); samples are then one segment",
         flag="--bert-no-binary-head",
         store_false=True,
     )

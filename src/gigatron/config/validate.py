@@ -161,6 +161,10 @@ def validate_config(
     ):
         if not 0.0 <= value < 1.0:
             problems.append(f"{flag} {value} must lie in [0, 1)")
+    if not 0.0 < cfg.data.mask_prob < 1.0:
+        problems.append(f"--mask-prob {cfg.data.mask_prob} must lie in (0, 1)")
+    if not 0.0 <= cfg.data.short_seq_prob <= 1.0:
+        problems.append(f"--short-seq-prob {cfg.data.short_seq_prob} must lie in [0, 1]")
     if p.sequence_parallel and tp == 1:
         problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):

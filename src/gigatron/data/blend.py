@@ -7,15 +7,13 @@ about one sample for every n.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from gigatron.data.index_cache import IndexCache, describe
 from gigatron.errors import GigatronError
 
 MAX_BLENDED_DATASETS = 32766  # dataset ids are stored as int16
@@ -114,23 +112,20 @@ def member_sample_counts(target: int, weights: Sequence[float], surplus: float) 
     return [int(math.ceil(math.ceil(target * w) * (1 + surplus))) for w in weights]
 
 
-def _save_atomic(path: str, array: np.ndarray) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp.npy"
-    np.save(tmp, array, allow_pickle=False)
-    os.replace(tmp, path)
-
-
 class BlendedDataset:
-    """Samples of `datasets` mixed by `weights` (normalised), `size` samples in all."""
+    """Samples of `datasets` mixed by `weights`, `size` samples in all.
+
+    With `size` None the blend is exhaustive: `weights` are sample counts (integers) and dataset
+    d gives exactly `weights[d]` samples, drawn in proportion to the counts.
+    """
 
     def __init__(
         self,
         datasets: Sequence[Any],
         weights: Sequence[float],
-        size: int,
+        size: int | None,
         split: str = "train",
         cache_dir: str | None = None,
-        description: dict[str, Any] | None = None,
     ) -> None:
         if not datasets:
             raise GigatronError("blend: no datasets given; name at least one in --data-path")
@@ -144,41 +139,33 @@ class BlendedDataset:
                 f"blend: {len(weights)} weights for {len(datasets)} datasets; give one each"
             )
         self.datasets = list(datasets)
-        self.weights = normalize_weights(weights, "--data-path")
-        self.size = int(size)
+        if size is None:
+            self.weights: list[Any] = [int(w) for w in weights]
+            normalized = normalize_weights(self.weights, "--data-path")
+            self.size = sum(self.weights)
+        else:
+            self.weights = normalized = normalize_weights(weights, "--data-path")
+            self.size = int(size)
         self.split = split
-        self.description = json.dumps(
+        # Megatron-Core's description: the members' own descriptions, split, weights, size.
+        self.description = describe(
             {
                 "class": "BlendedDataset",
-                "datasets": description or {},
+                "datasets": [_identifiers(d) for d in self.datasets],
                 "split": split,
                 "weights": self.weights,
-                "size": self.size,
-            },
-            indent=4,
+                "size": size,
+            }
         )
-        self.unique_description_hash = hashlib.md5(self.description.encode("utf-8")).hexdigest()
-        self.dataset_index, self.dataset_sample_index = self._load_or_build(cache_dir)
+        cache = IndexCache(cache_dir, f"BlendedDataset-{split}", self.description)
+        self.unique_description_hash = cache.hash
+        names = ("dataset_index.npy", "dataset_sample_index.npy")
+        loaded = cache.load(names)
+        if loaded is None:
+            loaded = list(build_blending_indices(normalized, self.size))
+            cache.save(dict(zip(names, loaded)))
+        self.dataset_index, self.dataset_sample_index = loaded
         self._check_sizes()
-
-    def _load_or_build(self, cache_dir: str | None) -> tuple[np.ndarray, np.ndarray]:
-        if cache_dir is None:
-            return build_blending_indices(self.weights, self.size)
-        base = os.path.join(
-            cache_dir, f"{self.unique_description_hash}-BlendedDataset-{self.split}"
-        )
-        paths = [f"{base}-dataset_index.npy", f"{base}-dataset_sample_index.npy"]
-        if all(os.path.isfile(p) for p in paths) and os.path.isfile(f"{base}-description.txt"):
-            return np.load(paths[0], mmap_mode="r"), np.load(paths[1], mmap_mode="r")
-        arrays = build_blending_indices(self.weights, self.size)
-        os.makedirs(cache_dir, exist_ok=True)
-        for path, array in zip(paths, arrays):
-            _save_atomic(path, array)
-        tmp = f"{base}-description.txt.{os.getpid()}.tmp"
-        with open(tmp, "w") as handle:
-            handle.write(self.description)
-        os.replace(tmp, f"{base}-description.txt")
-        return arrays
 
     def _check_sizes(self) -> None:
         counts = np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
@@ -197,3 +184,9 @@ class BlendedDataset:
         d = int(self.dataset_index[index])
         sample = self.datasets[d][int(self.dataset_sample_index[index])]
         return {"dataset_id": np.int64(d), **sample}
+
+
+def _identifiers(dataset: Any) -> Any:
+    """What identifies a member in a blend's description (its path when it has no description)."""
+    identifiers = getattr(dataset, "unique_identifiers", None)
+    return dict(identifiers) if identifiers is not None else getattr(dataset, "path", None)

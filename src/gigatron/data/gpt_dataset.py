@@ -8,90 +8,28 @@ length, the samples and their order are the ones Megatron-Core's GPTDataset prod
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import re
-import warnings
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
 
-from gigatron.data.blend import BlendedDataset, member_sample_counts, normalize_weights
+from gigatron.data import builder
+from gigatron.data.builder import (  # noqa: F401  (the split/blend parsers, importable from here)
+    DEFAULT_SPLIT,
+    MOCK_SPLIT,
+    SPLIT_NAMES,
+    Bookend,
+    parse_blend,
+    parse_split,
+    split_indices,
+    split_matrix,
+)
+from gigatron.data.index_cache import IndexCache, describe
 from gigatron.data.sample_index import build_all_indices
 from gigatron.errors import GigatronError
 
-SPLIT_NAMES = ("train", "valid", "test")
-# What Megatron uses (and warns about) when --data-path comes without --split.
-DEFAULT_SPLIT = "969, 30, 1"
-MOCK_SPLIT = "1,1,1"
 PAD_WHEN_NO_PAD_TOKEN = -1
-
-Bookend = tuple[float, float] | None
-
-
-# ----------------------------------------------------------------------------------------------
-# --split and --data-path parsing
-
-
-def parse_split(split: str) -> list[float]:
-    """'969,30,1' -> [0.969, 0.03, 0.001]: numbers, right-padded with 0 to three, normalised."""
-    values = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    values += [0.0] * (3 - len(values))
-    if len(values) != 3 or sum(values) <= 0:
-        raise GigatronError(
-            f"--split {split!r}: give up to three non-negative proportions with a positive sum, "
-            "e.g. --split 969,30,1"
-        )
-    total = sum(values)
-    return [x / total for x in values]
-
-
-def split_matrix(proportions: list[float]) -> list[Bookend]:
-    """Bookends [(lo, hi)] of each split in [0, 1]; None for an empty split."""
-    edges = [0, *accumulate(proportions)]
-    return [(lo, hi) if hi - lo > 0 else None for lo, hi in zip(edges[:-1], edges[1:])]
-
-
-def split_indices(num_elements: int, bookend: Bookend) -> np.ndarray | None:
-    """Sequence ids [round(lo * N), round(hi * N)) of a split (contiguous, unshuffled)."""
-    if bookend is None:
-        return None
-    lo, hi = bookend
-    return np.arange(int(round(lo * num_elements)), int(round(hi * num_elements)), dtype=np.int32)
-
-
-def parse_blend(values: list[str] | None, flag: str) -> tuple[list[str], list[float] | None]:
-    """'p' | 'w1 p1 w2 p2 ...' | 'p1 p2 ...' -> (prefixes, weights or None)."""
-    items = [piece for value in values or [] for piece in str(value).split()]
-    if not items:
-        raise GigatronError(f"{flag}: no dataset prefix given")
-    if len(items) == 1:
-        return items, None
-    if len(items) % 2 == 0:
-        try:
-            weights = [float(items[i]) for i in range(0, len(items), 2)]
-        except ValueError:
-            weights = None
-        if weights is not None:
-            return [items[i] for i in range(1, len(items), 2)], weights
-    if any(_is_number(item) for item in items):
-        raise GigatronError(
-            f"{flag} {' '.join(items)}: mixes numbers and paths; give 'weight prefix' pairs "
-            "(e.g. 0.3 data/a_text_document 0.7 data/b_text_document) or prefixes only"
-        )
-    return items, None
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+INDEX_NAMES = ("document_index.npy", "sample_index.npy", "shuffle_index.npy")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,18 +108,15 @@ class GPTDatasetOptions:
         )
 
 
-def _save_atomic(path: str, array: np.ndarray) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp.npy"
-    np.save(tmp, array, allow_pickle=False)
-    os.replace(tmp, path)
-
-
 class GPTDataset:
     """One split of one low-level dataset, as `len(self)` samples of seq_length tokens.
 
     `len()` is the whole set of epochs built (at least `num_samples`), as in Megatron-Core.
     Indices are cached under `cache_dir` (None: not cached) keyed by an MD5 of `description`.
+    Built for a configuration by `build_gpt_datasets` (the generic `data.builder`).
     """
+
+    cache_name = "GPTDataset"
 
     def __init__(
         self,
@@ -209,67 +144,66 @@ class GPTDataset:
                 f"{len(low_level)} sequences) but samples are asked of it; change "
                 f"--split to give {index_split} a larger share, or give --{index_split}-data-path"
             )
-        self.description = json.dumps(
-            OrderedDict(
-                [
-                    ("class", "GPTDataset"),
-                    ("dataset_path", dataset_path),
-                    ("num_samples", num_samples),
-                    ("index_split", index_split),
-                    ("random_seed", options.seed),
-                    ("sequence_length", options.seq_length),
-                    ("split", options.split),
-                    ("split_matrix", options.split_matrix),
-                    ("tokenizer", options.tokenizer_identifiers),
-                ]
-            ),
-            indent=4,
+        self.unique_identifiers = {
+            "class": "GPTDataset",
+            "dataset_path": dataset_path,
+            "num_samples": num_samples,
+            "index_split": index_split,
+            "random_seed": options.seed,
+            "sequence_length": options.seq_length,
+            "split": options.split,
+            "split_matrix": options.split_matrix,
+            "tokenizer": options.tokenizer_identifiers,
+        }
+        self.description = describe(self.unique_identifiers)
+        cache = IndexCache(cache_dir, f"GPTDataset-{index_split}", self.description)
+        self.unique_description_hash = cache.hash
+        loaded = cache.load(INDEX_NAMES)
+        self.loaded_from_cache = loaded is not None
+        if loaded is None:
+            loaded = list(
+                build_all_indices(
+                    low_level.sequence_lengths, indices, self.seq_length, num_samples, options.seed
+                )
+            )
+            cache.save(dict(zip(INDEX_NAMES, loaded)))
+        self.document_index, self.sample_index, self.shuffle_index = loaded
+
+    # The interface of data.builder.
+    @staticmethod
+    def options_from_config(cfg: Any, tokenizer: Any) -> GPTDatasetOptions:
+        data = cfg.data
+        if cfg.model.seq_length is None:
+            raise GigatronError("--seq-length is required to build GPT datasets")
+        return GPTDatasetOptions.from_tokenizer(
+            tokenizer,
+            seq_length=int(cfg.model.seq_length),
+            seed=int(cfg.training.seed),
+            eod_mask_loss=bool(data.eod_mask_loss),
+            reset_position_ids=bool(data.reset_position_ids),
+            reset_attention_mask=bool(data.reset_attention_mask),
         )
-        self.unique_description_hash = hashlib.md5(self.description.encode("utf-8")).hexdigest()
-        self.loaded_from_cache = False
-        self.document_index, self.sample_index, self.shuffle_index = self._load_or_build(cache_dir)
+
+    @staticmethod
+    def numel_low_level_dataset(low_level: Any) -> int:
+        """--split divides the sequences (documents, or sentences when they were split)."""
+        return len(low_level)
+
+    @staticmethod
+    def holds_data(low_level: Any, indices: np.ndarray) -> bool:
+        return bool(np.asarray(low_level.sequence_lengths)[indices].any())
+
+    @staticmethod
+    def build_mock_low_level(cfg: Any, tokenizer: Any) -> MockTokenDataset:
+        eod = getattr(tokenizer, "eod", None)
+        vocab = getattr(tokenizer, "vocab_size", None) or ((eod or 0) + 1)
+        return MockTokenDataset(vocab, eod if eod is not None else vocab - 1)
 
     def cache_files(self, cache_dir: str) -> dict[str, str]:
-        base = os.path.join(
-            cache_dir, f"{self.unique_description_hash}-GPTDataset-{self.index_split}"
+        """The description and index files of this dataset in `cache_dir`."""
+        return IndexCache(cache_dir, f"GPTDataset-{self.index_split}", self.description).files(
+            INDEX_NAMES
         )
-        names = ("description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy")
-        return {name: f"{base}-{name}" for name in names}
-
-    def _load_or_build(self, cache_dir: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        files = self.cache_files(cache_dir) if cache_dir else None
-        if files and all(os.path.isfile(path) for path in files.values()):
-            self.loaded_from_cache = True
-            return tuple(  # type: ignore[return-value]
-                np.load(files[name], mmap_mode="r", allow_pickle=False)
-                for name in ("document_index.npy", "sample_index.npy", "shuffle_index.npy")
-            )
-        arrays = build_all_indices(
-            self.dataset.sequence_lengths,
-            self.indices,
-            self.seq_length,
-            self.num_samples,
-            self.options.seed,
-        )
-        if files:
-            try:
-                os.makedirs(cache_dir, exist_ok=True)
-                names = ("document_index.npy", "sample_index.npy", "shuffle_index.npy")
-                for name, array in zip(names, arrays):
-                    _save_atomic(files[name], array)
-                # The description goes last: its presence marks a complete entry.
-                tmp = f"{files['description.txt']}.{os.getpid()}.tmp"
-                with open(tmp, "w") as handle:
-                    handle.write(self.description)
-                os.replace(tmp, files["description.txt"])
-            except OSError as exc:
-                # A read-only data directory should not stop training: the indices are in memory.
-                warnings.warn(
-                    f"cannot write the dataset index cache in {cache_dir} ({exc}); continuing "
-                    "without it; give a writable directory with --data-cache-path",
-                    stacklevel=2,
-                )
-        return arrays
 
     def __len__(self) -> int:
         return int(self.sample_index.shape[0]) - 1
@@ -343,131 +277,7 @@ def make_sample(text: np.ndarray, real: int, options: GPTDatasetOptions) -> dict
 
 
 def default_cache_dir(prefix: str) -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache", "GPTDataset_indices")
-
-
-def _open_indexed(prefix: str, flag: str) -> Any:
-    from gigatron.data.indexed import IndexedDataset, dataset_exists
-
-    if not dataset_exists(prefix):
-        raise GigatronError(
-            f"{flag} {prefix}: {prefix}.bin and {prefix}.idx not found; give the prefix without "
-            "extension of a dataset written by `gigatron preprocess`"
-        )
-    return IndexedDataset(prefix)
-
-
-class _Builder:
-    """Shared state while building the datasets of one configuration."""
-
-    def __init__(self, cfg: Any, tokenizer: Any) -> None:
-        data = cfg.data
-        if cfg.model.seq_length is None:
-            raise GigatronError("--seq-length is required to build GPT datasets")
-        self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.surplus = float(data.mid_level_dataset_surplus)
-        self.cache_path = data.data_cache_path
-        self.opened: dict[str, Any] = {}
-        self.base_options = dict(
-            seq_length=int(cfg.model.seq_length),
-            seed=int(cfg.training.seed),
-            eod_mask_loss=bool(data.eod_mask_loss),
-            reset_position_ids=bool(data.reset_position_ids),
-            reset_attention_mask=bool(data.reset_attention_mask),
-        )
-
-    def options(self, split: str | None, matrix: list[Bookend]) -> GPTDatasetOptions:
-        return GPTDatasetOptions.from_tokenizer(
-            self.tokenizer, split=split, split_matrix=matrix, **self.base_options
-        )
-
-    def low_level(self, prefix: str, flag: str) -> Any:
-        if prefix not in self.opened:
-            self.opened[prefix] = _open_indexed(prefix, flag)
-        return self.opened[prefix]
-
-    def cache_dir(self, prefix: str | None) -> str | None:
-        if self.cache_path:
-            return self.cache_path
-        return default_cache_dir(prefix) if prefix else None
-
-    def member(
-        self,
-        prefix: str,
-        flag: str,
-        split_index: int,
-        split: str | None,
-        matrix: list[Bookend],
-        num_samples: int | None,
-        required: bool = False,
-    ) -> GPTDataset | None:
-        low_level = self.low_level(prefix, flag)
-        indices = split_indices(len(low_level), matrix[split_index])
-        if indices is None:
-            return None
-        empty = not np.asarray(low_level.sequence_lengths)[indices].any()
-        if empty and not (num_samples or required):
-            return None  # an empty split nobody asks samples of is simply absent
-        return GPTDataset(
-            low_level,
-            prefix,
-            indices,
-            num_samples,
-            SPLIT_NAMES[split_index],
-            self.options(split, matrix),
-            self.cache_dir(prefix),
-        )
-
-    def blend(
-        self,
-        prefixes: list[str],
-        weights: list[float] | None,
-        flag: str,
-        split_index: int,
-        split: str | None,
-        matrix: list[Bookend],
-        target: int | None,
-    ) -> Any:
-        """One dataset, or a BlendedDataset of several, for one split."""
-        if len(prefixes) == 1:
-            return self.member(prefixes[0], flag, split_index, split, matrix, target)
-        name = SPLIT_NAMES[split_index]
-        if matrix[split_index] is None:
-            return None
-        if weights is not None and target is not None:
-            weights = normalize_weights(weights, flag)
-            requests = member_sample_counts(target, weights, self.surplus)
-            size = target
-        else:
-            # No weights (or no target): each member once, in proportion to its size.
-            requests = [None] * len(prefixes)
-            size = None
-        members = [
-            self.member(prefix, flag, split_index, split, matrix, request, bool(target))
-            for prefix, request in zip(prefixes, requests)
-        ]
-        if target == 0 or any(m is None for m in members):
-            return None  # nothing is asked of this split (empty members are errors otherwise)
-        if size is None:
-            weights = [float(len(m)) for m in members]
-            size = int(sum(len(m) for m in members))
-            if target is not None and target > size:
-                # More than one pass is needed: ask each member for its share plus the surplus.
-                weights = normalize_weights(weights, flag)
-                requests = member_sample_counts(target, weights, self.surplus)
-                members = [
-                    self.member(prefix, flag, split_index, split, matrix, request)
-                    for prefix, request in zip(prefixes, requests)
-                ]
-                size = target
-        described = {m.unique_description_hash: m.path for m in members}
-        # Megatron caches blends only under --data-cache-path; a blend of millions of samples
-        # takes seconds to draw, so gigatron also keeps it next to the first member's data.
-        cache = self.cache_path or os.path.join(
-            os.path.dirname(os.path.abspath(prefixes[0])), "cache", "BlendedDataset_indices"
-        )
-        return BlendedDataset(members, weights, size, name, cache, described)
+    return builder.default_cache_dir(prefix, GPTDataset.cache_name)
 
 
 def build_gpt_datasets(
@@ -476,77 +286,9 @@ def build_gpt_datasets(
     num_samples: tuple[int | None, int | None, int | None],
     pctx: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """(train, valid, test) datasets of the configuration; None for a split that is absent.
+    """(train, valid, test) GPT datasets of the configuration; None for a split that is absent.
 
     With a ParallelContext of several ranks, rank 0 builds (and caches) the indices first and the
     others then load them, so the work is not repeated on every rank.
     """
-    if pctx is not None and getattr(pctx, "world_size", 1) > 1:
-        if pctx.rank == 0:
-            result = _build(cfg, tokenizer, num_samples)
-        pctx.barrier()
-        if pctx.rank != 0:
-            result = _build(cfg, tokenizer, num_samples)
-        return result
-    return _build(cfg, tokenizer, num_samples)
-
-
-def _build(cfg: Any, tokenizer: Any, num_samples: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-    data = cfg.data
-    builder = _Builder(cfg, tokenizer)
-    per_split = [data.train_data_path, data.valid_data_path, data.test_data_path]
-    if data.mock_data:
-        return _build_mock(builder, cfg, tokenizer, num_samples)
-    if any(per_split):
-        if data.data_path:
-            raise GigatronError(
-                "--data-path and --train/valid/test-data-path were both given; use one form"
-            )
-        result = []
-        for i, paths in enumerate(per_split):
-            if not paths:
-                result.append(None)
-                continue
-            flag = f"--{SPLIT_NAMES[i]}-data-path"
-            prefixes, weights = parse_blend(paths, flag)
-            # The whole of each dataset serves this split.
-            matrix: list[Bookend] = [None, None, None]
-            matrix[i] = (0, 1)
-            result.append(builder.blend(prefixes, weights, flag, i, None, matrix, num_samples[i]))
-        return tuple(result)  # type: ignore[return-value]
-    if not data.data_path:
-        raise GigatronError(
-            "no training data: give --data-path PREFIX (or --train-data-path ...), "
-            "or --mock-data for synthetic tokens"
-        )
-    split = data.split
-    if split is None:
-        warnings.warn(
-            f"--split not given; using the legacy default --split '{DEFAULT_SPLIT}'", stacklevel=2
-        )
-        split = DEFAULT_SPLIT
-    matrix = split_matrix(parse_split(split))
-    prefixes, weights = parse_blend(data.data_path, "--data-path")
-    return tuple(  # type: ignore[return-value]
-        builder.blend(prefixes, weights, "--data-path", i, split, matrix, num_samples[i])
-        for i in range(3)
-    )
-
-
-def _build_mock(
-    builder: _Builder, cfg: Any, tokenizer: Any, num_samples: tuple[Any, Any, Any]
-) -> tuple[Any, Any, Any]:
-    eod = getattr(tokenizer, "eod", None)
-    vocab = getattr(tokenizer, "vocab_size", None) or ((eod or 0) + 1)
-    low_level = MockTokenDataset(vocab, eod if eod is not None else vocab - 1)
-    split = cfg.data.split or MOCK_SPLIT
-    matrix = split_matrix(parse_split(split))
-    options = builder.options(split, matrix)
-    result = []
-    for i, name in enumerate(SPLIT_NAMES):
-        indices = split_indices(len(low_level), matrix[i])
-        if indices is None:
-            result.append(None)
-            continue
-        result.append(GPTDataset(low_level, None, indices, num_samples[i], name, options, None))
-    return tuple(result)  # type: ignore[return-value]
+    return builder.build_datasets(GPTDataset, cfg, tokenizer, num_samples, pctx)

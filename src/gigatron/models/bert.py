@@ -156,9 +156,7 @@ class BertModel(nn.Module):
             # The pooler reads the first ([CLS]) token; under sequence parallelism it lives on
             # tp rank 0, so gather the sequence (every rank then computes the same pooler).
             if self.config.sequence_parallel:
-                hidden = gather_from_sequence_parallel_region(
-                    hidden, self.pctx, reduce_grads=False
-                )
+                hidden = gather_from_sequence_parallel_region(hidden, self.pctx, reduce_grads=False)
             pooled = torch.tanh(self.pooler(hidden[0]))
             binary_logits = self.binary_head(pooled)
         return logits.transpose(0, 1), binary_logits
