@@ -28,6 +28,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gigatron.training.pretrain:main",
         "pretrain a model: gigatron pretrain gpt [flags]",
     ),
+    "generate": (
+        "gigatron.inference.generate:main",
+        "generate text from a checkpoint: gigatron generate --load DIR --prompt TEXT",
+    ),
+    "serve": (
+        "gigatron.inference.server:main",
+        "serve a checkpoint over HTTP (Megatron's PUT /api and OpenAI's /v1 API)",
+    ),
+    "text-generation-cli": (
+        "gigatron.inference.client:main",
+        "interactive client of a generation server: gigatron text-generation-cli HOST:PORT",
+    ),
     "presets": ("gigatron.models.presets:main", "list the named model shapes"),
     "convert-checkpoint": (
         "gigatron.checkpoint.convert:main",

@@ -93,10 +93,15 @@ class GPTModel(nn.Module):
         tokens: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
+        inference_cache=None,
     ) -> torch.Tensor:
         """Last stage: logits [batch, seq, vocab/tp] (a transposed view of the [seq, batch, ...]
         result: `.transpose(0, 1)` gives back the contiguous tensor); other stages: hidden
-        states [seq(/tp with SP), batch, hidden]."""
+        states [seq(/tp with SP), batch, hidden].
+
+        `inference_cache` (generation, an `inference.KVCache`): keys and values go into the
+        cache, attention sees every cached position, and the last stage computes logits only at
+        the positions the cache selects (the last real token of each row, or all of them)."""
         if self.pre_process:
             hidden = self.embedding(tokens, position_ids)
         else:
@@ -111,9 +116,14 @@ class GPTModel(nn.Module):
                 position_ids = sequence_positions(seq, self.pctx, hidden.device).unsqueeze(0)
             rotary = self.rotary(position_ids)
 
-        hidden = self.decoder(hidden, attention_mask, rotary)
+        if inference_cache is None:
+            hidden = self.decoder(hidden, attention_mask, rotary)
+        else:
+            hidden = self.decoder(hidden, attention_mask, rotary, inference_cache=inference_cache)
         if not self.post_process:
             return hidden
+        if inference_cache is not None:
+            hidden = inference_cache.select_hidden(hidden)
         logits = self.output_layer(hidden, self.output_weight())  # [s, b, vocab/tp]
         return logits.transpose(0, 1)
 
