@@ -64,6 +64,10 @@ def write_corpus(path: str) -> int:
     return len(topics)
 
 
+# Points on the quickstart's training curve (log lines and metrics records).
+PLOT_POINTS = 200
+
+
 def log_interval(iterations: int) -> int:
     """Iterations between log lines (and metrics.jsonl records): about PLOT_POINTS in all."""
     return max(1, iterations // PLOT_POINTS)
