@@ -32,6 +32,7 @@ def _pretrain_parser() -> argparse.ArgumentParser:
 def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from gigatron.checkpoint import convert
     from gigatron.data import merge, preprocess, train_tokenizer
+    from gigatron.inference import generate, server
     from gigatron.training import quickstart
 
     return {
@@ -41,11 +42,13 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "train-tokenizer": train_tokenizer.build_parser,
         "pretrain": _pretrain_parser,
         "convert-checkpoint": convert._parser,
+        "generate": generate.build_parser,
+        "serve": server.build_parser,
     }
 
 
-# `gigatron presets` takes no flags.
-NO_FLAGS = {"presets"}
+# `gigatron presets` takes no flags; `gigatron text-generation-cli` takes HOST:PORT only.
+NO_FLAGS = {"presets", "text-generation-cli"}
 
 
 def _long_option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -119,18 +122,12 @@ def test_refusals_name_real_fields_and_are_enforced():
     assert refused_settings(GigatronConfig()) == [], "the defaults must be accepted"
     cases = {
         "ckpt_format": ["--ckpt-format", "torch_dist"],
-        "expert_model_parallel_size": ["--expert-model-parallel-size", "2"],
         "timing_log_level": ["--timing-log-level", "2"],
     }
     assert set(cases) == set(REFUSALS), "give every refusal a refused example here"
     for flags in cases.values():
         with pytest.raises(GigatronError, match=re.escape(f"{flags[0]} {flags[1]}: ")):
             parse_config(flags)
-
-
-def test_expert_parallel_is_refused_on_several_processes():
-    with pytest.raises(GigatronError, match="no model has experts yet"):
-        parse_config(["--expert-model-parallel-size", "2"], world_size=4)
 
 
 def test_no_create_attention_mask_with_reset_attention_mask_is_refused():

@@ -70,7 +70,10 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vocab-file", default=None, help="vocabulary file, if it moved")
     group.add_argument("--merge-file", default=None, help="BPE merges file, if it moved")
     group.add_argument(
-        "--max-batch-size", type=int, default=8, help="sequences generated at once (cache slots)"
+        "--max-batch-size",
+        type=int,
+        default=8,
+        help="sequences generated at once (cache slots; default 8)",
     )
     group.add_argument(
         "--max-sequence-length",
@@ -78,7 +81,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens per sequence, prompt included (default: the model's context)",
     )
-    group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    group.add_argument(
+        "--seed", type=int, default=0, help="seed for requests that give none (default 0)"
+    )
 
 
 def load_for_inference(args: argparse.Namespace) -> LoadedModel:
