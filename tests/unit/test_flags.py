@@ -32,6 +32,7 @@ def _pretrain_parser() -> argparse.ArgumentParser:
 def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from gigatron.checkpoint import convert
     from gigatron.data import merge, preprocess, train_tokenizer
+    from gigatron.inference import generate, server
     from gigatron.training import quickstart
 
     return {
@@ -41,11 +42,13 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "train-tokenizer": train_tokenizer.build_parser,
         "pretrain": _pretrain_parser,
         "convert-checkpoint": convert._parser,
+        "generate": generate.build_parser,
+        "serve": server.build_parser,
     }
 
 
-# `gigatron presets` takes no flags.
-NO_FLAGS = {"presets"}
+# `gigatron presets` takes no flags; `text-generation-cli` only HOST:PORT.
+NO_FLAGS = {"presets", "text-generation-cli"}
 
 
 def _long_option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:

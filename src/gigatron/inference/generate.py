@@ -50,6 +50,8 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gigatron generate",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
         description="Generate text from a training checkpoint (KV cache, batched prompts).",
     )
     add_load_arguments(parser)

@@ -347,11 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="gigatron serve",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
         description="Serve a checkpoint over HTTP: Megatron's PUT /api and OpenAI's /v1 API.",
     )
     add_load_arguments(parser)
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (0.0.0.0)")
-    parser.add_argument("--port", type=int, default=5000, help="port (Megatron's 5000)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=5000, help="port (Megatron's default)")
     parser.add_argument("--model-name", default="gigatron", help="the model id in /v1/models")
     return parser
 
