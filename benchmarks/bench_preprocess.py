@@ -1,33 +1,39 @@
-"""Benchmark `gigatron preprocess` against its ceiling: the tokenizer library alone.
+"""Benchmark `gigatron preprocess` against Megatron-LM's tools/preprocess_data.py, side by side.
 
 Builds (or reuses) a JSON-lines English corpus of at least --size-mb MB under /tmp from the
-shared WikiText-2 and LAMBADA files, then runs side by side on the same cores:
-  ceiling    HF `tokenizers` encode_batch over the same texts, already parsed and in memory,
-             with --workers library threads (the fastest the tokenizer alone can go);
-  gigatron   `gigatron preprocess --workers N` from the file to .bin/.idx on disk.
-Prints a markdown table: wall and CPU seconds, MB/s, tokens/s, peak resident memory of the
-largest process, and the ratios to the ceiling (CPU seconds are the steadier figure on a
-shared machine: ceiling CPU / gigatron CPU is the share of work that is tokenization).
+WikiText-2 and LAMBADA files in tests/data, then runs, in alternating rounds on the same cores:
+  megatron        Megatron-LM's tools/preprocess_data.py --legacy-tokenizer (its own GPT-2 BPE;
+                  the default path downloads `gpt2` from the Hub, impossible offline), from the
+                  source tree given by --megatron-lm (e.g. `git archive core_v0.16.1`) with
+                  megatron-core installed;
+  gigatron (hf)   `gigatron preprocess` with GPT2BPETokenizer forced onto HF `tokenizers`
+                  (the reference path);
+  gigatron        `gigatron preprocess` as shipped (tiktoken where proven equal);
+and optionally (--ceiling) HF `tokenizers` encode_batch over the texts already in memory.
+Every run is a whole process (start-up, read, parse, tokenize, write) with --workers workers;
+the .bin/.idx files of every run must be byte-identical, or the script fails. Prints a markdown
+table of the median wall and CPU seconds per run and their ratios to Megatron's tool.
 
-    python benchmarks/bench_preprocess.py [--size-mb 50] [--workers 2]
+    python benchmarks/bench_preprocess.py --megatron-lm /tmp/megatron-lm [--size-mb 50]
+        [--workers 2] [--repeats 3] [--ceiling]
 """
 
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-SHARED = Path(
-    os.environ.get(
-        "GIGATRON_SHARED_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"
-    )
+DATA = Path(
+    os.environ.get("GIGATRON_SHARED_DATA", Path(__file__).resolve().parents[1] / "tests" / "data")
 )
 
 CEILING_SCRIPT = r"""
@@ -42,17 +48,16 @@ with open(corpus, encoding="utf-8") as stream:
 usage = resource.getrusage(resource.RUSAGE_SELF)
 cpu_start = usage.ru_utime + usage.ru_stime
 start = time.perf_counter()
-tokens = 0
 for i in range(0, len(texts), 2048):
-    for encoding in tokenizer.encode_batch(texts[i : i + 2048], add_special_tokens=False):
-        tokens += len(encoding.ids)
+    tokenizer.encode_batch(texts[i : i + 2048], add_special_tokens=False)
 elapsed = time.perf_counter() - start
 usage = resource.getrusage(resource.RUSAGE_SELF)
 cpu = usage.ru_utime + usage.ru_stime - cpu_start
-print(json.dumps({"seconds": elapsed, "cpu": cpu, "tokens": tokens, "peak_kb": usage.ru_maxrss}))
+print(json.dumps({"seconds": elapsed, "cpu": cpu, "rc": 0, "peak_kb": usage.ru_maxrss}))
 """
 
-# Runs a command and reports the largest resident set among it and its descendants.
+# Runs a command and reports its wall and CPU time and the largest resident set among it and
+# its descendants.
 PEAK_WRAPPER = r"""
 import json, resource, subprocess, sys, time
 start = time.perf_counter()
@@ -60,8 +65,40 @@ result = subprocess.run(sys.argv[1:], capture_output=True, text=True)
 elapsed = time.perf_counter() - start
 usage = resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({"seconds": elapsed, "cpu": usage.ru_utime + usage.ru_stime,
-                  "rc": result.returncode, "stdout": result.stdout,
-                  "stderr": result.stderr[-2000:], "peak_kb": usage.ru_maxrss}))
+                  "rc": result.returncode, "stderr": result.stderr[-3000:],
+                  "peak_kb": usage.ru_maxrss}))
+"""
+
+# Megatron's tool imports megatron.training, whose package __init__ pulls in the whole training
+# stack (and triton); register the package without running it, with the accessors the tool's
+# imports need, then run the tool unchanged.
+MEGATRON_SHIM = r"""
+import importlib, runpy, sys, types
+root = sys.argv.pop(1)
+sys.path.insert(0, root)
+package = types.ModuleType("megatron.training")
+package.__path__ = [root + "/megatron/training"]
+sys.modules["megatron.training"] = package
+global_vars = importlib.import_module("megatron.training.global_vars")
+for name in dir(global_vars):
+    if name.startswith("get_"):
+        setattr(package, name, getattr(global_vars, name))
+sys.argv[0] = root + "/tools/preprocess_data.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+# `gigatron preprocess` with GPT2BPETokenizer held on the reference (HF) path.
+GIGATRON_HF = r"""
+import sys
+import gigatron.data.tokenizers as tokenizers
+
+class ReferenceGPT2(tokenizers.GPT2BPETokenizer):
+    def __init__(self, vocab_file, merge_file):
+        super().__init__(vocab_file, merge_file, backend="hf")
+
+tokenizers.GPT2BPETokenizer = ReferenceGPT2
+from gigatron.data.preprocess import main
+sys.exit(main(sys.argv[1:]))
 """
 
 
@@ -69,14 +106,12 @@ def build_corpus(path: Path, size_mb: float, seed: int = 1234) -> None:
     """Shuffled WikiText-2 paragraphs and LAMBADA passages, repeated to `size_mb` MB."""
     paragraphs = [
         line.strip()
-        for line in (SHARED / "wikitext-2-wiki.test.tokens")
-        .read_text(encoding="utf-8")
-        .splitlines()
+        for line in (DATA / "wikitext-2-wiki.test.tokens").read_text(encoding="utf-8").splitlines()
         if line.strip() and not line.strip().startswith("=")
     ]
     lambada = [
         json.loads(line)["text"]
-        for line in (SHARED / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines()
+        for line in (DATA / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines()
     ]
     documents = paragraphs + lambada
     rng = random.Random(seed)
@@ -95,15 +130,22 @@ def build_corpus(path: Path, size_mb: float, seed: int = 1234) -> None:
     tmp.rename(path)
 
 
-def run_json(command: list[str], env: dict[str, str]) -> dict:
-    output = subprocess.run(command, capture_output=True, text=True, env=env, check=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
+def run_measured(command: list[str], env: dict[str, str]) -> dict:
+    wrapped = [sys.executable, "-c", PEAK_WRAPPER, *command]
+    output = subprocess.run(wrapped, capture_output=True, text=True, env=env, check=True).stdout
+    result = json.loads(output.strip().splitlines()[-1])
+    if result["rc"] != 0:
+        raise RuntimeError(f"{command[:4]} failed:\n{result['stderr']}")
+    return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--megatron-lm", required=True, help="Megatron-LM source tree")
     parser.add_argument("--size-mb", type=float, default=50.0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ceiling", action="store_true", help="also time HF encode_batch")
     parser.add_argument("--corpus", default=None, help="reuse this JSON-lines file")
     args = parser.parse_args()
 
@@ -112,83 +154,67 @@ def main() -> int:
         print(f"building {corpus} ...", file=sys.stderr)
         build_corpus(corpus, args.size_mb)
     corpus_bytes = corpus.stat().st_size
-    vocab = str(SHARED / "gpt2-vocab.json")
-    merges = str(SHARED / "gpt2-merges.txt")
+    vocab, merges = str(DATA / "gpt2-vocab.json"), str(DATA / "gpt2-merges.txt")
+    tokenizer_args = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab]
+    tokenizer_args += ["--merge-file", merges]
+    common = ["--input", str(corpus), "--workers", str(args.workers), *tokenizer_args]
 
     env = dict(os.environ)
+    runs = {
+        "megatron": [sys.executable, "-c", MEGATRON_SHIM, args.megatron_lm, "--legacy-tokenizer"],
+        "gigatron (hf)": [sys.executable, "-c", GIGATRON_HF],
+        "gigatron": [sys.executable, "-m", "gigatron.cli", "preprocess"],
+    }
+    results: dict[str, list[dict]] = {name: [] for name in runs}
+    if args.ceiling:
+        results["ceiling"] = []
     with tempfile.TemporaryDirectory(prefix="bench_preprocess_") as out_dir:
-        # gigatron first: RUSAGE_CHILDREN keeps the maximum over every child ever waited for.
-        gigatron = run_json(
-            [
-                sys.executable,
-                "-c",
-                PEAK_WRAPPER,
-                sys.executable,
-                "-m",
-                "gigatron.cli",
-                "preprocess",
-                "--input",
-                str(corpus),
-                "--output-prefix",
-                os.path.join(out_dir, "bench"),
-                "--workers",
-                str(args.workers),
-                "--tokenizer-type",
-                "GPT2BPETokenizer",
-                "--vocab-file",
-                vocab,
-                "--merge-file",
-                merges,
-            ],
-            env,
-        )
-        if gigatron["rc"] != 0:
-            print(gigatron["stderr"], file=sys.stderr)
-            return 1
-        tokens_line = next(x for x in gigatron["stdout"].splitlines() if "tokens" in x)
-        gigatron_tokens = int(tokens_line.split(",")[1].split()[0])
+        for repeat in range(args.repeats):
+            for name, command in runs.items():
+                prefix = os.path.join(out_dir, name.replace(" ", "_").strip("()") + f"_{repeat}")
+                run = run_measured([*command, *common, "--output-prefix", prefix], env)
+                results[name].append(run)
+                print(f"round {repeat}: {name} {run['seconds']:.2f} s", file=sys.stderr)
+            if args.ceiling:
+                ceiling_env = dict(env, RAYON_NUM_THREADS=str(args.workers))
+                command = [sys.executable, "-c", CEILING_SCRIPT, str(corpus), vocab, merges]
+                output = subprocess.run(
+                    command, capture_output=True, text=True, env=ceiling_env, check=True
+                ).stdout
+                results["ceiling"].append(json.loads(output.strip().splitlines()[-1]))
+        reference = os.path.join(out_dir, "megatron_0_text_document")
+        outputs = sorted(p[: -len(".bin")] for p in os.listdir(out_dir) if p.endswith(".bin"))
+        for other in outputs:
+            for suffix in (".bin", ".idx"):
+                other_path = os.path.join(out_dir, other + suffix)
+                if not filecmp.cmp(reference + suffix, other_path, shallow=False):
+                    print(f"{other}{suffix} differs from Megatron's", file=sys.stderr)
+                    return 1
+        size = os.path.getsize(reference + ".bin")
 
-    ceiling_env = dict(env, TOKENIZERS_PARALLELISM="true", RAYON_NUM_THREADS=str(args.workers))
-    ceiling = run_json(
-        [sys.executable, "-c", CEILING_SCRIPT, str(corpus), vocab, merges], ceiling_env
-    )
-    assert ceiling["tokens"] == gigatron_tokens, (ceiling["tokens"], gigatron_tokens)
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[name])
 
-    def row(name: str, run: dict, tokens: int, what: str) -> str:
-        seconds = run["seconds"]
-        mb_s = corpus_bytes / seconds / 1e6
-        return (
-            f"| {name} | {what} | {seconds:.2f} | {run['cpu']:.2f} | {mb_s:.2f} | "
-            f"{tokens / seconds:,.0f} | {run['peak_kb'] / 1024:.0f} | "
-            f"{ceiling['seconds'] / seconds:.2f} | {ceiling['cpu'] / run['cpu']:.2f} |"
-        )
-
+    base_wall, base_cpu = median("megatron", "seconds"), median("megatron", "cpu")
     print(
-        f"corpus: {corpus} ({corpus_bytes / 1e6:.1f} MB, {gigatron_tokens:,} GPT-2 tokens), "
-        f"{args.workers} workers/threads, {time.strftime('%Y-%m-%d')}"
+        f"corpus: {corpus} ({corpus_bytes / 1e6:.1f} MB, {size // 2:,} GPT-2 tokens), "
+        f"{args.workers} workers, median of {args.repeats} alternating rounds, "
+        f"{time.strftime('%Y-%m-%d')}; {len(outputs)} outputs byte-identical to Megatron's"
     )
     print()
     print(
-        "| run | measures | wall s | CPU s | MB/s | tokens/s | peak RSS (MiB) "
-        "| wall ratio to ceiling | CPU ratio to ceiling |"
+        "| run | wall s (each round) | CPU s | MB/s | peak RSS (MiB) | wall speed-up over "
+        "Megatron | CPU speed-up over Megatron |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(
-        row(
-            "ceiling: HF tokenizers encode_batch",
-            ceiling,
-            ceiling["tokens"],
-            "tokenize only, texts in memory",
+    print("|---|---|---|---|---|---|---|")
+    for name in results:
+        wall, cpu = median(name, "seconds"), median(name, "cpu")
+        rounds = ", ".join(f"{r['seconds']:.1f}" for r in results[name])
+        peak = max(r["peak_kb"] for r in results[name]) / 1024
+        print(
+            f"| {name} | {wall:.2f} ({rounds}) | {cpu:.2f} | {corpus_bytes / wall / 1e6:.2f} | "
+            f"{peak:.0f} | {base_wall / wall:.2f} | {base_cpu / cpu:.2f} |"
         )
-    )
-    print(
-        row(
-            f"gigatron preprocess --workers {args.workers}",
-            gigatron,
-            gigatron_tokens,
-            "read + parse + tokenize + write, incl. start-up",
-        )
-    )
     return 0
 
 

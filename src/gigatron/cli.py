@@ -28,6 +28,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gigatron.training.pretrain:main",
         "pretrain a model: gigatron pretrain gpt [flags]",
     ),
+    "generate": (
+        "gigatron.inference.generate:main",
+        "generate text from a checkpoint: gigatron generate --load DIR --prompt TEXT",
+    ),
+    "serve": (
+        "gigatron.inference.server:main",
+        "serve a checkpoint over HTTP (Megatron's PUT /api and OpenAI's /v1 API)",
+    ),
+    "text-generation-cli": (
+        "gigatron.inference.client:main",
+        "interactive client of a generation server: gigatron text-generation-cli HOST:PORT",
+    ),
     "presets": ("gigatron.models.presets:main", "list the named model shapes"),
     "convert-checkpoint": (
         "gigatron.checkpoint.convert:main",
@@ -62,12 +74,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gigatron: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, function_name = COMMANDS[name][0].split(":")
+    from gigatron.console import one_line_warnings
+    from gigatron.faults import report_error
+
     try:
-        function = getattr(importlib.import_module(module_name), function_name)
-        return int(function(rest) or 0)
+        with one_line_warnings():
+            function = getattr(importlib.import_module(module_name), function_name)
+            return int(function(rest) or 0)
     except GigatronError as error:
-        print(f"gigatron {name}: error: {error}", file=sys.stderr)
-        return 2
+        # Under torchrun every rank may hit the same error: it is printed once.
+        return report_error(
+            name,
+            str(error),
+            exit_code=getattr(error, "exit_code", 2),
+            report_key=getattr(error, "report_key", None),
+        )
     except KeyboardInterrupt:
         print(f"gigatron {name}: interrupted", file=sys.stderr)
         return 130

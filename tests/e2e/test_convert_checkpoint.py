@@ -112,9 +112,21 @@ def test_tp1_weights_are_the_merged_shards(source, tp1):
 
 def test_tp1_evaluates_like_the_source(source, tp1):
     metrics = tp1.parent / "tp1_metrics.jsonl"
-    _pretrain("--load", str(tp1), *WEIGHTS_ONLY, "--metrics-file", str(metrics))
+    result = _pretrain("--load", str(tp1), *WEIGHTS_ONLY, "--metrics-file", str(metrics))
+    assert f"loaded checkpoint {tp1} at iteration 2 (consumed samples 8)\n" in result.stdout
     # Same weights, same test batch: only the tp reduction order could differ, and it does not.
     assert _test_loss(metrics) == pytest.approx(_test_loss(source / "metrics.jsonl"), abs=1e-6)
+
+
+def test_loading_a_converted_checkpoint_names_the_conversion(source, tp1):
+    refused = _pretrain("--load", str(tp1), "--skip-train", check=False)
+    assert refused.returncode == 2
+    assert (
+        "was written by `gigatron convert-checkpoint` (from "
+        f"{source / 'iter_0000002'}): it has no optimizer, learning-rate schedule or random "
+        "states; pass --no-load-optim --no-load-rng"
+    ) in refused.stderr
+    assert "--no-save-optim" not in refused.stderr
 
 
 def test_pipeline_with_virtual_stages(source):

@@ -280,3 +280,61 @@ def test_null_tokenizer_ids_out_of_range(tmp_path, capsys):
     assert "skipped invalid:  2" in capsys.readouterr().out
     dataset = IndexedDataset(tmp_path / "n_text_document")
     assert [s.tolist() for s in dataset[:]] == [[1, 2, 3, 9], [5, 9]]
+
+
+def test_output_directories_are_created_and_empty_input_warns(tmp_path, shared_data):
+    """`--output-prefix data/corpus` works when data/ does not exist yet; an input without
+    documents says so in one line and in the report."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n')
+    prefix = tmp_path / "new" / "deeper" / "corpus"
+    result = gigatron(
+        "preprocess", "--input", str(empty), "--output-prefix", str(prefix), "--workers", "1",
+        *gpt2_flags(shared_data),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert IndexedDataset(f"{prefix}_text_document").__len__() == 0
+    assert "documents:        0" in result.stdout
+    warning = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert warning == [
+        f"warning: --input {empty}: no documents found (1 empty, 0 invalid); the datasets "
+        "written are empty and cannot be trained on"
+    ]
+    assert "UserWarning" not in result.stderr and "warnings.warn" not in result.stderr
+
+
+def test_tiktoken_and_reference_outputs_are_byte_identical(tmp_path, shared_data, monkeypatch):
+    """The shipped tokenizer path (tiktoken) and the HF reference write the same files from
+    real text: WikiText-2 lines (whitespace, headings) and LAMBADA passages."""
+    from gigatron.data import preprocess, tokenizers
+
+    wiki = (shared_data / "wikitext-2-wiki.test.tokens").read_text(encoding="utf-8")
+    texts = wiki.splitlines(keepends=True)[:1500]
+    texts += [
+        json.loads(line)["text"]
+        for line in (shared_data / "lambada_test.jsonl").read_text().splitlines()[:500]
+    ]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+    def run(name: str) -> tuple[bytes, bytes]:
+        prefix = tmp_path / name
+        argv = ["--input", str(path), "--output-prefix", str(prefix), "--workers", "1"]
+        assert preprocess.main([*argv, "--append-eod", *gpt2_flags(shared_data)]) == 0
+        stem = tmp_path / f"{name}_text_document"
+        return stem.with_suffix(".bin").read_bytes(), stem.with_suffix(".idx").read_bytes()
+
+    fast = run("fast")
+    built: list = []
+    original = tokenizers.GPT2BPETokenizer
+
+    class Reference(original):
+        def __init__(self, vocab_file: str, merge_file: str) -> None:
+            super().__init__(vocab_file, merge_file, backend="hf")
+            built.append(self)
+
+    monkeypatch.setattr(tokenizers, "GPT2BPETokenizer", Reference)
+    reference = run("reference")
+    assert built and built[0].backend == "hf"
+    assert len(fast[0]) > 200_000
+    assert fast == reference

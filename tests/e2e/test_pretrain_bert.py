@@ -1,6 +1,6 @@
 """`gigatron pretrain bert` end to end on a real sentence-split corpus: training lowers both
-losses, and tensor (+ sequence), pipeline and data parallelism with the distributed optimizer
-give the one-process losses; a saved run resumes and converts like GPT's."""
+losses, and tensor (+ sequence), pipeline, data parallelism with the distributed optimizer and
+context parallelism give the one-process losses; a saved run resumes and converts like GPT's."""
 
 from __future__ import annotations
 
@@ -88,8 +88,9 @@ def test_both_losses_are_logged_and_fall(reference):
         ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
         ["--pipeline-model-parallel-size", "2"],
         ["--use-distributed-optimizer"],
+        ["--context-parallel-size", "2"],
     ],
-    ids=["tp2-sp", "pp2", "dp2-distopt"],
+    ids=["tp2-sp", "pp2", "dp2-distopt", "cp2"],
 )
 def test_parallel_layouts_match_one_process(corpus, reference, tmp_path, layout):
     _train(_flags(corpus, tmp_path, "--train-iters", "10", *layout), nproc=2)

@@ -127,3 +127,31 @@ def test_bad_line_and_small_vocab(tmp_path):
     )
     assert result.returncode == 2
     assert "--vocab-size 100: too small" in result.stderr
+
+
+def test_fewer_tokens_than_asked_and_empty_input_warn(tmp_path):
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text('{"text": "a tiny corpus, a tiny corpus"}\n')
+    result = gigatron(
+        "train-tokenizer", "--input", str(tiny), "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-size", "1000", "--output-dir", str(tmp_path / "o"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    size = len(json.loads((tmp_path / "o" / "vocab.json").read_text()))
+    assert 257 <= size < 1000
+    assert result.stderr.splitlines() == [
+        f"warning: --vocab-size 1000: trained only {size} tokens; the corpus has too few "
+        "distinct pieces seen at least --min-frequency 2 times (give more text or a lower "
+        "--min-frequency)"
+    ]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = gigatron(
+        "train-tokenizer", "--input", str(empty), "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-size", "1000", "--output-dir", str(tmp_path / "e"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        f"warning: --input {empty}: no text found under --json-keys text; the vocabulary holds "
+        "only 257 base and special tokens"
+    ]

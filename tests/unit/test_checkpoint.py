@@ -232,14 +232,33 @@ def test_other_parallel_layout_is_refused_with_conversion_hint(tmp_path, dirs, s
     assert "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1" in message
 
 
-def test_missing_tracker_starts_from_scratch(tmp_path):
+def test_load_without_a_checkpoint_starts_from_scratch_only_when_meant(tmp_path):
+    """An existing empty directory, or the --save directory (even not created yet), starts from
+    scratch with one line; any other directory without a checkpoint is an error, so that a typo
+    in --load never silently restarts training."""
     cfg = make_cfg()
     model, optimizer, scheduler = build(cfg)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.warns(UserWarning, match="starting from scratch"):
-        info = load_checkpoint(tmp_path / "nothing", [model], optimizer, scheduler, PCTX, cfg)
-    assert info["loaded"] is False and info["iteration"] == 0
+    (tmp_path / "empty").mkdir()
+    cfg.checkpoint.save = str(tmp_path / "run")
+    for load_dir in (tmp_path / "empty", tmp_path / "run"):
+        with pytest.warns(UserWarning, match="no checkpoint there yet; starting from scratch"):
+            info = load_checkpoint(load_dir, [model], optimizer, scheduler, PCTX, cfg)
+        assert info["loaded"] is False and info["iteration"] == 0
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    with pytest.raises(GigatronError, match="no such directory .and it is not the --save"):
+        load_checkpoint(tmp_path / "rnu", [model], optimizer, scheduler, PCTX, cfg)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(GigatronError, match="holds no latest_checkpointed_iteration.txt"):
+        load_checkpoint(tmp_path / "other", [model], optimizer, scheduler, PCTX, cfg)
+
+
+def test_the_resume_line():
+    loaded = {"loaded": True, "iteration": 40, "consumed_train_samples": 160, "path": "x"}
+    assert torch_format.loaded_message("ckpt", loaded) == (
+        "loaded checkpoint ckpt at iteration 40 (consumed samples 160)"
+    )
 
 
 def test_bad_tracker_is_named(tmp_path):
@@ -280,7 +299,7 @@ def test_no_save_optim_needs_no_load_optim(tmp_path):
     save_checkpoint(tmp_path, 1, [model], optimizer, scheduler, PCTX, cfg)
     load_cfg = make_cfg(bf16=True)
     model2, optimizer2, scheduler2 = build(load_cfg, seed=2)
-    with pytest.raises(GigatronError, match="--no-load-optim"):
+    with pytest.raises(GigatronError, match="weights only.*--no-load-optim --no-load-rng"):
         load_checkpoint(tmp_path, [model2], optimizer2, scheduler2, PCTX, load_cfg)
     load_cfg.checkpoint.no_load_optim = True
     with pytest.raises(GigatronError, match="--no-load-rng"):

@@ -375,3 +375,20 @@ def test_unwritable_cache_warns_and_continues(corpus, tmp_path):
     with pytest.warns(UserWarning, match="--data-cache-path"):
         train = build_gpt_datasets(cfg, TOKENIZER, (10, 0, 0))[0]
     assert len(train) >= 10 and train[0]["tokens"].shape == (16,)
+
+
+def test_a_blend_weight_that_is_not_a_number_is_named(corpus):
+    prefix, _ = corpus
+    with pytest.raises(GigatronError, match="blend weight 'abc' is not a number"):
+        parse_blend(["abc", prefix], "--data-path")
+    # Prefixes only (no weights) are still fine when each one is a dataset.
+    assert parse_blend([prefix, prefix], "--data-path") == ([prefix, prefix], None)
+
+
+def test_the_missing_file_of_a_dataset_is_named(corpus):
+    prefix, _ = corpus
+    os.remove(prefix + ".bin")
+    with pytest.raises(GigatronError) as error:
+        build_gpt_datasets(config(prefix, split="1"), TOKENIZER, (1, 0, 0))
+    assert f"{prefix}.bin not found" in str(error.value)
+    assert ".idx" not in str(error.value)  # the index is there

@@ -76,6 +76,25 @@ def test_log_line_format():
     assert "MFU: 41.2%" in line and "elapsed time per iteration (ms): 250.0" in line
 
 
+def test_log_throughput_and_timers_lines(tmp_path):
+    """--log-throughput adds Megatron's TFLOP/s per GPU; --timing-log-level 1 a timers line."""
+    record = {**_train_record(3, 1.0), "tflops_per_s": 6.0, "time_optimizer_ms": 12.5}
+    plain = format_log_line(record, 7)
+    assert "TFLOP/s" not in plain
+    line = format_log_line(record, 7, log_throughput=True, world_size=4)
+    assert "| throughput per GPU (TFLOP/s/GPU): 1.5 |" in line
+    out = io.StringIO()
+    logger = MetricsLogger(
+        str(tmp_path / "m.jsonl"), ParallelContext.single(), stream=out, log_throughput=True,
+        timing_log_level=1,
+    )  # fmt: skip
+    logger.log_iteration(record, train_iters=7)
+    logger.close()
+    lines = out.getvalue().splitlines()
+    assert "throughput per GPU (TFLOP/s/GPU): 6.0" in lines[0]
+    assert lines[1] == " time in the last log interval (ms): optimizer: 12.5 |"
+
+
 def test_default_metrics_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert default_metrics_path("x.jsonl", "/ckpt") == "x.jsonl"
@@ -101,6 +120,35 @@ def test_memory_footprint_counts_storages_once():
     # exp_avg and exp_avg_sq per parameter, plus one fp32 scalar `step` per parameter tensor.
     assert sizes["optimizer_state_bytes"] == 2 * 4 * numel + 4 * len(params)
     assert count_parameters([model], ParallelContext.single()) == numel
+
+
+def test_plot_title_and_points(tmp_path):
+    """The plot carries the run's title and one training point per logged iteration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "metrics.jsonl"
+    logger = MetricsLogger(str(path), ParallelContext.single(), stream=io.StringIO())
+    for i in range(1, 6):
+        logger.log_iteration(_train_record(i, 5.0 - i))
+    logger.close()
+    saved = {}
+    close = plt.close
+
+    def keep(figure=None):
+        saved["figure"] = figure
+        close(figure)
+
+    plt.close = keep
+    try:
+        plot_loss(str(path), str(tmp_path / "loss.png"), title="GPT 2 layers x 64")
+    finally:
+        plt.close = close
+    (axes,) = saved["figure"].axes
+    assert axes.get_title() == "GPT 2 layers x 64"
+    assert list(axes.lines[0].get_xdata()) == [1, 2, 3, 4, 5]
 
 
 def test_plot_writes_a_png(tmp_path):

@@ -61,13 +61,20 @@ def test_param_groups_no_decay_on_biases_and_norms():
 
 
 @pytest.mark.parametrize("use_main_grad", [False, True])
-def test_fp32_adam_matches_torch_adamw_exactly(use_main_grad):
+def test_fp32_adam_matches_torch_adamw(use_main_grad):
+    """The fused AdamW gigatron uses equals torch's fused AdamW exactly, and torch's reference
+    (for-loop) AdamW to within float rounding."""
     torch.manual_seed(0)
     model = TinyNet()
-    ref = copy.deepcopy(model)
+    fused_ref, loop_ref = copy.deepcopy(model), copy.deepcopy(model)
     opt = build_optimizer(make_cfg(), [model], PCTX)
     assert isinstance(opt, FP32Optimizer)
-    ref_opt = torch.optim.AdamW(reference_groups(ref, 0.1), lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
+    assert opt.optimizer.param_groups[0]["fused"]
+    references = [
+        (net, torch.optim.AdamW(reference_groups(net, 0.1), lr=1e-2, eps=1e-8, **kind))
+        for net, kind in ((fused_ref, {"fused": True}), (loop_ref, {"foreach": False}))
+    ]
+    initial = [p.detach().clone() for p in model.parameters()]
     if use_main_grad:  # what DistributedDataParallel provides
         for p in model.parameters():
             p.main_grad = torch.zeros_like(p)
@@ -80,11 +87,15 @@ def test_fp32_adam_matches_torch_adamw_exactly(use_main_grad):
                 p.grad = None
         success, grad_norm, num_zeros = opt.step()
         assert success and num_zeros is None and grad_norm > 0
-        ref_opt.zero_grad()
-        loss_of(ref, step).backward()
-        ref_opt.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
+        for net, ref_opt in references:
+            ref_opt.zero_grad()
+            loss_of(net, step).backward()
+            ref_opt.step()
+    params = zip(model.parameters(), fused_ref.parameters(), loop_ref.parameters(), initial)
+    for p, q, r, start in params:
         assert torch.equal(p, q)
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(p, start)
     if use_main_grad:
         opt.zero_grad()
         assert all(torch.count_nonzero(p.main_grad) == 0 for p in model.parameters())

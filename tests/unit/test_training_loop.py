@@ -8,6 +8,7 @@ import io
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -220,3 +221,27 @@ def test_mfu_is_model_flops_over_the_peak(tmp_path):
     flops = model_flops_per_iteration(run.cfg.model, GLOBAL, VOCAB)
     assert first["tflops_per_s"] == pytest.approx(flops / first["iteration_time_s"] / 1e12)
     assert first["mfu"] == pytest.approx(flops / first["iteration_time_s"] / 1e9)
+
+
+def test_a_slow_first_iteration_is_announced(tmp_path, monkeypatch):
+    """Until the first log line, a notice says which iteration runs and for how long."""
+    from gigatron.training import notice
+
+    monkeypatch.setattr(notice, "FIRST_NOTICE_S", 0.05)
+    monkeypatch.setattr(notice, "NOTICE_EVERY_S", 0.05)
+    run = make_run(tmp_path, "--log-interval", "4")
+    step = run.forward_step
+
+    def slow_step(data_iterator, chunk):
+        time.sleep(0.1 if run.state.iteration == 0 else 0.0)  # only the first iteration is slow
+        return step(data_iterator, chunk)
+
+    run.forward_step = slow_step
+    out = run.metrics.stream = io.StringIO()
+    train(run)
+    run.metrics.close()
+    lines = out.getvalue().splitlines()
+    first_log = next(i for i, line in enumerate(lines) if line.startswith(" iteration        4"))
+    notices = [line for line in lines if "running..." in line]
+    assert notices and notices[0].startswith(" iteration 1 running... (0 s since training")
+    assert all(lines.index(n) < first_log for n in notices)  # none after the first log line

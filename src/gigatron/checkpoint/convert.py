@@ -371,6 +371,8 @@ def convert_checkpoint(
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             "args": target_args,
+            # Loading names the conversion when asked for the states it dropped.
+            "converted_from": str(iteration_dir),
         }
         state.update({k: first[k] for k in CARRIED_KEYS if k in first})
         keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
@@ -425,14 +427,25 @@ def convert_checkpoint(
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron convert-checkpoint",
         description="Re-split a torch-format checkpoint for another tensor/pipeline/expert-parallel "
         "layout (model weights only; optimizer and random states are dropped).",
     )
     parser.add_argument("--load", required=True, help="checkpoint directory to read")
     parser.add_argument("--save", required=True, help="new directory to write")
-    parser.add_argument("--target-tensor-parallel-size", type=int, required=True)
-    parser.add_argument("--target-pipeline-parallel-size", type=int, required=True)
+    parser.add_argument(
+        "--target-tensor-parallel-size",
+        type=int,
+        required=True,
+        help="tensor-parallel size of the new checkpoint",
+    )
+    parser.add_argument(
+        "--target-pipeline-parallel-size",
+        type=int,
+        required=True,
+        help="pipeline-parallel size of the new checkpoint",
+    )
     parser.add_argument(
         "--target-num-virtual-stages-per-pipeline-rank",
         type=int,

@@ -396,6 +396,71 @@ def _load_model(state: dict[str, Any], model_chunks: list[nn.Module], path: Path
             ) from None
 
 
+def check_fresh_start(load_dir: Path, save_dir: str | Path | None) -> None:
+    """`--load DIR` without a checkpoint in it starts from scratch only when that is plainly
+    meant: DIR is the --save directory (resuming a run that has not saved yet) or an existing
+    empty directory. Anything else is most likely a wrong path and must not silently restart
+    training from iteration 0."""
+    same_as_save = save_dir is not None and Path(save_dir).resolve() == load_dir.resolve()
+    if same_as_save:
+        return
+    if not load_dir.exists():
+        raise GigatronError(
+            f"--load {load_dir}: no such directory (and it is not the --save directory); check "
+            "the path, or leave --load out to start from scratch"
+        )
+    if not load_dir.is_dir():
+        raise GigatronError(f"--load {load_dir}: not a directory; give a checkpoint directory")
+    if any(load_dir.iterdir()):
+        raise GigatronError(
+            f"--load {load_dir}: holds no {TRACKER_FILENAME}, so no checkpoint, but is not empty; "
+            "point --load at a directory written with --save (or give --ckpt-step), or leave "
+            "--load out to start from scratch"
+        )
+
+
+def _check_saved_states(
+    state: dict[str, Any], path: Path, wants_optim: bool, no_load_optim: bool, no_load_rng: bool
+) -> None:
+    """Name what a checkpoint lacks and the flags that load it anyway."""
+    missing_optim = wants_optim and not no_load_optim and "optimizer" not in state
+    missing_rng = not no_load_rng and state.get("rng_state") is None
+    if not (missing_optim or missing_rng):
+        return
+    converted = state.get("converted_from")
+    if converted is not None or ("optimizer" not in state and state.get("rng_state") is None):
+        origin = (
+            f"was written by `gigatron convert-checkpoint` (from {converted})"
+            if converted is not None
+            else "holds model weights only (as `gigatron convert-checkpoint` writes them)"
+        )
+        raise GigatronError(
+            f"{path}: {origin}: it has no optimizer, learning-rate schedule or random states; "
+            "pass --no-load-optim --no-load-rng to continue training from its weights, or "
+            "--finetune to also start again at iteration 0"
+        )
+    if missing_optim:
+        raise GigatronError(
+            f"{path}: has no optimizer state (saved with --no-save-optim); pass "
+            "--no-load-optim or --finetune"
+        )
+    raise GigatronError(
+        f"{path}: has no random states (saved with --no-save-rng); pass --no-load-rng"
+    )
+
+
+def loaded_message(load_dir: str | Path, loaded: dict[str, Any]) -> str:
+    """The line a run prints after load_checkpoint found a checkpoint."""
+    if loaded.get("release"):
+        return f"loaded release checkpoint {load_dir} (weights only): starting at iteration 0"
+    if loaded["iteration"] == 0 and loaded.get("path"):
+        return f"loaded the weights of checkpoint {load_dir}: starting at iteration 0"
+    return (
+        f"loaded checkpoint {load_dir} at iteration {loaded['iteration']} "
+        f"(consumed samples {loaded['consumed_train_samples']})"
+    )
+
+
 def locate_iteration(load_dir: Path, iteration: int | None = None) -> tuple[Path, int, bool] | None:
     """(iteration directory, iteration, is release) to load: `iteration` if given, else the one
     the tracker file names; None when neither exists. A named directory that is missing raises."""
@@ -450,8 +515,9 @@ def load_checkpoint(
     }
     located = locate_iteration(load_dir, iteration)
     if located is None:
+        check_fresh_start(load_dir, getattr(ckpt_cfg, "save", None))
         warnings.warn(
-            f"--load {load_dir}: no {TRACKER_FILENAME} there; starting from scratch at iteration 0",
+            f"--load {load_dir}: no checkpoint there yet; starting from scratch at iteration 0",
             stacklevel=2,
         )
         return result
@@ -461,7 +527,7 @@ def load_checkpoint(
     if layout is None:
         raise GigatronError(
             f"--load {load_dir}: {iteration_dir.name} holds no mp_rank_* directories; it is not a "
-            "torch-format checkpoint (for torch_dist use --ckpt-format torch_dist)"
+            "torch-format checkpoint (gigatron reads Megatron's torch format only)"
         )
     now = f"tensor-parallel {pctx.tp_size}, pipeline-parallel {pctx.pp_size}" + (
         f", expert-parallel {pctx.ep_size}" if pctx.ep_size > 1 else ""
@@ -488,15 +554,12 @@ def load_checkpoint(
             f"{len(model_chunks)}",
         )
 
+    if not release and not finetune:
+        _check_saved_states(state, path, optimizer is not None, no_load_optim, no_load_rng)
     _load_model(state, model_chunks, path)
 
     if not release and not finetune and not no_load_optim:
         if optimizer is not None:
-            if "optimizer" not in state:
-                raise GigatronError(
-                    f"{path}: has no optimizer state (saved with --no-save-optim); pass "
-                    "--no-load-optim or --finetune"
-                )
             optimizer.load_state_dict(state["optimizer"])
             if hasattr(optimizer, "load_sharded_state"):
                 optimizer.load_sharded_state(path.parent)

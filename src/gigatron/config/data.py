@@ -30,7 +30,8 @@ class DataConfig:
     reset_attention_mask: bool = flag_field(False, "no attention across end of document")
     create_attention_mask_in_dataloader: bool = flag_field(
         True,
-        "leave the attention mask to the model",
+        "build no attention mask in the data loader: the model applies its causal mask (gigatron "
+        "builds one only for --reset-attention-mask)",
         store_false=True,
         flag="--no-create-attention-mask-in-dataloader",
     )

@@ -22,12 +22,15 @@ def flag_field(
     store_false: bool = False,
     nargs: str | int | None = None,
     aliases: tuple[str, ...] = (),
+    default_help: str | None = None,
 ) -> Any:
     """A dataclass field with its command-line flag.
 
     `flag` defaults to `--` + the field name with dashes. Booleans become store_true flags, or
     store_false ones with `store_false=True` (Megatron's `--disable-bias-linear` sets
     `add_bias_linear` to False). Lists take `nargs` values ("+" or "*" by default).
+    `default_help` is what the help shows as the default when the field's default (often
+    Megatron's None) stands for a value the code picks (e.g. `v2`).
     """
     metadata = {
         "help": help,
@@ -36,6 +39,7 @@ def flag_field(
         "store_false": store_false,
         "nargs": nargs,
         "aliases": aliases,
+        "default_help": default_help,
     }
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
@@ -90,7 +94,8 @@ def add_dataclass_arguments(
                     kwargs["nargs"] = field.metadata["nargs"]
             if field.metadata.get("choices"):
                 kwargs["choices"] = field.metadata["choices"]
-            help_text = f"{help_text} (default: {default})" if help_text else f"default: {default}"
+            shown = field.metadata.get("default_help") or default
+            help_text = f"{help_text} (default: {shown})" if help_text else f"default: {shown}"
         kwargs["help"] = help_text
         group.add_argument(*names, **kwargs)
 

@@ -17,7 +17,13 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = flag_field(None, "write TensorBoard events here")
     wandb_project: Optional[str] = flag_field(None, "Weights & Biases project (when installed)")
     wandb_exp_name: Optional[str] = flag_field(None, "Weights & Biases run name")
-    log_throughput: bool = flag_field(False, "log tokens/s and MFU (always in metrics.jsonl)")
-    timing_log_level: int = flag_field(0, "detail of timers", choices=[0, 1, 2])
+    log_throughput: bool = flag_field(
+        False, "add the model TFLOP/s per GPU to each log line (metrics.jsonl always has it)"
+    )
+    timing_log_level: int = flag_field(
+        0,
+        "1: a line of phase timers (forward-backward, optimizer, checkpoint) after each log line",
+        choices=[0, 1, 2],
+    )
     log_num_zeros_in_grad: bool = flag_field(False, "count zero gradients and log the number")
     no_progress_bar: bool = flag_field(False, "plain log lines even on a terminal")

@@ -84,3 +84,21 @@ class ModelConfig:
     recompute_activations: bool = flag_field(
         False, "shorthand for --recompute-granularity selective"
     )
+    mamba_state_dim: int = flag_field(128, "state size of each Mamba head (N)")
+    mamba_head_dim: int = flag_field(64, "channels per Mamba head (P)")
+    mamba_num_groups: int = flag_field(8, "groups sharing the B and C projections of Mamba heads")
+    mamba_num_heads: Optional[int] = flag_field(
+        None, "Mamba heads; default 2 * hidden / --mamba-head-dim"
+    )
+    hybrid_layer_pattern: Optional[str] = flag_field(
+        None, "hybrid stack, one symbol per layer: M Mamba, * attention, - MLP (e.g. M-M*-M-)"
+    )
+    hybrid_override_pattern: Optional[str] = flag_field(
+        None, "older name of --hybrid-layer-pattern"
+    )
+    hybrid_attention_ratio: float = flag_field(
+        0.0, "without a pattern: fraction of the --num-layers layers that are attention layers"
+    )
+    hybrid_mlp_ratio: float = flag_field(
+        0.0, "without a pattern: fraction of the --num-layers layers that are MLP layers"
+    )

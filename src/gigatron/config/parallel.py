@@ -13,6 +13,12 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag_field(1, "tensor-parallel size (tp)")
     pipeline_model_parallel_size: int = flag_field(1, "pipeline-parallel size (pp)")
     context_parallel_size: int = flag_field(1, "context-parallel size (cp)")
+    cp_comm_type: list[str] = flag_field(
+        ["p2p"],
+        "context-parallel attention: p2p (ring), a2a (all-to-all), allgather; one for all "
+        "layers or one per layer",
+        choices=["p2p", "a2a", "allgather"],
+    )
     expert_model_parallel_size: int = flag_field(1, "expert-parallel size (ep)")
     expert_tensor_parallel_size: Optional[int] = flag_field(
         None, "tensor-parallel size of the experts: 1 or the tensor-parallel size (default)"

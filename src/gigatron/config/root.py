@@ -47,6 +47,11 @@ for _section, _cls in SECTIONS.items():
         _FIELD_SECTION[_f.name] = _section
 
 
+def field_section(name: str) -> str:
+    """The section (`model`, `training`, ...) that declares configuration field `name`."""
+    return _FIELD_SECTION[name]
+
+
 def add_config_arguments(
     parser: argparse.ArgumentParser, sections: Sequence[str] | None = None
 ) -> None:
@@ -128,7 +133,7 @@ def parse_config(
     """Parse flags (and `--config`) into a finalized, validated config."""
     from gigatron.config.validate import finalize_config, validate_config
 
-    parser = argparse.ArgumentParser(prog=prog)
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     add_config_arguments(parser)
     namespace = parser.parse_args(argv)
     cfg = config_from_namespace(namespace)

@@ -35,7 +35,7 @@ class TokenizerConfig:
         None, "end-of-document id of the NullTokenizer"
     )
     tiktoken_pattern: Optional[str] = flag_field(
-        None, "tiktoken split pattern", choices=["v1", "v2"]
+        None, "TikTokenizer split pattern", choices=["v1", "v2"], default_help="v2"
     )
     tiktoken_num_special_tokens: int = flag_field(1000, "special tokens reserved by TikTokenizer")
     vocab_extra_ids: int = flag_field(

@@ -5,10 +5,12 @@ Each rule that fails adds one line naming the flags and the fix; all lines are r
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
 
+from gigatron.config.refusals import refused_settings
 from gigatron.errors import GigatronError
 
 if TYPE_CHECKING:  # root.py calls into this module: a runtime import would be a cycle
@@ -41,6 +43,9 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         apply_preset(cfg, m.model_preset)
     if m.recompute_activations:
         m.recompute_granularity = "selective"
+    pattern = m.hybrid_layer_pattern or m.hybrid_override_pattern
+    if m.num_layers is None and pattern:
+        m.num_layers = len(pattern)  # a hybrid stack's layer count is its pattern's (Megatron)
     if m.hidden_size is not None and m.ffn_hidden_size is None:
         if m.swiglu:
             # Keeps the parameter count of a 4h GeLU MLP, rounded down to a multiple of 64.
@@ -56,6 +61,12 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         m.kv_channels = m.hidden_size // m.num_attention_heads
     if not m.group_query_attention and m.num_attention_heads:
         m.num_query_groups = m.num_attention_heads
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        # Megatron's rule: the same script runs at any tensor-parallel size.
+        p.sequence_parallel = False
+        warnings.warn(
+            "--sequence-parallel needs --tensor-model-parallel-size > 1; turned off", stacklevel=2
+        )
     if m.max_position_embeddings is None and m.seq_length is not None:
         m.max_position_embeddings = m.seq_length
     if cfg.moe.num_experts and cfg.moe.moe_ffn_hidden_size is None:
@@ -76,6 +87,34 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
 def _positive(problems: list[str], value: int | float | None, flag: str) -> None:
     if value is not None and value <= 0:
         problems.append(f"{flag} is {value}; it must be positive")
+
+
+def _context_parallel_rules(cfg: GigatronConfig, problems: list[str]) -> None:
+    m, p = cfg.model, cfg.parallel
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
+    if len(p.cp_comm_type) not in (1, m.num_layers or 1):
+        problems.append(
+            f"--cp-comm-type has {len(p.cp_comm_type)} values; give one, or one per layer "
+            f"({m.num_layers})"
+        )
+    if cp <= 1 or m.seq_length is None:
+        return
+    if m.seq_length % (2 * cp):
+        problems.append(
+            f"--seq-length {m.seq_length} is not divisible by 2 x --context-parallel-size {cp} "
+            f"= {2 * cp} (each rank holds two of 2 x cp equal chunks); change one of them"
+        )
+    elif p.sequence_parallel and (m.seq_length // cp) % tp:
+        problems.append(
+            f"--seq-length {m.seq_length} / --context-parallel-size {cp} is not divisible by "
+            f"--tensor-model-parallel-size {tp} (--sequence-parallel splits each rank's part)"
+        )
+    heads = (m.num_attention_heads or 0) // max(tp, 1)
+    if "a2a" in p.cp_comm_type and heads % cp:
+        problems.append(
+            f"--cp-comm-type a2a: the {heads} attention heads per tensor-parallel rank do not "
+            f"divide over --context-parallel-size {cp}; use p2p or allgather"
+        )
 
 
 def validate_config(
@@ -169,8 +208,20 @@ def validate_config(
         problems.append(f"--mask-prob {cfg.data.mask_prob} must lie in (0, 1)")
     if not 0.0 <= cfg.data.short_seq_prob <= 1.0:
         problems.append(f"--short-seq-prob {cfg.data.short_seq_prob} must lie in [0, 1]")
-    if p.sequence_parallel and tp == 1:
-        problems.append("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if cfg.data.split is not None:
+        from gigatron.data.builder import parse_split
+
+        try:
+            parse_split(cfg.data.split)
+        except GigatronError as error:
+            problems.append(str(error))
+    if cfg.data.reset_attention_mask and not cfg.data.create_attention_mask_in_dataloader:
+        problems.append(
+            "--reset-attention-mask needs the mask the data loader builds; drop "
+            "--no-create-attention-mask-in-dataloader"
+        )
+    problems.extend(refused_settings(cfg))
+    _context_parallel_rules(cfg, problems)
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         problems.append(
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"

@@ -53,14 +53,28 @@ Splits = tuple[Any, Any, Any]
 
 
 def parse_split(split: str) -> list[float]:
-    """'969,30,1' -> [0.969, 0.03, 0.001]: numbers, right-padded with 0 to three, normalised."""
-    values = [float(x) for x in re.findall(r"[.0-9]+", split)]
-    values += [0.0] * (3 - len(values))
-    if len(values) != 3 or sum(values) <= 0:
+    """'969,30,1' -> [0.969, 0.03, 0.001]: up to three numbers separated by ',' (or '/'),
+    right-padded with 0 to three, normalised. Anything else is refused (Megatron-Core would
+    read '90,x,10' as 90,10 and silently give the test share to validation)."""
+    pieces = [piece.strip() for piece in re.split(r"[,/]", split)]
+    values = []
+    for piece in pieces:
+        try:
+            value = float(piece)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or value < 0:
+            raise GigatronError(
+                f"--split {split!r}: {piece!r} is not a non-negative number; give up to three "
+                "proportions separated by commas, e.g. --split 969,30,1"
+            )
+        values.append(value)
+    if len(values) > 3 or sum(values) <= 0:
         raise GigatronError(
             f"--split {split!r}: give up to three non-negative proportions with a positive sum, "
             "e.g. --split 969,30,1"
         )
+    values += [0.0] * (3 - len(values))
     total = sum(values)
     return [x / total for x in values]
 
@@ -98,7 +112,27 @@ def parse_blend(values: list[str] | None, flag: str) -> tuple[list[str], list[fl
             f"{flag} {' '.join(items)}: mixes numbers and paths; give 'weight prefix' pairs "
             "(e.g. 0.3 data/a_text_document 0.7 data/b_text_document) or prefixes only"
         )
+    _check_no_bad_weight(items, flag)
     return items, None
+
+
+def _check_no_bad_weight(items: list[str], flag: str) -> None:
+    """Prefixes only, e.g. 'abc data/x': when every second item is a dataset but an item before
+    one is not, that item was meant as a weight and is not a number."""
+    from gigatron.data.indexed import dataset_exists
+
+    if len(items) % 2:
+        return
+    weights, prefixes = items[0::2], items[1::2]
+    if not all(dataset_exists(prefix) for prefix in prefixes):
+        return
+    for weight in weights:
+        if not dataset_exists(weight):
+            raise GigatronError(
+                f"{flag} {' '.join(items)}: blend weight {weight!r} is not a number (nor a "
+                "dataset prefix); give 'weight prefix' pairs with numeric weights, e.g. "
+                "0.3 data/a_text_document 0.7 data/b_text_document"
+            )
 
 
 def _is_number(text: str) -> bool:
@@ -115,11 +149,12 @@ def default_cache_dir(prefix: str, cache_name: str) -> str:
 
 
 def open_indexed_dataset(prefix: str, flag: str) -> Any:
-    from gigatron.data.indexed import IndexedDataset, dataset_exists
+    from gigatron.data.indexed import IndexedDataset, missing_files
 
-    if not dataset_exists(prefix):
+    missing = missing_files(prefix)
+    if missing:
         raise GigatronError(
-            f"{flag} {prefix}: {prefix}.bin and {prefix}.idx not found; give the prefix without "
+            f"{flag} {prefix}: {' and '.join(missing)} not found; give the prefix without "
             "extension of a dataset written by `gigatron preprocess`"
         )
     return IndexedDataset(prefix)

@@ -94,6 +94,10 @@ class GPTDatasetOptions:
     eod_mask_loss: bool = False
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
+    # --no-create-attention-mask-in-dataloader: never build a mask here (the model's causal mask
+    # is used). gigatron builds one only when --reset-attention-mask needs it, which validation
+    # does not allow together with this.
+    create_attention_mask: bool = True
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, **kwargs: Any) -> GPTDatasetOptions:
@@ -182,6 +186,7 @@ class GPTDataset:
             eod_mask_loss=bool(data.eod_mask_loss),
             reset_position_ids=bool(data.reset_position_ids),
             reset_attention_mask=bool(data.reset_attention_mask),
+            create_attention_mask=bool(data.create_attention_mask_in_dataloader),
         )
 
     @staticmethod
@@ -257,11 +262,11 @@ def make_sample(text: np.ndarray, real: int, options: GPTDatasetOptions) -> dict
         segment_start = np.maximum.accumulate(segment_start)
         if options.reset_position_ids:
             sample["position_ids"] = positions - segment_start
-        if options.reset_attention_mask:
+        if options.reset_attention_mask and options.create_attention_mask:
             keys = positions[None, :]
             allowed = (keys <= positions[:, None]) & (keys >= segment_start[:, None])
             sample["attention_mask"] = ~allowed[None]
-    elif options.reset_attention_mask:
+    elif options.reset_attention_mask and options.create_attention_mask:
         sample["attention_mask"] = ~np.tri(seq, dtype=bool)[None]
     # Padding is masked by position, not by value, so a pad id that also occurs in the text
     # (a pad equal to eod, say) keeps its loss.

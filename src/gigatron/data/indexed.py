@@ -65,6 +65,12 @@ def index_file_path(prefix: PathLike) -> str:
     return f"{os.fspath(prefix)}.idx"
 
 
+def missing_files(prefix: PathLike) -> list[str]:
+    """Which of PREFIX.bin and PREFIX.idx do not exist (as paths)."""
+    paths = (data_file_path(prefix), index_file_path(prefix))
+    return [path for path in paths if not os.path.isfile(path)]
+
+
 def dataset_exists(prefix: PathLike) -> bool:
     """True when both PREFIX.bin and PREFIX.idx exist."""
     return os.path.isfile(data_file_path(prefix)) and os.path.isfile(index_file_path(prefix))
@@ -100,12 +106,12 @@ class IndexedDataset:
     def _open(self) -> None:
         idx_path = index_file_path(self.prefix)
         bin_path = data_file_path(self.prefix)
-        for path in (idx_path, bin_path):
-            if not os.path.isfile(path):
-                raise GigatronError(
-                    f"{path}: file not found; give the dataset prefix without extension "
-                    "(PREFIX for PREFIX.bin and PREFIX.idx)"
-                )
+        missing = missing_files(self.prefix)
+        if missing:
+            raise GigatronError(
+                f"{' and '.join(missing)}: not found; give the dataset prefix without extension "
+                "(PREFIX for PREFIX.bin and PREFIX.idx)"
+            )
         idx_size = os.path.getsize(idx_path)
         if idx_size < HEADER_SIZE:
             raise GigatronError(

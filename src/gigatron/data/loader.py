@@ -8,6 +8,8 @@ exactly the stream an uninterrupted run would have read.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -15,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gigatron.errors import GigatronError
+from gigatron.faults import data_loader_worker_init
 
 
 class PretrainingBatchSampler:
@@ -68,7 +71,11 @@ def build_data_loader(
     data_parallel_size: int | None = None,
     data_parallel_rank: int | None = None,
 ) -> DataLoader:
-    """A torch DataLoader over this rank's micro-batches (tensors stacked by default_collate)."""
+    """A torch DataLoader over this rank's micro-batches (tensors stacked by default_collate).
+
+    Worker processes ignore SIGTERM (the main process handles it and stops them) and die with the
+    main process (see gigatron/faults.py).
+    """
     dp_size = data_parallel_size if data_parallel_size is not None else _pctx(pctx, "dp_size")
     dp_rank = data_parallel_rank if data_parallel_rank is not None else _pctx(pctx, "dp_rank")
     sampler = PretrainingBatchSampler(
@@ -80,6 +87,9 @@ def build_data_loader(
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
+        worker_init_fn=(
+            functools.partial(data_loader_worker_init, os.getpid()) if num_workers > 0 else None
+        ),
     )
 
 

@@ -16,6 +16,7 @@ from gigatron.errors import GigatronError
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron merge",
         description="Concatenate indexed datasets made with the same tokenizer into one.",
     )

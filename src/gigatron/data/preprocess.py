@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import sys
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import numpy as np
 
 from gigatron.config.fields import add_dataclass_arguments
 from gigatron.config.tokenizer import TokenizerConfig
+from gigatron.data.sentences import SPLITTERS, sentence_splitter
 from gigatron.errors import GigatronError
 
 # A chunk (the unit of work sent to a worker) closes at this many bytes or lines: big enough
@@ -39,6 +41,7 @@ INPUT_PATTERNS = ("*.jsonl", "*.json", "*.jsonl.gz", "*.json.gz")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron preprocess",
         description="Tokenize loose JSON lines (one document per line) into indexed datasets "
         "<output-prefix>_<key>_document.bin/.idx that `--data-path` reads.",
@@ -67,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --split-sentences, keep the newlines that follow sentences",
     )
     group.add_argument(
-        "--lang", default="english", choices=["english"], help="sentence splitter language"
+        "--lang",
+        default="english",
+        choices=sorted(SPLITTERS),
+        help="language of the --split-sentences splitter (default: english)",
     )
     group.add_argument(
         "--skip-invalid",
@@ -91,13 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--partitions",
         type=int,
         default=1,
-        help="write the output in this many contiguous parts, then merge them (same result)",
+        help="write the output in this many contiguous parts, then merge them (same result; "
+        "default: 1)",
     )
     group.add_argument(
         "--log-interval",
         type=int,
         default=1000,
-        help="documents between progress lines when stderr is not a terminal",
+        help="documents between progress lines when stderr is not a terminal (default: 1000)",
     )
     add_dataclass_arguments(parser, TokenizerConfig, title="tokenizer")
     return parser
@@ -110,6 +117,7 @@ class Options:
     tokenizer: TokenizerConfig
     json_keys: list[str]
     split_sentences: bool
+    lang: str
     keep_newlines: bool
     append_eod: bool
     skip_invalid: bool
@@ -159,9 +167,7 @@ def _init_worker(options: Options, tokenizer: Any, in_subprocess: bool) -> None:
         tokenizer if tokenizer is not None else build_tokenizer(options.tokenizer)
     )
     if options.split_sentences:
-        from gigatron.data.sentences import split_sentences
-
-        _worker["split"] = split_sentences
+        _worker["split"] = sentence_splitter(options.lang)
 
 
 def _parse_line(raw: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None, str | None]:
@@ -503,16 +509,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     files = resolve_inputs(args.input)
     output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    if not os.path.isdir(output_dir):
+    try:
+        os.makedirs(output_dir, exist_ok=True)  # like every later step, write into new folders
+    except OSError as error:
         raise GigatronError(
-            f"--output-prefix {args.output_prefix}: directory {output_dir} does not exist"
-        )
+            f"--output-prefix {args.output_prefix}: cannot create directory {output_dir} "
+            f"({error.strerror}); give a writable location"
+        ) from None
     dtype = optimal_dtype(tokenizer.vocab_size)
     level = "sentence" if args.split_sentences else "document"
     options = Options(
         tokenizer=tokenizer_cfg,
         json_keys=list(args.json_keys),
         split_sentences=args.split_sentences,
+        lang=args.lang,
         keep_newlines=args.keep_newlines,
         append_eod=args.append_eod,
         skip_invalid=args.skip_invalid,
@@ -531,9 +541,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = Progress(
         None if any_gz else sum(os.path.getsize(p) for p in files), args.log_interval
     )
+    backend = getattr(tokenizer, "backend", None)
     print(
         f"preprocess: {len(files)} input file(s), tokenizer {type(tokenizer).__name__} "
-        f"(vocab {tokenizer.vocab_size}, token dtype {dtype}), {args.workers} worker(s)",
+        f"(vocab {tokenizer.vocab_size}, token dtype {dtype}"
+        f"{f', encoded by {backend}' if backend else ''}), {args.workers} worker(s)",
         file=sys.stderr,
     )
     start = time.perf_counter()
@@ -636,6 +648,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     for line in invalid_examples:
         print(f"skipped {line}", file=sys.stderr)
+    if totals["documents"] == 0:
+        warnings.warn(
+            f"--input {' '.join(args.input)}: no documents found ({totals['empty']} empty, "
+            f"{totals['invalid']} invalid); the datasets written are empty and cannot be trained "
+            "on",
+            stacklevel=2,
+        )
     input_bytes = progress.bytes
     print(f"documents:        {totals['documents']}")
     for key in args.json_keys:

@@ -96,3 +96,18 @@ def split_sentences(text: str, keep_newlines: bool = False) -> list[str]:
             pieces[-1] += separator
         sentences.extend(piece for piece in pieces if piece.strip())
     return sentences
+
+
+# --lang of `preprocess --split-sentences`: the languages with a splitter.
+SPLITTERS = {"english": split_sentences}
+
+
+def sentence_splitter(language: str):
+    """The splitter for `language` (see SPLITTERS)."""
+    from gigatron.errors import GigatronError
+
+    if language not in SPLITTERS:
+        raise GigatronError(
+            f"--lang {language}: no sentence splitter for it; available: {', '.join(SPLITTERS)}"
+        )
+    return SPLITTERS[language]

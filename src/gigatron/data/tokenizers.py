@@ -67,16 +67,23 @@ def _ids(values: Sequence[int]) -> list[int]:
 
 
 class GPT2BPETokenizer(Tokenizer):
-    """GPT-2 byte-level BPE from vocab.json + merges.txt (HF `tokenizers`).
+    """GPT-2 byte-level BPE from vocab.json + merges.txt.
 
     Like Megatron's original GPT-2 tokenizer, `<|endoftext|>` in the text is not treated as a
-    special token: only `eod` is that id.
+    special token: only `eod` is that id. HF `tokenizers` is the reference; encoding runs on
+    `tiktoken` when `gpt2_tiktoken.build_tiktoken_bpe` proves its ids equal (for GPT-2's own
+    files it does), else on HF. `backend` is "auto" (that choice) or "hf" (the reference only);
+    the chosen one is in `.backend`.
     """
 
-    def __init__(self, vocab_file: str, merge_file: str) -> None:
+    def __init__(self, vocab_file: str, merge_file: str, backend: str = "auto") -> None:
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers
 
+        from gigatron.data.gpt2_tiktoken import build_tiktoken_bpe
+
+        if backend not in ("auto", "hf"):
+            raise ValueError(f"backend {backend!r}: expected 'auto' or 'hf'")
         super().__init__({"vocab_file": vocab_file, "merge_file": merge_file})
         try:
             model = models.BPE.from_file(vocab_file, merge_file)
@@ -97,16 +104,31 @@ class GPT2BPETokenizer(Tokenizer):
                 "end-of-document id; use a GPT-2 style vocabulary"
             )
         self.eod = self.vocab["<|endoftext|>"]
+        self._fast = None
+        self.backend, self.backend_reason = "hf", "requested"
+        if backend == "auto":
+            self._fast, self.backend_reason = build_tiktoken_bpe(self._tokenizer)
+            if self._fast is not None:
+                self.backend = "tiktoken"
 
     def tokenize(self, text: str) -> list[int]:
+        # tiktoken would replace lone surrogates; HF refuses them: keep the reference's answer.
+        if self._fast is not None and (text.isascii() or not _SURROGATE.search(text)):
+            return self._fast.encode_ordinary(text)
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self._fast is not None:
+            # One call per text: tiktoken's batch call adds a thread pool and is slower here.
+            return [self.tokenize(text) for text in texts]
         encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(_ids(ids), skip_special_tokens=False)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class BertWordPieceTokenizer(Tokenizer):

@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 
 from gigatron.errors import GigatronError
@@ -19,16 +20,29 @@ GPT2_END_OF_TEXT = "<|endoftext|>"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron train-tokenizer",
         description="Train a tokenizer on JSON lines and write the files `gigatron preprocess` "
         "and `gigatron pretrain` read with the same --tokenizer-type.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
         "--input", nargs="+", required=True, help="JSON-lines files, globs or directories (.gz ok)"
     )
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys holding the text")
-    parser.add_argument("--tokenizer-type", required=True, choices=TYPES)
-    parser.add_argument("--vocab-size", type=int, required=True, help="size of the vocabulary")
+    parser.add_argument(
+        "--tokenizer-type",
+        required=True,
+        choices=TYPES,
+        help="GPT2BPETokenizer: byte-level BPE (writes vocab.json and merges.txt); "
+        "BertWordPiece(Lower)Case: WordPiece (writes vocab.txt)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        required=True,
+        help="tokens in the vocabulary, special tokens included (fewer when the corpus is small)",
+    )
     parser.add_argument(
         "--min-frequency", type=int, default=2, help="minimum count of a merge or word piece"
     )
@@ -72,7 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"use at least {minimum} (256 bytes + <|endoftext|> for byte-level BPE)"
         )
     os.makedirs(args.output_dir, exist_ok=True)
-    texts = iterate_texts(files, args.json_keys, args.skip_invalid)
+    counted = {"texts": 0}
+
+    def count(texts: Iterator[str]) -> Iterator[str]:
+        for text in texts:
+            counted["texts"] += 1
+            yield text
+
+    texts = count(iterate_texts(files, args.json_keys, args.skip_invalid))
     show_progress = sys.stderr.isatty()
     # Written to a scratch directory first: the output directory never holds half a vocabulary.
     scratch = tempfile.mkdtemp(prefix=".train-tokenizer-", dir=args.output_dir)
@@ -112,6 +133,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
     size = tokenizer.get_vocab_size()
+    if counted["texts"] == 0:
+        warnings.warn(
+            f"--input {' '.join(args.input)}: no text found under --json-keys "
+            f"{' '.join(args.json_keys)}; the vocabulary holds only {size} base and special tokens",
+            stacklevel=2,
+        )
+    elif size < args.vocab_size:
+        warnings.warn(
+            f"--vocab-size {args.vocab_size}: trained only {size} tokens; the corpus has too few "
+            f"distinct pieces seen at least --min-frequency {args.min_frequency} times (give more "
+            "text or a lower --min-frequency)",
+            stacklevel=2,
+        )
     paths = [os.path.join(args.output_dir, name) for name in outputs]
     print(f"trained {args.tokenizer_type} with {size} tokens: {' '.join(paths)}")
     if is_bpe:

@@ -20,7 +20,9 @@ from gigatron.errors import GigatronError
 from gigatron.families.gpt import token_losses
 from gigatron.families.registry import ModelFamily
 from gigatron.models.bert import build_bert_model
+from gigatron.models.hybrid_layout import refuse_hybrid_flags
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.context_parallel import sequence_positions
 from gigatron.training.batch import get_batch
 from gigatron.training.flops import model_flops_per_iteration
 
@@ -30,20 +32,32 @@ BATCH_KEYS = ("tokens", "token_types", "labels", "loss_mask", "padding_mask", "i
 def bert_loss(
     batch: dict[str, torch.Tensor], pctx: ParallelContext, output
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """mlm (+ sop) loss of one micro-batch, already a mean: the schedule divides by 1."""
+    """mlm (+ sop) loss of one micro-batch, already a mean: the schedule divides by 1.
+
+    Under context parallelism each rank returns its part of the loss (the wrapper sums the
+    gradients over cp): its masked tokens' share of the mlm mean over the whole sequences, and
+    the sentence-order loss on cp rank 0 only, the one holding [CLS] (the others' pooler input is
+    not [CLS]; weighted by 0 it gets no gradient). Reports are summed over cp."""
     lm_logits, binary_logits = output
     mask = batch["loss_mask"].float()
     lm_sum = torch.sum(token_losses(lm_logits, batch["labels"], pctx) * mask)
-    masked = mask.sum()
-    loss = lm_sum / torch.clamp(masked, min=1.0)
-    reports = {"mlm_loss": torch.stack([lm_sum.detach(), masked.detach()])}
+    mlm_report = torch.stack([lm_sum.detach(), mask.sum()])
+    if pctx.cp_size > 1:
+        pctx.all_reduce(mlm_report, "cp")
+    loss = lm_sum / torch.clamp(mlm_report[1].clone(), min=1.0)
+    reports = {"mlm_loss": mlm_report}
     if binary_logits is not None:
         sop_sum = F.cross_entropy(
             binary_logits.float(), batch["is_random"].reshape(-1), reduction="sum"
         )
         count = torch.tensor(float(binary_logits.shape[0]), device=sop_sum.device)
-        reports["sop_loss"] = torch.stack([sop_sum.detach(), count])
-        loss = loss + sop_sum / count
+        if pctx.cp_rank > 0:
+            sop_sum, count = sop_sum * 0.0, count * 0.0
+        sop_report = torch.stack([sop_sum.detach(), count])
+        if pctx.cp_size > 1:
+            pctx.all_reduce(sop_report, "cp")
+        reports["sop_loss"] = sop_report
+        loss = loss + sop_sum / sop_report[1].clone()
     return loss, torch.ones((), device=loss.device), reports
 
 
@@ -54,9 +68,10 @@ def forward_step(
     batch = get_batch(data_iterator, pctx, BATCH_KEYS)
     tokens = batch["tokens"]
     batch_size, seq = tokens.shape
-    positions = torch.arange(seq, device=tokens.device).expand(batch_size, seq)
+    positions = sequence_positions(seq, pctx, tokens.device).expand(batch_size, seq)
     # Padded keys are masked for every query ([b, 1, 1, s], True = masked); a padded query still
-    # sees the real tokens, so no softmax row is empty.
+    # sees the real tokens, so no softmax row is empty. Under context parallelism the padding
+    # mask covers the whole sequence (it is not split), as the keys do.
     attention_mask = (batch["padding_mask"] == 0)[:, None, None, :]
     output = model(tokens, positions, attention_mask, tokentype_ids=batch["token_types"])
     return output, partial(bert_loss, batch, pctx)
@@ -85,6 +100,7 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
 
 
 def validate(cfg) -> None:
+    refuse_hybrid_flags(cfg, "bert")
     if cfg.parallel.calculate_per_token_loss:
         raise GigatronError(
             "--calculate-per-token-loss: BERT's losses are per-micro-batch means (mlm + sop); "

@@ -15,6 +15,7 @@ from torch import nn
 from gigatron.checkpoint import hf_mapping
 from gigatron.families.registry import ModelFamily
 from gigatron.models.gpt import build_model
+from gigatron.models.hybrid_layout import refuse_hybrid_flags
 from gigatron.models.moe import MoESpec, collect_moe_reports, update_expert_bias
 from gigatron.models.moe import report_names as moe_report_names
 from gigatron.parallel.context import ParallelContext
@@ -35,15 +36,19 @@ def language_model_loss(
     labels: torch.Tensor, loss_mask: torch.Tensor, pctx: ParallelContext, logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Masked sum of per-token cross entropies, the token count, and both (detached) as the
-    `lm_loss` report."""
+    `lm_loss` report.
+
+    Under context parallelism each rank holds part of every sequence: the loss sum stays this
+    rank's part (its gradient is summed over cp by the data-parallel wrapper), the token count
+    and the report are the whole sequences' (summed over cp), so the per-token mean is the
+    same as at cp = 1."""
     mask = loss_mask.float()
     loss_sum = torch.sum(token_losses(logits, labels, pctx) * mask)
     num_tokens = mask.sum()
     report = torch.stack([loss_sum.detach(), num_tokens.detach()])
     if pctx.cp_size > 1:
-        # Each context-parallel rank holds part of every sequence: the reported loss is the
-        # sum over the group (the backward pass stays local).
         pctx.all_reduce(report, "cp")
+        num_tokens = report[1].clone()
     return loss_sum, num_tokens, {"lm_loss": report}
 
 
@@ -89,6 +94,10 @@ def iteration_reports(cfg, pctx: ParallelContext, model_chunks: list[nn.Module])
     return collect_moe_reports(model_chunks, pctx, moe)
 
 
+def validate(cfg) -> None:
+    refuse_hybrid_flags(cfg, "gpt")
+
+
 FAMILY = ModelFamily(
     name="gpt",
     description="decoder-only language model (GPT-2/3, Llama, Mistral, Qwen style)",
@@ -97,6 +106,7 @@ FAMILY = ModelFamily(
     loss_names=loss_names,
     build_datasets=build_datasets,
     flops_per_iteration=flops_per_iteration,
+    validate=validate,
     hf_adapter=hf_mapping,
     iteration_reports=iteration_reports,
 )

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gigatron.models.build import build_model_chunks
+from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
 from gigatron.models.transformer import LayerParts, Norm, TransformerBlock
 from gigatron.models.transformer_config import TransformerConfig
@@ -169,6 +169,7 @@ def build_bert_model(
     config = TransformerConfig.from_config(cfg, causal_attention=False)
     if parts is None:
         parts = LayerParts(post_norm=cfg.model.post_layernorm)
+    parts = layer_parts_for_run(cfg, pctx, parts)
 
     def make_chunk(padded, pre_process, post_process, layers, rng):
         return BertModel(

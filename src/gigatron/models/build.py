@@ -3,13 +3,16 @@ the one-process model."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from torch import nn
 
 from gigatron.errors import GigatronError
 from gigatron.models.embedding import resolve_vocab_size
+from gigatron.models.transformer import LayerParts
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.context_parallel import context_parallel_core_attention
 from gigatron.parallel.pipeline import chunk_layer_ranges
 from gigatron.parallel.random import ModelParallelRNG
 from gigatron.parallel.tensor_parallel import initialize_parameters
@@ -62,3 +65,13 @@ def build_model_chunks(
         )
         chunks.append(chunk)
     return chunks
+
+
+def layer_parts_for_run(cfg, pctx: ParallelContext, parts: LayerParts | None) -> LayerParts:
+    """`parts` (or the defaults) with the attention that crosses context-parallel ranks when
+    --context-parallel-size > 1 (`--cp-comm-type`; a2a wraps the given core attention)."""
+    parts = parts or LayerParts()
+    if pctx.cp_size == 1:
+        return parts
+    core = context_parallel_core_attention(cfg.parallel.cp_comm_type, parts.core_attention)
+    return dataclasses.replace(parts, core_attention=core)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gigatron.models.build import build_model_chunks
+from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
 from gigatron.models.transformer import LayerParts, RotaryEmbedding, TransformerBlock
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.context_parallel import sequence_positions
 from gigatron.parallel.random import ModelParallelRNG
 from gigatron.parallel.tensor_parallel import ColumnParallelLinear
 
@@ -92,10 +93,15 @@ class GPTModel(nn.Module):
         tokens: torch.Tensor | None,
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
+        inference_cache=None,
     ) -> torch.Tensor:
         """Last stage: logits [batch, seq, vocab/tp] (a transposed view of the [seq, batch, ...]
         result: `.transpose(0, 1)` gives back the contiguous tensor); other stages: hidden
-        states [seq(/tp with SP), batch, hidden]."""
+        states [seq(/tp with SP), batch, hidden].
+
+        `inference_cache` (generation, an `inference.KVCache`): keys and values go into the
+        cache, attention sees every cached position, and the last stage computes logits only at
+        the positions the cache selects (the last real token of each row, or all of them)."""
         if self.pre_process:
             hidden = self.embedding(tokens, position_ids)
         else:
@@ -106,13 +112,18 @@ class GPTModel(nn.Module):
         rotary = None
         if self.rotary is not None:
             seq = hidden.shape[0] * (self.pctx.tp_size if self.config.sequence_parallel else 1)
-            if position_ids is None:
-                position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+            if position_ids is None:  # this rank's positions (its chunks under cp)
+                position_ids = sequence_positions(seq, self.pctx, hidden.device).unsqueeze(0)
             rotary = self.rotary(position_ids)
 
-        hidden = self.decoder(hidden, attention_mask, rotary)
+        if inference_cache is None:
+            hidden = self.decoder(hidden, attention_mask, rotary)
+        else:
+            hidden = self.decoder(hidden, attention_mask, rotary, inference_cache=inference_cache)
         if not self.post_process:
             return hidden
+        if inference_cache is not None:
+            hidden = inference_cache.select_hidden(hidden)
         logits = self.output_layer(hidden, self.output_weight())  # [s, b, vocab/tp]
         return logits.transpose(0, 1)
 
@@ -128,7 +139,7 @@ def build_model(
     from gigatron.models.moe.layer import moe_layer_parts
 
     config = TransformerConfig.from_config(cfg)
-    parts = moe_layer_parts(cfg, parts)
+    parts = layer_parts_for_run(cfg, pctx, moe_layer_parts(cfg, parts))
 
     def make_chunk(padded, pre_process, post_process, layers, rng):
         return GPTModel(config, pctx, padded, pre_process, post_process, layers, rng, parts)

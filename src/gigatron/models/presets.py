@@ -46,6 +46,7 @@ def preset_table() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """`gigatron presets`: print the named model shapes."""
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron presets",
         description="List the named model shapes usable with --model-preset.",
     )

@@ -214,6 +214,7 @@ class SelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         tp = pctx.tp_size
+        self.layer_number = layer_number  # 1-based, global: names this layer's KV-cache slot
         self.heads = divide(config.num_attention_heads, tp, "--num-attention-heads")
         self.groups = divide(config.num_query_groups, tp, "--num-query-groups")
         self.kv_channels = config.kv_channels
@@ -248,7 +249,11 @@ class SelfAttention(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        inference_cache=None,
     ) -> torch.Tensor:
+        """`inference_cache` (generation only, an `inference.KVCache`): this step's keys and
+        values are written into the cache and attention runs over every cached position, with the
+        cache's mask (the core attention part is unchanged)."""
         qkv = self.linear_qkv(x)
         seq, batch = qkv.shape[:2]
         qkv = qkv.view(seq, batch, self.groups, self.heads_per_group + 2, self.kv_channels)
@@ -260,6 +265,9 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
+        if inference_cache is not None:
+            k, v = inference_cache.update(self.layer_number, k, v)
+            attention_mask = inference_cache.attention_mask
         if self.recompute_core and self.training:
             context = recompute(self.core_attention, q, k, v, attention_mask, rng=self.rng)
         else:
@@ -376,14 +384,17 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        inference_cache=None,
     ) -> torch.Tensor:
         first = getattr(self, self.first_norm_name)
         second = getattr(self, self.second_norm_name)
+        cache = {} if inference_cache is None else {"inference_cache": inference_cache}
         if self.post_norm:
-            x = first(self._residual_add(x, self.self_attention(x, attention_mask, rotary)))
+            attn = self.self_attention(x, attention_mask, rotary, **cache)
+            x = first(self._residual_add(x, attn))
             return second(self._residual_add(x, self.mlp(x)))
         normed = first(x)
-        attn = self.self_attention(normed, attention_mask, rotary)
+        attn = self.self_attention(normed, attention_mask, rotary, **cache)
         x = self._residual_add(normed if self.residual_from_norm else x, attn)
         normed = second(x)
         return self._residual_add(normed if self.residual_from_norm else x, self.mlp(normed))
@@ -428,9 +439,15 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        inference_cache=None,
     ) -> torch.Tensor:
+        """`inference_cache` (generation) is passed to every layer as a keyword argument; layers
+        from a `layer_builder` that cannot take it are training-only."""
         layers = list(self.layers.values())
-        if self.recompute_full and self.training:
+        if inference_cache is not None:
+            for layer in layers:
+                x = layer(x, attention_mask, rotary, inference_cache=inference_cache)
+        elif self.recompute_full and self.training:
             if self.recompute_method == "uniform":
                 n = self.recompute_num_layers
                 for start in range(0, len(layers), n):

@@ -6,7 +6,8 @@ docs/architecture.md ("Optimizer"): `step() -> (success, grad_norm, num_zeros)`,
 
 Gradients are read from `param.main_grad` (the DistributedDataParallel buffer) when it exists,
 else from `param.grad`. The update itself is torch's: `adam` is torch.optim.AdamW (Adam with
-decoupled weight decay, Megatron's "adam"), `sgd` is torch.optim.SGD with momentum.
+decoupled weight decay, Megatron's "adam"; its fused kernel on CPU and CUDA), `sgd` is
+torch.optim.SGD with momentum.
 
 `GigatronOptimizer.step` is a template the distributed optimizer reuses:
     prepare_grads()            gradients -> main params' .grad; unscale + overflow check (fp16)
@@ -89,12 +90,24 @@ def make_torch_optimizer(cfg: Any, param_groups: list[dict[str, Any]]) -> torch.
             betas=(o.adam_beta1, o.adam_beta2),
             eps=o.adam_eps,
             weight_decay=o.weight_decay,
+            # One fused kernel per parameter (CPU and CUDA) instead of about ten elementwise
+            # passes; the same update to within float rounding.
+            fused=_fused_adam_supported(param_groups) or None,
         )
     if o.optimizer == "sgd":
         return torch.optim.SGD(
             param_groups, lr=lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay
         )
     raise GigatronError(f"--optimizer {o.optimizer}: unknown; choose adam or sgd")
+
+
+# Devices where torch (2.4 and later) has a fused AdamW kernel.
+FUSED_ADAM_DEVICES = ("cpu", "cuda")
+
+
+def _fused_adam_supported(param_groups: list[dict[str, Any]]) -> bool:
+    params = [p for group in param_groups for p in group["params"]]
+    return all(p.device.type in FUSED_ADAM_DEVICES and p.is_floating_point() for p in params)
 
 
 class GigatronOptimizer:

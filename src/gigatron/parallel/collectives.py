@@ -1,4 +1,4 @@
-"""Collectives that autograd sees, for tensor, sequence and expert parallelism.
+"""Collectives that autograd sees, for tensor, sequence, context and expert parallelism.
 
 Each function is the forward of a `torch.autograd.Function` whose backward is the conjugate
 collective (an all-reduce's conjugate is the identity, an all-gather's is a reduce-scatter, ...).
@@ -203,6 +203,60 @@ def reduce_scatter_to_sequence_parallel_region(
     return _ReduceScatterToSP.apply(x, *_tp(pctx))
 
 
+# ---- context parallelism: the same collectives in the context-parallel group -------------------
+
+
+def _cp(pctx: ParallelContext) -> tuple[Any, int, int]:
+    return pctx.group("cp"), pctx.cp_size, pctx.cp_rank
+
+
+def _all_to_all(x: torch.Tensor, group: Any, size: int, scatter_dim: int, gather_dim: int):
+    # Part j of the scatter dimension goes to rank j; what rank j sends lands at position j of
+    # the gather dimension.
+    send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, scatter_dim, gather_dim):
+        ctx.group, ctx.size, ctx.dims = group, size, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, size, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        # The inverse exchange: what was gathered is scattered back.
+        return (
+            _all_to_all(grad, ctx.group, ctx.size, gather_dim, scatter_dim),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def gather_from_context_parallel_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """All-gather along dimension 0 over cp (ranks in order); the backward reduce-scatters, since
+    every rank's queries contributed to the gradient of every gathered key and value."""
+    if pctx.cp_size == 1:
+        return x
+    return _GatherFromSP.apply(x, *_cp(pctx), True)
+
+
+def all_to_all_context_parallel(
+    x: torch.Tensor, pctx: ParallelContext, scatter_dim: int, gather_dim: int
+) -> torch.Tensor:
+    """Split `scatter_dim` into cp parts, send part j to cp rank j, and concatenate what arrives
+    along `gather_dim` (rank order). The backward is the inverse exchange."""
+    if pctx.cp_size == 1:
+        return x
+    group, size, _ = _cp(pctx)
+    return _AllToAll.apply(x, group, size, scatter_dim, gather_dim)
+
+
 # ---- expert parallelism: token exchanges along dimension 0 in a named group -------------------
 def _group(pctx: ParallelContext, name: str) -> tuple[Any, int, int]:
     return pctx.group(name), pctx.size(name), pctx.rank_in(name)
@@ -235,23 +289,23 @@ def all_gather_tensor(x: torch.Tensor, pctx: ParallelContext, group: str) -> tor
     return out.view(size, *x.shape)
 
 
-def _all_to_all(x: torch.Tensor, group: Any, out_splits: list[int], in_splits: list[int]):
+def _all_to_all_rows(x: torch.Tensor, group: Any, out_splits: list[int], in_splits: list[int]):
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     return out
 
 
-class _AllToAll(torch.autograd.Function):
+class _AllToAllRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, out_splits, in_splits):
         ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
-        return _all_to_all(x, group, out_splits, in_splits)
+        return _all_to_all_rows(x, group, out_splits, in_splits)
 
     @staticmethod
     def backward(ctx, grad):
         # The conjugate exchange: every row goes back where it came from.
-        return _all_to_all(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+        return _all_to_all_rows(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
 
 
 def all_to_all(
@@ -265,7 +319,7 @@ def all_to_all(
     `input_splits` rows goes to rank i of the group, and block i of the result came from it."""
     if pctx.size(group) == 1:
         return x
-    return _AllToAll.apply(x, pctx.group(group), list(output_splits), list(input_splits))
+    return _AllToAllRows.apply(x, pctx.group(group), list(output_splits), list(input_splits))
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

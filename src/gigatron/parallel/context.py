@@ -148,6 +148,9 @@ class ParallelContext:
     backend: str | None = None
     groups: dict[str, Any] = field(default_factory=dict)
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    # --distributed-timeout-minutes: every group's collectives fail after this long (None: torch's
+    # default, 30 minutes on Gloo and NCCL).
+    timeout: datetime.timedelta | None = None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -169,10 +172,10 @@ class ParallelContext:
         etp: int | None = None,
         device: str | torch.device | None = None,
         backend: str | None = None,
-        timeout_minutes: int = 10,
+        timeout_minutes: float = 10,
     ) -> ParallelContext:
         """Build the context for this process from the torchrun environment (or an already
-        initialised default process group)."""
+        initialised default process group). Every group it creates gets `timeout_minutes`."""
         world_size = (
             dist.get_world_size()
             if dist.is_initialized()
@@ -183,6 +186,7 @@ class ParallelContext:
             raise GigatronError(error)
         grid = Grid(tp=tp, cp=cp, dp=world_size // (tp * cp * pp), pp=pp, ep=ep, etp=etp)
         device = resolve_device(device or "auto")
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         if world_size == 1 and not dist.is_initialized():
             ctx = cls.single(device)
             return ctx
@@ -191,13 +195,11 @@ class ParallelContext:
             if device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
                 device = torch.device("cuda", torch.cuda.current_device())
-            dist.init_process_group(
-                backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes)
-            )
+            dist.init_process_group(backend=backend, timeout=timeout)
         elif device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         rank = dist.get_rank()
-        ctx = cls(grid=grid, rank=rank, device=device, backend=dist.get_backend())
+        ctx = cls(grid=grid, rank=rank, device=device, backend=dist.get_backend(), timeout=timeout)
         ctx._create_groups()
         return ctx
 
@@ -244,7 +246,9 @@ class ParallelContext:
         # Every rank must create every group, in the same order (a torch.distributed rule).
         for name in GROUP_NAMES:
             for ranks in layouts[name]:
-                group = dist.new_group(ranks=ranks)
+                # Without a timeout, torch gives new groups its 30-minute default, not the
+                # world group's: a stopped peer would block the others that long.
+                group = dist.new_group(ranks=ranks, timeout=self.timeout)
                 if self.rank in ranks:
                     self.groups[name] = group
                     self.group_ranks[name] = ranks

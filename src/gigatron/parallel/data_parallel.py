@@ -13,8 +13,10 @@
   its gradients is ready during the last micro-batch's backward; otherwise every bucket is reduced
   in `finish_grad_sync()`.
 - Gradients are summed over the data-parallel group including context parallelism ("dp_cp"), or
-  over "expert_dp" for expert parameters, after scaling by 1/size(dp_cp) (an average), or not at
-  all with `--calculate-per-token-loss` (the loop then divides by the global token count).
+  over "expert_dp" for expert parameters, after scaling by 1/dp: an average over data-parallel
+  replicas and a sum over context-parallel ranks, whose losses are parts of one loss (each is
+  already divided by the token count of the whole sequences). No scaling with
+  `--calculate-per-token-loss` (the loop then divides by the global token count).
 - With `--use-distributed-optimizer` buckets are padded so that each splits into equal shards,
   one per data-parallel rank; the reduction is a reduce-scatter (each rank keeps the reduced
   shard it will step), the parameters also live in a contiguous buffer, and after the optimizer
@@ -203,9 +205,9 @@ class DistributedDataParallel(nn.Module):
             bucket_size = default_bucket_size(dp_cp_size)
         # Without overlap nothing is gained by small buckets: one reduction per buffer.
         self.bucket_size = bucket_size
-        # Average over data-parallel replicas (cp ranks each hold part of the sequence, so the
-        # average runs over dp x cp); per-token loss is normalised by the loop instead.
-        self.grad_scaling_factor = 1.0 if self.per_token_loss else 1.0 / dp_cp_size
+        # Average over data-parallel replicas; context-parallel ranks hold parts of the same
+        # sequences, so their gradients add up. Per-token loss is normalised by the loop instead.
+        self.grad_scaling_factor = 1.0 if self.per_token_loss else 1.0 / pctx.dp_size
 
         self._sync_enabled = True
         self._seq = itertools.count()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ from gigatron.parallel.collectives import (
     scatter_to_tp_region,
 )
 from gigatron.parallel.context import ParallelContext
+
+# Draws a full (tp = 1) float32 tensor of the given shape from the generator.
+InitFunction = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
@@ -54,35 +58,52 @@ def set_tensor_parallel_attributes(
     param: nn.Parameter,
     is_parallel: bool,
     partition_dim: int = -1,
-    stride: int = 1,
-    init: str = "zeros",
+    stride: Stride = 1,
+    init: str | InitFunction = "zeros",
     init_std: float = 0.0,
 ) -> None:
-    """Mark a parameter per the model contract (and how `initialize_parameters` fills it)."""
+    """Mark a parameter per the model contract (and how `initialize_parameters` fills it:
+    "normal" with `init_std`, "ones", "zeros", or a function drawing the full tensor)."""
     param.tensor_model_parallel = is_parallel
     param.partition_dim = partition_dim if is_parallel else -1
     param.partition_stride = stride
-    param.init = init  # "normal", "ones" or "zeros"
+    param.init = init
     param.init_std = init_std
 
 
+Stride = int | tuple[int, ...]
+
+
+def _blocks(
+    t: torch.Tensor, stride: Stride, dim: int, divisor: int = 1
+) -> tuple[torch.Tensor, ...]:
+    """Split t along dim into its blocks: `stride` equal ones, or blocks of the given full sizes
+    (each divided by `divisor`: a rank's part holds 1/tp of every block)."""
+    if isinstance(stride, int):
+        return t.chunk(stride, dim=dim)
+    return t.split([size // divisor for size in stride], dim=dim)
+
+
 def slice_for_rank(
-    full: torch.Tensor, partition_dim: int, stride: int, tp_rank: int, tp_size: int
+    full: torch.Tensor, partition_dim: int, stride: Stride, tp_rank: int, tp_size: int
 ) -> torch.Tensor:
-    """This rank's part of a full tensor. With stride s the dimension holds s blocks (e.g. [gate;
-    up]); the rank keeps its slice of each block, concatenated."""
+    """This rank's part of a full tensor. The dimension may hold several blocks, each split over
+    tp on its own: `stride` s means s equal blocks (e.g. [gate; up]); a tuple gives the blocks'
+    sizes (e.g. Mamba's in_proj [z; x; B; C; dt]). The rank keeps its slice of each block,
+    concatenated."""
     if partition_dim < 0 or tp_size == 1:
         return full
-    blocks = full.chunk(stride, dim=partition_dim)
+    blocks = _blocks(full, stride, partition_dim)
     return torch.cat([b.chunk(tp_size, dim=partition_dim)[tp_rank] for b in blocks], partition_dim)
 
 
-def merge_partitions(parts: list[torch.Tensor], partition_dim: int, stride: int) -> torch.Tensor:
+def merge_partitions(parts: list[torch.Tensor], partition_dim: int, stride: Stride) -> torch.Tensor:
     """Inverse of `slice_for_rank`: the full tensor from every rank's slice (rank order)."""
     if partition_dim < 0 or len(parts) == 1:
         return parts[0]
-    per_rank_blocks = [p.chunk(stride, dim=partition_dim) for p in parts]
-    blocks = [torch.cat([blk[i] for blk in per_rank_blocks], partition_dim) for i in range(stride)]
+    per_rank_blocks = [_blocks(p, stride, partition_dim, len(parts)) for p in parts]
+    count = len(per_rank_blocks[0])
+    blocks = [torch.cat([blk[i] for blk in per_rank_blocks], partition_dim) for i in range(count)]
     return torch.cat(blocks, partition_dim)
 
 
@@ -129,9 +150,12 @@ def initialize_parameters(
         generator = torch.Generator().manual_seed(
             parameter_seed(seed, getattr(param, "init_name", name))
         )
-        full = torch.empty(full_shape, dtype=torch.float32).normal_(
-            0.0, param.init_std, generator=generator
-        )
+        if callable(kind):
+            full = kind(tuple(full_shape), generator)
+        else:
+            full = torch.empty(full_shape, dtype=torch.float32).normal_(
+                0.0, param.init_std, generator=generator
+            )
         if experts:
             full = full.chunk(ep_size, dim=0)[ep_rank]
         if param.tensor_model_parallel:
@@ -161,7 +185,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         init_std: float = 0.02,
-        stride: int = 1,
+        stride: Stride = 1,
         skip_weight: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
@@ -287,9 +311,42 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp_region(out, self.pctx)
 
 
+def _subtract_one_at_labels(grad: torch.Tensor, labels: torch.Tensor, scale) -> torch.Tensor:
+    """grad - onehot(labels) where `scale` is 1 (0 where the label is on another rank), in place."""
+    index = labels.unsqueeze(-1)
+    grad.scatter_add_(-1, index, (-scale).unsqueeze(-1).expand_as(index).to(grad.dtype))
+    return grad
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy over the whole vocabulary (tp = 1), in float32.
+
+    Forward keeps one [..., vocab] tensor, the log-probabilities (torch's fused log_softmax);
+    backward turns it into the gradient in place (exp, minus the one-hot, times the incoming
+    gradient), where torch's cross entropy allocates and fills two more of that size. A second
+    backward through the same graph fails autograd's check on the modified saved tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        loss = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1).neg()
+        ctx.save_for_backward(log_probs, labels)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        log_probs, labels = ctx.saved_tensors
+        grad = _subtract_one_at_labels(log_probs.exp_(), labels, torch.ones_like(grad_loss))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, group, tp_size, vocab_start):
+        logits_dtype = logits.dtype
         logits = logits.float()
         local_vocab = logits.shape[-1]
         max_logits = logits.max(dim=-1).values
@@ -302,7 +359,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logits = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1)
         target_logits = target_logits.masked_fill(outside, 0.0)
 
-        exp_logits = shifted.exp()
+        # exp, then softmax, in the one [..., vocab/tp] tensor this Function keeps.
+        exp_logits = shifted.exp_()
         sum_exp = exp_logits.sum(dim=-1)
         if tp_size > 1:
             # One all-reduce for both sums (they are independent).
@@ -313,18 +371,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_labels, outside)
+        ctx.logits_dtype = logits_dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, local_labels, outside = ctx.saved_tensors
-        grad = softmax.clone()
-        # d loss / d logit = softmax - onehot(label); the onehot lives on one rank only.
-        grad.scatter_add_(
-            -1, local_labels.unsqueeze(-1), (outside.to(grad.dtype) - 1.0).unsqueeze(-1)
-        )
+        # d loss / d logit = softmax - onehot(label); the onehot lives on one rank only. The
+        # saved softmax becomes the gradient in place (a second backward fails autograd's check).
+        grad = _subtract_one_at_labels(softmax, local_labels, (~outside).to(softmax.dtype))
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -333,9 +390,7 @@ def vocab_parallel_cross_entropy(
     """Per-token cross entropy (float32) of logits whose last dimension is this rank's slice of
     the vocabulary; only [..]-shaped statistics cross ranks, never the logits."""
     if pctx.tp_size == 1:
-        # The whole vocabulary is here: torch's fused log-softmax + NLL is the same math, faster.
-        flat = logits.float().reshape(-1, logits.shape[-1])
-        return F.cross_entropy(flat, labels.reshape(-1), reduction="none").view(labels.shape)
+        return _CrossEntropy.apply(logits, labels)
     vocab_start = pctx.tp_rank * logits.shape[-1]
     group = pctx.group("tp") if pctx.tp_size > 1 else None
     return _VocabParallelCrossEntropy.apply(logits, labels, group, pctx.tp_size, vocab_start)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.context_parallel import get_batch_on_this_cp_rank
 
 
 def _to_tensor(value: Any, device: torch.device) -> torch.Tensor:
@@ -29,8 +30,5 @@ def get_batch(
         raise RuntimeError("get_batch needs a data iterator on every rank that runs forward")
     raw = next(data_iterator)
     batch = {key: _to_tensor(raw[key], pctx.device) for key in keys if key in raw}
-    if pctx.cp_size > 1:
-        from gigatron.parallel import context_parallel  # only present with the CP issue
-
-        batch = context_parallel.get_batch_on_this_cp_rank(batch, pctx)
-    return batch
+    # Under context parallelism: this rank's chunks of every sequence.
+    return get_batch_on_this_cp_rank(batch, pctx)

@@ -310,6 +310,7 @@ def train(run: Run) -> TrainResult:
         ):
             calc.update(state.consumed_train_samples)
             global_batch = calc.get_current_global_batch_size()
+            run.metrics.iteration_started(state.iteration + 1)  # a notice if it is slow
             iteration_start = time.perf_counter()
             step = train_step(run, calc.get())
             iteration_time = time.perf_counter() - iteration_start

@@ -22,6 +22,7 @@ from torch import nn
 
 from gigatron.optim.memory import memory_bytes_per_rank
 from gigatron.parallel.context import ParallelContext
+from gigatron.training.notice import SlowStartNotice
 
 
 def default_metrics_path(metrics_file: str | None, save_dir: str | None) -> str:
@@ -55,17 +56,25 @@ class MetricsLogger:
         progress_bar: bool | None = None,
         stream: Any = None,
         loss_names: tuple[str, ...] = ("lm_loss",),
+        log_throughput: bool = False,
+        timing_log_level: int = 0,
     ) -> None:
         self.path = path
         # The family's named losses (record keys); the first is the main one.
         self.loss_names = tuple(loss_names)
         self.pctx = pctx
+        # --log-throughput: the log line also shows model TFLOP/s per GPU (Megatron's figure).
+        self.log_throughput = log_throughput
+        # --timing-log-level 1: a line of phase timers after each log line.
+        self.timing_log_level = timing_log_level
         self.is_writer = pctx.rank == pctx.world_size - 1
         self.stream = stream or sys.stdout
         self._file = None
         self._tensorboard = None
         self._wandb = None
         self._bar = None
+        # Until the first log line, say now and then which iteration is running.
+        self._notice = SlowStartNotice(self.message)
         if not self.is_writer:
             return
         directory = os.path.dirname(os.path.abspath(path))
@@ -125,8 +134,14 @@ class MetricsLogger:
                     )
                 )
 
+    def iteration_started(self, iteration: int) -> None:
+        """Called by the loop before each iteration (see training/notice.py)."""
+        if self.is_writer:
+            self._notice.iteration_started(iteration)
+
     def log_iteration(self, record: dict[str, Any], train_iters: int | None = None) -> None:
         """A training record: metrics.jsonl, TensorBoard, W&B, and a log line or the bar."""
+        self._notice.stop()
         self.write({"type": "train", **record})
         if not self.is_writer:
             return
@@ -148,7 +163,17 @@ class MetricsLogger:
                 f"loss {loss:.4f} lr {record.get('lr', 0):.2e}" if loss is not None else ""
             )
         else:
-            self.message(format_log_line(record, train_iters, self.loss_names))
+            self.message(
+                format_log_line(
+                    record,
+                    train_iters,
+                    self.loss_names,
+                    log_throughput=self.log_throughput,
+                    world_size=self.pctx.world_size,
+                )
+            )
+        if self.timing_log_level >= 1:
+            self.message(format_timers_line(record))
 
     def log_evaluation(self, record: dict[str, Any]) -> None:
         self.write({"type": "eval", **record})
@@ -182,6 +207,7 @@ class MetricsLogger:
             self._wandb.log(values, step=step)
 
     def close(self) -> None:
+        self._notice.stop()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -202,9 +228,14 @@ def _label(name: str) -> str:
 
 
 def format_log_line(
-    record: dict[str, Any], train_iters: int | None, loss_names: tuple[str, ...] = ("lm_loss",)
+    record: dict[str, Any],
+    train_iters: int | None,
+    loss_names: tuple[str, ...] = ("lm_loss",),
+    log_throughput: bool = False,
+    world_size: int = 1,
 ) -> str:
-    """Megatron-style `iteration  N/ M | ... |` line."""
+    """Megatron-style `iteration  N/ M | ... |` line; `log_throughput` adds the model TFLOP/s
+    per GPU (per process on CPU)."""
     total = train_iters if train_iters is not None else "?"
     parts = [f" iteration {record['iteration']:8d}/{total:>8}"]
 
@@ -214,6 +245,10 @@ def format_log_line(
 
     add("consumed samples", "consumed_samples", "12d")
     parts.append(f"elapsed time per iteration (ms): {1000 * record['iteration_time_s']:.1f}")
+    if log_throughput:
+        total = record.get("tflops_per_s")
+        per_gpu = "n/a" if total is None else f"{total / max(world_size, 1):.1f}"
+        parts.append(f"throughput per GPU (TFLOP/s/GPU): {per_gpu}")
     add("tokens/s", "tokens_per_s", ".1f")
     mfu_value = record.get("mfu")
     parts.append("MFU: n/a" if mfu_value is None else f"MFU: {100 * mfu_value:.1f}%")
@@ -225,6 +260,17 @@ def format_log_line(
     add("grad norm", "grad_norm", ".3f")
     add("number of skipped iterations", "skipped_iterations", "3d")
     return " | ".join(parts) + " |"
+
+
+def format_timers_line(record: dict[str, Any]) -> str:
+    """The phase timers of a train record (`time_<name>_ms`), summed over the log interval."""
+    timers = [
+        (key[len("time_") : -len("_ms")], value)
+        for key, value in record.items()
+        if key.startswith("time_") and key.endswith("_ms") and value is not None
+    ]
+    shown = " | ".join(f"{name}: {value:.1f}" for name, value in timers) or "none yet"
+    return f" time in the last log interval (ms): {shown} |"
 
 
 def _open_tensorboard(directory: str, warn) -> Any:

@@ -21,6 +21,7 @@ from gigatron.config import GigatronConfig, parse_config, validate_config
 from gigatron.config.validate import params_dtype
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
+from gigatron.faults import name_distributed_failures
 from gigatron.models.embedding import resolve_vocab_size
 from gigatron.models.moe.spec import MoESpec
 from gigatron.parallel.context import ParallelContext
@@ -64,14 +65,6 @@ def parse_pretrain_config(
         raise GigatronError(
             "--full-validation is not supported yet; validate on --eval-iters batches instead"
         )
-    if cfg.parallel.context_parallel_size > 1:
-        try:
-            from gigatron.parallel import context_parallel  # noqa: F401
-        except ImportError:
-            raise GigatronError(
-                f"--context-parallel-size {cfg.parallel.context_parallel_size}: context "
-                "parallelism is not available in pretraining yet; use 1"
-            ) from None
     if cfg.logging.log_interval <= 0:
         raise GigatronError(f"--log-interval {cfg.logging.log_interval} must be positive")
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval <= 0:
@@ -136,7 +129,7 @@ def pretrain(
     """Run pretraining for a validated config. Returns the result and, with `keep_model`, the
     unwrapped model chunks (quickstart samples from them); otherwise None.
     `evaluate_on_early_exit` validates once more when an exit condition stops the run."""
-    from gigatron.checkpoint.torch_format import load_checkpoint, save_checkpoint
+    from gigatron.checkpoint.torch_format import load_checkpoint, loaded_message, save_checkpoint
     from gigatron.data.loader import build_data_iterator
     from gigatron.optim import build_optimizer
     from gigatron.optim.batch_schedule import build_num_microbatches_calculator
@@ -213,7 +206,11 @@ def pretrain(
             progress_bar=False if cfg.logging.no_progress_bar else progress_bar,
             stream=stream,
             loss_names=family.loss_names(cfg),
+            log_throughput=cfg.logging.log_throughput,
+            timing_log_level=cfg.logging.timing_log_level,
         )
+        if ckpt.load and loaded["loaded"]:
+            metrics.message(loaded_message(ckpt.load, loaded))
         precision = precision_name(t.bf16, t.fp16)
 
         start_iteration = state.iteration
@@ -297,7 +294,8 @@ def pretrain(
             startup_record=startup_record,
             evaluate_on_early_exit=evaluate_on_early_exit,
         )
-        result = train(run)
+        # A collective that times out or loses its peer is named while the groups still exist.
+        result = name_distributed_failures(train, run)
         return result, ([m.module for m in model] if keep_model else None)
     finally:
         if metrics is not None:

@@ -5,7 +5,7 @@
 2. tokenizer: a byte-level BPE trained on it (`gigatron train-tokenizer`);
 3. data: tokenized into .bin/.idx (`gigatron preprocess`);
 4. pretraining: a small GPT (`gigatron pretrain gpt`), validating as it goes, saving a checkpoint;
-5. a sample: text generated from a prompt with the trained model;
+5. a sample: text generated from a prompt with the trained model (gigatron.inference);
 6. a plot of training and validation loss (loss.png).
 
 Every step is the real command's code; the flags it used are printed so that each step can be
@@ -21,16 +21,15 @@ import shutil
 import time
 from collections.abc import Sequence
 
-import torch
-from torch import nn
-
 from gigatron.errors import GigatronError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron quickstart",
         description="Train a small GPT on a corpus shipped with Python, end to end, on CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--output-dir", default="quickstart-run", help="where everything goes")
     parser.add_argument("--iterations", type=int, default=800, help="training iterations")
@@ -65,45 +64,23 @@ def write_corpus(path: str) -> int:
     return len(topics)
 
 
-# ---- step 5: a sample -----------------------------------------------------------------------
-@torch.no_grad()
-def generate(
-    model: nn.Module,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    seq_length: int,
-    vocab_size: int,
-    top_k: int = 0,
-    temperature: float = 1.0,
-    eod: int | None = None,
-    seed: int = 0,
-) -> list[int]:
-    """Continue `prompt_ids` one token at a time over the model's logits: greedy with
-    `top_k` 0, else sampling among the `top_k` likeliest tokens. A plain loop without a KV cache
-    (gigatron has no inference module yet); the model sees the last `seq_length` tokens.
-    """
-    model.eval()
-    generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
-    ids = list(prompt_ids)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        window = ids[-seq_length:]
-        tokens = torch.tensor([window], dtype=torch.long, device=device)
-        positions = torch.arange(len(window), device=device).unsqueeze(0)
-        # Padded vocabulary entries are never real tokens: cut them off.
-        logits = model(tokens, positions)[0, -1, :vocab_size].float().cpu()
-        if top_k <= 0:
-            token = int(torch.argmax(logits))
-        else:
-            values, indices = torch.topk(logits / max(temperature, 1e-6), top_k)
-            choice = torch.multinomial(torch.softmax(values, dim=-1), 1, generator=generator)
-            token = int(indices[choice])
-        if eod is not None and token == eod:
-            break
-        ids.append(token)
-        new.append(token)
-    return new
+# Points on the quickstart's training curve (log lines and metrics records).
+PLOT_POINTS = 200
+
+
+def log_interval(iterations: int) -> int:
+    """Iterations between log lines (and metrics.jsonl records): about PLOT_POINTS in all."""
+    return max(1, iterations // PLOT_POINTS)
+
+
+def plot_title(args: argparse.Namespace, parameters: int | None) -> str:
+    """The run's shape, for the loss plot."""
+    size = f", {parameters / 1e6:.2f}M parameters" if parameters else ""
+    return (
+        f"gigatron quickstart: GPT {args.num_layers} layers x {args.hidden_size} hidden{size}\n"
+        f"seq {args.seq_length}, global batch {args.global_batch_size}, vocab {args.vocab_size}, "
+        f"lr {args.lr:g}, {args.iterations} iterations"
+    )
 
 
 def _step(number: int, text: str) -> None:
@@ -114,7 +91,10 @@ def main(argv: Sequence[str]) -> int:
     """`gigatron quickstart [options]`."""
     from gigatron.data import preprocess, train_tokenizer
     from gigatron.data.tokenizers import build_tokenizer
-    from gigatron.training.plot import plot_loss
+    from gigatron.inference import SamplingParams
+    from gigatron.inference.load import build_engine
+    from gigatron.parallel.context import ParallelContext
+    from gigatron.training.plot import plot_loss, read_metrics
     from gigatron.training.pretrain import parse_pretrain_config, pretrain
 
     args = build_parser().parse_args(list(argv))
@@ -183,7 +163,7 @@ def main(argv: Sequence[str]) -> int:
         "--data-path", data_prefix, "--split", "90,10,0", "--num-workers", "0",
         *tokenizer_flags,
         "--eval-interval", str(eval_interval), "--eval-iters", "4", "--eval-at-start",
-        "--log-interval", str(max(1, eval_interval // 2)),
+        "--log-interval", str(log_interval(args.iterations)),
         "--save", checkpoints, "--metrics-file", metrics_path,
         "--exit-duration-in-mins", str(args.minutes), "--seed", str(args.seed),
         "--device", "cpu",
@@ -196,20 +176,24 @@ def main(argv: Sequence[str]) -> int:
 
     _step(5, "sample")
     tokenizer = build_tokenizer(cfg.tokenizer)
-    (model,) = chunks
-    prompt_ids = tokenizer.tokenize(args.prompt)
-    sample_ids = generate(
-        model, prompt_ids, args.sample_tokens, args.seq_length, tokenizer.vocab_size,
-        top_k=5, temperature=0.8, eod=tokenizer.eod, seed=args.seed,
+    engine = build_engine(chunks, ParallelContext.single(), tokenizer, max_batch_size=1)
+    prompt_ids = tokenizer.tokenize(args.prompt)[-(args.seq_length - 1) :]
+    params = SamplingParams(
+        max_tokens=max(0, min(args.sample_tokens, args.seq_length - len(prompt_ids))),
+        top_k=5, temperature=0.8, seed=args.seed,
     )  # fmt: skip
+    (sample,) = engine.generate([prompt_ids], params)
     print(f"prompt: {args.prompt!r}")
     print("sample (top-5 sampling, temperature 0.8):")
-    print(args.prompt + tokenizer.detokenize(sample_ids))
+    print(args.prompt + sample.text)
 
     _step(6, "plot")
-    png = plot_loss(metrics_path, os.path.join(out, "loss.png"), title="gigatron quickstart")
+    startup = [r for r in read_metrics(metrics_path) if r.get("type") == "startup"]
+    title = plot_title(args, startup[-1].get("parameters") if startup else None)
+    png = plot_loss(metrics_path, os.path.join(out, "loss.png"), title=title)
     valid = sorted(result.valid_losses.items())
     summary = {
+        "plot_title": title,
         "iterations": result.iteration,
         "valid_loss_start": valid[0][1] if valid else None,
         "valid_loss_end": valid[-1][1] if valid else None,

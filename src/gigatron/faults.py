@@ -1,0 +1,295 @@
+"""Faults of multi-process runs, handled so that a user reads one clear line.
+
+- One report per error: when every rank hits the same error (a bad flag, a missing file), the
+  first rank to reach `report_error` prints it, writes it where torchrun's failure summary reads
+  it, and exits with the error status; the ranks that hit the same error exit quietly with 0, so
+  that torchrun names a single failure instead of one per process. The ranks agree through the
+  run's key-value store (torchrun's, or torch.distributed's).
+- A collective that times out (`--distributed-timeout-minutes`) or loses its peer becomes a
+  `DistributedFault` naming the collective, the group and the ranks that did not answer.
+- Data-loader workers ignore SIGTERM (torchrun sends it to each worker's whole process group;
+  the main process saves a checkpoint with `--exit-signal-handler` and then stops its workers) and
+  die with their main process, quietly, instead of printing connection errors when it is gone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import signal
+import sys
+import time
+import types
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from gigatron.errors import GigatronError
+
+STORE_TIMEOUT_S = 5.0
+# How long the first reporting rank waits for the others to arrive (same error everywhere) before
+# exiting: torchrun stops the workers still running as soon as one exits with an error, and
+# processes reach the same point seconds apart on a loaded machine.
+GATHER_WAIT_S = 15.0
+# How long the ranks of a failed collective wait for each other to check in.
+CHECK_IN_WAIT_S = 5.0
+_KEY_PREFIX = "gigatron"
+
+
+class DistributedFault(GigatronError):
+    """A collective failed (timeout, lost peer): a fault of the run, not of the user's input."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, report_key: str = "distributed-fault") -> None:
+        super().__init__(message)
+        # Ranks whose errors share this key are reported once.
+        self.report_key = report_key
+
+
+# ---- the run's key-value store ----------------------------------------------------------------
+def run_store(timeout_s: float = STORE_TIMEOUT_S) -> Any | None:
+    """A client of the store of this run (torchrun's agent store, or rank 0's under other
+    launchers) with a short timeout; None outside a multi-process launch or when unreachable."""
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not address or not port:
+        return None
+    try:
+        import torch.distributed as dist
+
+        return dist.TCPStore(
+            address,
+            int(port),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except Exception:  # noqa: BLE001 - no store to reach: the caller falls back to printing
+        return None
+
+
+def _run_key(name: str) -> str:
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{_KEY_PREFIX}/{run}/{attempt}/{name}"
+
+
+# ---- one report per error ---------------------------------------------------------------------
+def _write_torchelastic_error(text: str) -> None:
+    """Put the message where torchrun's failure summary shows it (instead of a link)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": text, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(record, handle)
+    except OSError:
+        pass  # the summary then shows torchrun's default line; the message is printed anyway
+
+
+def report_error(
+    command: str,
+    message: str,
+    exit_code: int = 2,
+    report_key: str | None = None,
+    stream: TextIO | None = None,
+) -> int:
+    """Print `gigatron <command>: error: <message>` once per run and return the exit status of
+    this process (see the module docstring)."""
+    stream = stream or sys.stderr
+    text = f"gigatron {command}: error: {message}"
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        print(text, file=stream, flush=True)
+        return exit_code
+    rank = int(os.environ.get("RANK", "0"))
+    key = report_key if report_key is not None else message
+    store = run_store()
+    if store is None:  # nobody to agree with: every rank speaks, labelled
+        print(f"[rank {rank}] {text}", file=stream, flush=True)
+        return exit_code
+    try:
+        arrival = store.add(_run_key("error-count"), 1)
+        if arrival == 1:
+            store.set(_run_key("error-key"), key)
+            print(text, file=stream, flush=True)
+            _write_torchelastic_error(text)
+            deadline = time.monotonic() + GATHER_WAIT_S
+            while store.add(_run_key("error-count"), 0) < world_size:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            return exit_code
+        store.wait([_run_key("error-key")], datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        first_key = store.get(_run_key("error-key")).decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001 - the store went away: say it here rather than not at all
+        print(f"[rank {rank}] {text}", file=stream, flush=True)
+        return exit_code
+    if first_key == key:
+        return 0  # already reported by the first rank; this rank leaves quietly
+    print(f"[rank {rank}] {text}", file=stream, flush=True)
+    _write_torchelastic_error(f"[rank {rank}] {text}")
+    return exit_code
+
+
+# ---- collectives that fail ----------------------------------------------------------------------
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_PEER_LOST = re.compile(
+    r"connection (reset|closed) by peer|broken pipe|connection refused", re.IGNORECASE
+)
+_WAITED_MS = re.compile(r"waiting (\d+)\s*ms", re.IGNORECASE)
+
+
+def is_distributed_failure(error: BaseException) -> bool:
+    """A RuntimeError raised inside torch.distributed for a timeout or a lost peer."""
+    if not isinstance(error, RuntimeError) or isinstance(error, GigatronError):
+        return False
+    text = str(error)
+    if not (_TIMEOUT.search(text) or _PEER_LOST.search(text)):
+        return False
+    return _distributed_frame(error.__traceback__) is not None or "gloo" in text.lower()
+
+
+def _distributed_frame(tb: types.TracebackType | None) -> types.FrameType | None:
+    """The innermost frame of a torch.distributed function in the traceback."""
+    found = None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/distributed/" in filename and "logger" not in filename:
+            found = tb.tb_frame
+        tb = tb.tb_next
+    return found
+
+
+def _caller_in_gigatron(tb: types.TracebackType | None) -> str | None:
+    """`module.py:line (function)` of the innermost gigatron frame: where the collective ran."""
+    found = None
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        filename = code.co_filename.replace("\\", "/")
+        if "/gigatron/" in filename and not filename.endswith("/gigatron/faults.py"):
+            short = filename[filename.rindex("/gigatron/") + 1 :]
+            found = f"{short}:{tb.tb_lineno} ({code.co_name})"
+        tb = tb.tb_next
+    return found
+
+
+def _group_ranks(frame: types.FrameType | None) -> list[int] | None:
+    """Global ranks of the group the failed collective ran in (None when unknown)."""
+    import torch.distributed as dist
+
+    if frame is None:
+        return None
+    group = frame.f_locals.get("group")
+    try:
+        if group is None:
+            return list(range(dist.get_world_size()))
+        return list(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - the group may be gone already
+        return None
+
+
+def unresponsive_ranks(
+    ranks: list[int], rank: int, store: Any, wait_s: float = CHECK_IN_WAIT_S
+) -> list[int] | None:
+    """Ranks of `ranks` that do not check in within `wait_s` (every rank of a failed collective
+    checks in); None when the store cannot be used."""
+    try:
+        store.set(_run_key(f"alive/{rank}"), "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in ranks if not store.check([_run_key(f"alive/{r}")])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - store unreachable (its host may be the stuck rank)
+        return None
+
+
+def describe_distributed_failure(
+    error: BaseException, rank: int | None = None, store: Any = None
+) -> DistributedFault:
+    """A DistributedFault naming the collective, its group and the ranks that did not answer."""
+    import torch.distributed as dist
+
+    tb = error.__traceback__
+    frame = _distributed_frame(tb)
+    collective = frame.f_code.co_name if frame is not None else "a collective"
+    where = _caller_in_gigatron(tb)
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    ranks = _group_ranks(frame)
+    timed_out = bool(_TIMEOUT.search(str(error)))
+    what = "timed out" if timed_out else "lost its peer"
+    waited = _WAITED_MS.search(str(error))
+    after = f" after {int(waited.group(1)) / 1000:g} s" if waited and timed_out else ""
+    parts = [f"rank {rank}: {collective}{' at ' + where if where else ''} {what}{after}"]
+    if ranks is not None:
+        parts.append(f"in the group of ranks {ranks}")
+        peers = [r for r in ranks if r != rank]
+        store = run_store() if store is None else store
+        missing = unresponsive_ranks(ranks, rank, store) if store is not None else None
+        if missing:
+            label = "rank" if len(missing) == 1 else "ranks"
+            parts.append(
+                f"{label} {', '.join(map(str, missing))} did not answer (stopped, hung or dead)"
+            )
+        elif missing is None and peers:
+            parts.append(f"one of ranks {peers} stopped answering")
+    fix = (
+        "; find out why that process stopped (or raise --distributed-timeout-minutes if it is "
+        "only slow), then resume from the last checkpoint with --load"
+    )
+    return DistributedFault(", ".join(parts) + fix)
+
+
+def name_distributed_failures(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call `function`; a collective timeout or lost peer inside it becomes a DistributedFault
+    (described while the process groups still exist)."""
+    try:
+        return function(*args, **kwargs)
+    except RuntimeError as error:
+        if not is_distributed_failure(error):
+            raise
+        raise describe_distributed_failure(error) from error
+
+
+# ---- data-loader workers ------------------------------------------------------------------------
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this process when its parent dies (no orphaned worker printing
+    connection errors); elsewhere torch's own watchdog stops the worker a little later."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os._exit(0)
+
+
+def _quiet_when_the_main_process_is_gone(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """An excepthook for workers: a broken connection to the main process (its end closes as it
+    dies, a moment before the kernel kills the worker) is not worth a traceback."""
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)):
+            return
+        previous(kind, value, tb)
+
+    return hook
+
+
+def data_loader_worker_init(parent_pid: int, worker_id: int) -> None:
+    """`worker_init_fn` of gigatron's data loaders (bind `parent_pid` with functools.partial)."""
+    # SIGTERM is for the main process: it saves (--exit-signal-handler) and stops its workers.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # multiprocessing's resource sharer (tensors sent to the main process) reports through this.
+    sys.excepthook = _quiet_when_the_main_process_is_gone(sys.excepthook)
+    _die_with_parent(parent_pid)

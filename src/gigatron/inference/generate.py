@@ -1,0 +1,172 @@
+"""`gigatron generate --load CKPT --prompt TEXT | --prompts-file FILE [sampling flags]`.
+
+Prompts are generated as one batch (as many at once as --max-batch-size slots, the rest join as
+slots free up). Prints each prompt with its continuation, or writes JSON lines with --output.
+Under torchrun with the checkpoint's tensor/pipeline layout, rank 0 prints and the other ranks
+follow its steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from gigatron.errors import GigatronError
+from gigatron.inference.engine import Completion, SamplingParams
+from gigatron.inference.load import add_load_arguments, engine_from_args, load_for_inference
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument(
+        "--max-tokens",
+        "--tokens-to-generate",
+        "--out-seq-length",
+        dest="max_tokens",
+        type=int,
+        default=64,
+        help="tokens to generate per prompt (default 64)",
+    )
+    group.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    group.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0, help="0 = off")
+    group.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=0.0, help="0 = off")
+    group.add_argument("--greedy", action="store_true", help="always the likeliest token")
+    group.add_argument(
+        "--sampling-seed", type=int, default=None, help="seed of every prompt's sampling"
+    )
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--stop-on-eol", action="store_true", help="stop after a newline")
+    group.add_argument("--stop-on-double-eol", action="store_true", help="stop at an empty line")
+    group.add_argument("--ignore-eos", action="store_true", help="go on past end-of-document")
+    group.add_argument("--add-bos", action="store_true", help="start each prompt with BOS/EOD")
+    group.add_argument("--logprobs", action="store_true", help="log-probs of generated tokens")
+    group.add_argument("--prompt-logprobs", action="store_true", help="log-probs of the prompt")
+    group.add_argument("--top-logprobs", type=int, default=0, help="n likeliest tokens per step")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gigatron generate",
+        description="Generate text from a training checkpoint (KV cache, batched prompts).",
+    )
+    add_load_arguments(parser)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    source.add_argument(
+        "--prompts-file",
+        help="one prompt per line, or JSON lines with a 'prompt' field (.jsonl)",
+    )
+    add_sampling_arguments(parser)
+    parser.add_argument("--output", default=None, help="write JSON lines here instead of text")
+    return parser
+
+
+def read_prompts(path: str) -> list[str]:
+    if not os.path.isfile(path):
+        raise GigatronError(f"--prompts-file {path}: file not found")
+    with open(path, encoding="utf-8") as handle:
+        lines = [line.rstrip("\n") for line in handle if line.strip()]
+    if not path.endswith(".jsonl"):
+        return [line.replace("\\n", "\n") for line in lines]
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            prompts.append(record["prompt"] if isinstance(record, dict) else None)
+        except (json.JSONDecodeError, KeyError):
+            prompts.append(None)
+        if not isinstance(prompts[-1], str):
+            raise GigatronError(
+                f"--prompts-file {path}: line {number} is not a JSON object with a string "
+                '\'prompt\'; write one {"prompt": "..."} per line'
+            )
+    return prompts
+
+
+def sampling_params(args: argparse.Namespace, stop_ids: tuple[int, ...] = ()) -> SamplingParams:
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=0.0 if args.greedy else args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.sampling_seed,
+        stop=tuple(args.stop),
+        stop_on_eol=args.stop_on_eol,
+        stop_on_double_eol=args.stop_on_double_eol,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+        prompt_logprobs=args.prompt_logprobs,
+        top_logprobs=args.top_logprobs,
+    )
+    try:
+        params.validate()
+    except ValueError as error:
+        raise GigatronError(f"sampling flags: {error}") from None
+    return params
+
+
+def record(prompt: str, completion: Completion, tokenizer) -> dict:
+    out = {
+        "prompt": prompt,
+        "text": completion.text,
+        "prompt_tokens": completion.prompt_ids,
+        "tokens": completion.output_ids,
+        "finish_reason": completion.finish_reason,
+    }
+    if completion.log_probs:
+        out["logprobs"] = completion.log_probs
+    if completion.prompt_log_probs is not None:
+        out["prompt_logprobs"] = completion.prompt_log_probs
+    if completion.top_log_probs:
+        out["top_logprobs"] = [
+            {tokenizer.detokenize([t]): lp for t, lp in step} for step in completion.top_log_probs
+        ]
+    return out
+
+
+def main(argv: Sequence[str]) -> int:
+    """`gigatron generate --load DIR --prompt TEXT [...]`."""
+    args = build_parser().parse_args(list(argv))
+    prompts = args.prompt or read_prompts(args.prompts_file)
+    if not prompts:
+        raise GigatronError(f"--prompts-file {args.prompts_file}: holds no prompts")
+    params = sampling_params(args)  # bad flags fail before the model is loaded
+    loaded = load_for_inference(args)
+    engine = engine_from_args(loaded, args)
+    if loaded.pctx.rank != 0:
+        engine.runner.follow()
+        return 0
+    tokenizer = loaded.tokenizer
+    bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
+    prompt_ids = []
+    for index, prompt in enumerate(prompts):
+        ids = tokenizer.tokenize(prompt)
+        if args.add_bos and bos is not None:
+            ids = [bos, *ids]
+        try:
+            engine.check_length(len(ids), params.max_tokens)
+        except ValueError as error:
+            engine.runner.stop_followers()
+            message = f"prompt {index + 1}: {error}; shorten it or lower --max-tokens"
+            raise GigatronError(message) from None
+        prompt_ids.append(ids)
+    try:
+        completions = engine.generate(prompt_ids, params)
+    finally:
+        engine.runner.stop_followers()
+    if args.output:
+        temporary = args.output + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            for prompt, completion in zip(prompts, completions):
+                handle.write(json.dumps(record(prompt, completion, tokenizer)) + "\n")
+        os.replace(temporary, args.output)
+        print(f"wrote {len(completions)} completion(s) to {args.output}")
+        return 0
+    for prompt, completion in zip(prompts, completions):
+        print(prompt + completion.text)
+        print(f"--- ({len(completion.output_ids)} tokens, {completion.finish_reason})", flush=True)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,119 @@
+"""A static key/value cache for generation.
+
+One buffer pair per attention layer of this rank, shaped [max_sequence, max_batch, groups, hn]
+(the block's [seq, batch, ...] layout; `groups` are this tensor-parallel rank's key/value groups,
+so grouped-query attention caches only its few key/value heads). The buffers are allocated once,
+when the cache is built, and never resized: shapes stay static (CUDA graphs, torch.compile).
+
+Each batch row is a *slot* holding one sequence. A forward step covers some slots; row `r` of
+the step feeds `lengths[r]` new tokens (right-padded to the step's width `n`) at cache positions
+`starts[r] ...`. `begin_step` computes, once for all layers: where the new keys go, how many
+cached positions attention reads, and the attention mask (causal within the step, and no key
+past a row's own end), so sequences of different lengths share one step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class KVCache:
+    """Key/value buffers of every attention layer of `model_chunks` (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_chunks: list[nn.Module],
+        max_batch_size: int,
+        max_sequence_length: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_sequence_length = max_sequence_length
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                if not hasattr(module, "linear_qkv") or not hasattr(module, "layer_number"):
+                    continue
+                weight = module.linear_qkv.weight
+                shape = (max_sequence_length, max_batch_size, module.groups, module.kv_channels)
+                kwargs = {"dtype": dtype or weight.dtype, "device": device or weight.device}
+                self.keys[module.layer_number] = torch.zeros(shape, **kwargs)
+                self.values[module.layer_number] = torch.zeros(shape, **kwargs)
+        if not self.keys:
+            raise ValueError("KVCache: the model has no attention layers with a key/value cache")
+        self.device = next(iter(self.keys.values())).device
+        self.attention_mask: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
+        self._write_positions: torch.Tensor | None = None
+        self._read_length = 0
+        self._select: torch.Tensor | None = None
+
+    def bytes(self) -> int:
+        """Memory held by the buffers."""
+        return sum(
+            t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
+        )
+
+    def begin_step(
+        self,
+        slots: list[int],
+        starts: list[int],
+        lengths: list[int],
+        width: int,
+        all_logits: bool = False,
+    ) -> None:
+        """Prepare a forward step of `width` tokens per row over `slots` (see the module
+        docstring). `all_logits`: the model returns logits at every position of the step
+        (prompt log-probs), else only at each row's last real token."""
+        device = self.device
+        if any(s + width > self.max_sequence_length for s in starts):
+            raise ValueError("KVCache: a step would write past the cache's sequence length")
+        slots_t = torch.tensor(slots, dtype=torch.long, device=device)
+        starts_t = torch.tensor(starts, dtype=torch.long, device=device)
+        ends_t = starts_t + torch.tensor(lengths, dtype=torch.long, device=device)
+        offsets = torch.arange(width, device=device)
+        query_positions = starts_t[:, None] + offsets[None, :]  # [b, n]
+        self._read_length = int(max(starts)) + width
+        keys = torch.arange(self._read_length, device=device)
+        masked = (keys[None, None, :] > query_positions[:, :, None]) | (
+            keys[None, None, :] >= ends_t[:, None, None]
+        )
+        self.attention_mask = masked.unsqueeze(1)  # [b, 1, n, read_length], True = masked
+        self._write_positions = query_positions.t()  # [n, b]
+        self._slots = slots_t
+        self._contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        last = ends_t - starts_t - 1
+        self._select = None if all_logits else last
+
+    def position_ids(self, starts: list[int], width: int) -> torch.Tensor:
+        """[b, n] positions of a step's tokens (pad positions continue the count)."""
+        starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
+        return starts_t[:, None] + torch.arange(width, device=self.device)[None, :]
+
+    def update(
+        self, layer_number: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's `key`, `value` [n, b, groups, hn] for layer `layer_number`; return
+        the keys and values attention reads, [read_length, b, groups, hn]."""
+        k_buffer, v_buffer = self.keys[layer_number], self.values[layer_number]
+        index = (self._write_positions, self._slots[None, :])
+        k_buffer.index_put_(index, key.to(k_buffer.dtype))
+        v_buffer.index_put_(index, value.to(v_buffer.dtype))
+        if self._contiguous:
+            first = int(self._slots[0])
+            rows = slice(first, first + self._slots.numel())
+            return k_buffer[: self._read_length, rows], v_buffer[: self._read_length, rows]
+        return (
+            k_buffer[: self._read_length].index_select(1, self._slots),
+            v_buffer[: self._read_length].index_select(1, self._slots),
+        )
+
+    def select_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [n, b, h] reduced to those the step wants logits for."""
+        if self._select is None:
+            return hidden
+        rows = torch.arange(hidden.shape[1], device=hidden.device)
+        return hidden[self._select, rows].unsqueeze(0)  # [1, b, h]

@@ -1,0 +1,154 @@
+"""Building an engine: from model chunks in memory (`build_engine`), or from a training
+checkpoint (`load_for_inference`), in the layout it was saved with."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from gigatron.errors import GigatronError
+from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
+from gigatron.inference.runner import ModelRunner
+from gigatron.parallel.context import ParallelContext
+
+
+def build_engine(
+    model_chunks: list[nn.Module],
+    pctx: ParallelContext,
+    tokenizer: Any = None,
+    max_batch_size: int = 8,
+    max_sequence_length: int | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+) -> InferenceEngine:
+    """An engine over this rank's chunks. The context defaults to the model's
+    (`max_position_embeddings`, else `seq_length`); `vocab_size` (the real one, unpadded) to the
+    tokenizer's; generation stops at the tokenizer's end-of-document token."""
+    config = model_chunks[0].config
+    context = config.max_position_embeddings
+    max_sequence_length = max_sequence_length or context
+    if max_sequence_length is None:
+        raise GigatronError("--max-sequence-length: the model does not say its context; give it")
+    if context is not None and config.position_embedding_type == "learned_absolute":
+        if max_sequence_length > context:
+            raise GigatronError(
+                f"--max-sequence-length {max_sequence_length}: the model has learned position "
+                f"embeddings for {context} positions only; use at most {context}"
+            )
+    validate_engine_sizes(max_batch_size, max_sequence_length)
+    if vocab_size is None:
+        vocab_size = tokenizer.vocab_size if tokenizer is not None else model_chunks[0].vocab_size
+    runner = ModelRunner(model_chunks, pctx, vocab_size, max_batch_size, max_sequence_length)
+    eod = getattr(tokenizer, "eod", None)
+    stops = (eod,) if eod is not None else ()
+    return InferenceEngine(runner, tokenizer, default_stop_token_ids=stops, seed=seed)
+
+
+@dataclass
+class LoadedModel:
+    cfg: Any
+    pctx: ParallelContext
+    chunks: list[nn.Module]
+    tokenizer: Any
+    iteration: int
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """--load and the flags that adjust how a checkpoint is loaded for generation."""
+    group = parser.add_argument_group("checkpoint")
+    group.add_argument("--load", required=True, help="checkpoint directory (written by --save)")
+    group.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: latest)")
+    group.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    group.add_argument(
+        "--tokenizer-model", default=None, help="tokenizer file, if it moved since training"
+    )
+    group.add_argument("--vocab-file", default=None, help="vocabulary file, if it moved")
+    group.add_argument("--merge-file", default=None, help="BPE merges file, if it moved")
+    group.add_argument(
+        "--max-batch-size", type=int, default=8, help="sequences generated at once (cache slots)"
+    )
+    group.add_argument(
+        "--max-sequence-length",
+        type=int,
+        default=None,
+        help="tokens per sequence, prompt included (default: the model's context)",
+    )
+    group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+
+
+def load_for_inference(args: argparse.Namespace) -> LoadedModel:
+    """Read the checkpoint's configuration, start the process groups for its tensor/pipeline
+    layout (under torchrun), build the model and load the weights."""
+    from gigatron.checkpoint.torch_format import (
+        CHECKPOINT_FILENAME,
+        load_checkpoint,
+        locate_iteration,
+        mp_rank_dir_name,
+        safe_load,
+        saved_layout,
+    )
+    from gigatron.config import config_from_dict
+    from gigatron.families import get_family
+    from gigatron.training.pretrain import build_run_tokenizer
+
+    load_dir = Path(args.load)
+    located = locate_iteration(load_dir, args.ckpt_step) if load_dir.is_dir() else None
+    if located is None:
+        raise GigatronError(
+            f"--load {load_dir}: no checkpoint there (no latest_checkpointed_iteration.txt); "
+            "point it at a directory written by `gigatron pretrain ... --save`"
+        )
+    iteration_dir, iteration, _ = located
+    layout = saved_layout(iteration_dir)
+    if layout is None:
+        raise GigatronError(f"--load {load_dir}: {iteration_dir} holds no mp_rank_* directories")
+    tp, pp = layout
+    first = safe_load(iteration_dir / mp_rank_dir_name(0, 0, pp) / CHECKPOINT_FILENAME)
+    saved = first.get("args")
+    if not isinstance(saved, dict) or not saved:
+        raise GigatronError(
+            f"--load {load_dir}: the checkpoint holds no gigatron configuration ('args'); only "
+            "checkpoints written by gigatron can be loaded for generation"
+        )
+    cfg = config_from_dict(saved, source=f"{iteration_dir} args")
+    family = first.get("gigatron_family", "gpt")
+    if family != "gpt":
+        raise GigatronError(f"--load {load_dir}: a '{family}' model; generation needs a GPT")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp * pp:
+        raise GigatronError(
+            f"--load {load_dir}: saved with tensor-parallel {tp} x pipeline-parallel {pp}; "
+            f"start {tp * pp} process(es) (torchrun --nproc-per-node {tp * pp} ...), this run "
+            f"has {world}, or convert it with gigatron convert-checkpoint"
+        )
+    p = cfg.parallel
+    p.sequence_parallel = False  # nothing to split in one-token steps; weights are the same
+    p.device = args.device
+    p.num_virtual_stages_per_pipeline_rank = p.num_virtual_stages_per_pipeline_rank or None
+    cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = True
+    for name in ("tokenizer_model", "vocab_file", "merge_file"):
+        if getattr(args, name, None):
+            setattr(cfg.tokenizer, name, getattr(args, name))
+    tokenizer = build_run_tokenizer(cfg)
+    pctx = ParallelContext.from_config(cfg)
+    chunks = get_family(family).build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
+    load_checkpoint(load_dir, chunks, None, None, pctx, cfg, iteration=iteration)
+    for chunk in chunks:
+        chunk.eval()
+    return LoadedModel(cfg, pctx, chunks, tokenizer, iteration)
+
+
+def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> InferenceEngine:
+    return build_engine(
+        loaded.chunks,
+        loaded.pctx,
+        loaded.tokenizer,
+        max_batch_size=args.max_batch_size,
+        max_sequence_length=args.max_sequence_length,
+        seed=args.seed,
+    )

@@ -1,0 +1,98 @@
+"""Shared by the generation tests: a tiny GPT checkpoint with the GPT-2 tokenizer, the same model
+in-process, and a `gigatron serve` process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from gigatron.checkpoint.torch_format import save_checkpoint
+from gigatron.data.tokenizers import build_tokenizer
+from gigatron.inference.load import build_engine
+from gigatron.models import build_model
+from gigatron.parallel.context import ParallelContext
+from gigatron.training.pretrain import parse_pretrain_config
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+MODEL_FLAGS = [
+    "--tokenizer-type", "GPT2BPETokenizer",
+    "--vocab-file", str(DATA / "gpt2-vocab.json"), "--merge-file", str(DATA / "gpt2-merges.txt"),
+    "--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "48", "--micro-batch-size", "1", "--global-batch-size", "1",
+    "--train-iters", "1", "--lr", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--init-method-std", "0.2", "--seed", "5",
+]  # fmt: skip
+
+
+def save_tiny_checkpoint(directory: Path) -> None:
+    """An untrained GPT with the GPT-2 tokenizer saved as a training checkpoint (iteration 1)."""
+    cfg = parse_pretrain_config(MODEL_FLAGS, world_size=1)
+    pctx = ParallelContext.single()
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    chunks = build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
+    save_checkpoint(directory, 1, chunks, None, None, pctx, cfg, extra={"gigatron_family": "gpt"})
+
+
+def engine_from_checkpoint(directory: Path, max_batch_size: int = 4):
+    """(engine, tokenizer) over the checkpoint's weights, in this process."""
+    cfg = parse_pretrain_config(MODEL_FLAGS, world_size=1)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    chunks = build_model(cfg, ParallelContext.single(), vocab_size=tokenizer.vocab_size)
+    path = directory / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    chunks[0].load_state_dict(torch.load(path, weights_only=True)["model"])
+    engine = build_engine(chunks, ParallelContext.single(), tokenizer, max_batch_size)
+    return engine, tokenizer
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(load: Path, *flags: str, nproc: int = 1, timeout_s: float = 180.0):
+    """(process, base url) of `gigatron serve` once /health answers; raises if it does not."""
+    port = free_port()
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    command = [*launcher, "-m", "gigatron.cli", "serve", "--load", str(load), "--device", "cpu",
+               "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
+    process = subprocess.Popen(
+        command, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited {process.returncode}:\n{process.stdout.read()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if json.loads(response.read())["ready"]:
+                    return process, url
+        except OSError:
+            time.sleep(0.5)
+    stop_server(process)
+    raise AssertionError("the server did not answer /health in time")
+
+
+def stop_server(process: subprocess.Popen) -> str:
+    process.terminate()
+    try:
+        output, _ = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate(timeout=30)
+    return output or ""

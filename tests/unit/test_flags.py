@@ -1,0 +1,214 @@
+"""Every flag a gigatron command accepts does something: it is read by the code or refused with a
+clear error (config/refusals.py). Flags are never abbreviated, each has help text, and the help
+shows the default."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from gigatron.cli import COMMANDS
+from gigatron.config import GigatronConfig, parse_config
+from gigatron.config.fields import flag_name
+from gigatron.config.refusals import REFUSALS, refused_settings
+from gigatron.config.root import SECTIONS, add_config_arguments, field_section
+from gigatron.errors import GigatronError
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "gigatron"
+
+
+def _pretrain_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gigatron pretrain gpt", allow_abbrev=False)
+    add_config_arguments(parser)
+    return parser
+
+
+def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
+    from gigatron.checkpoint import convert
+    from gigatron.data import merge, preprocess, train_tokenizer
+    from gigatron.training import quickstart
+
+    return {
+        "quickstart": quickstart.build_parser,
+        "preprocess": preprocess.build_parser,
+        "merge": merge.build_parser,
+        "train-tokenizer": train_tokenizer.build_parser,
+        "pretrain": _pretrain_parser,
+        "convert-checkpoint": convert._parser,
+    }
+
+
+# `gigatron presets` takes no flags.
+NO_FLAGS = {"presets"}
+
+
+def _long_option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [
+        action
+        for action in parser._actions
+        if action.option_strings and action.dest not in ("help", "config")
+    ]
+
+
+def test_every_command_is_walked():
+    assert set(_parsers()) | NO_FLAGS == set(COMMANDS)
+
+
+# ---- read or refused ------------------------------------------------------------------------------
+def _source_without_validation(path: Path) -> str:
+    """config/validate.py without `validate_config`: a rule that checks a value does not use it."""
+    text = path.read_text()
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == "validate_config":
+            text = text.replace(ast.get_source_segment(text, node) or "", "")
+    return text
+
+
+def _sources(exclude: set[Path]) -> str:
+    parts = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path in exclude:
+            continue
+        if path == SRC / "config" / "validate.py":
+            parts.append(_source_without_validation(path))
+        else:
+            parts.append(path.read_text())
+    return "\n".join(parts)
+
+
+def _is_read(name: str, text: str) -> bool:
+    return re.search(rf"\.{name}\b|[\"']{name}[\"']", text) is not None
+
+
+def test_every_config_flag_is_read_or_refused():
+    """A configuration field counts as read when some code outside its declaring section module
+    (and outside the rules of validate_config) uses it; else config/refusals.py must refuse it."""
+    unused = []
+    for section, cls in SECTIONS.items():
+        declaring = Path(__import__(cls.__module__, fromlist=["_"]).__file__).resolve()
+        text = _sources({declaring, SRC / "config" / "refusals.py"})
+        for field in dataclasses.fields(cls):
+            if field.metadata.get("flag") == "":
+                continue
+            if not _is_read(field.name, text) and field.name not in REFUSALS:
+                unused.append(f"{flag_name(field)} ({section}.{field.name})")
+    assert unused == [], "flags accepted but neither read nor refused: " + ", ".join(unused)
+
+
+def test_every_command_flag_is_read():
+    text = _sources(set())
+    unused = []
+    for command, build in _parsers().items():
+        if command == "pretrain":
+            continue  # the configuration's flags: the test above
+        for action in _long_option_actions(build()):
+            if not _is_read(action.dest, text):
+                unused.append(f"gigatron {command} {action.option_strings[0]}")
+    assert unused == [], "flags accepted but never read: " + ", ".join(unused)
+
+
+def test_refusals_name_real_fields_and_are_enforced():
+    for name in REFUSALS:
+        field_section(name)  # a KeyError here: the table names a field that does not exist
+    assert refused_settings(GigatronConfig()) == [], "the defaults must be accepted"
+    cases = {
+        "ckpt_format": ["--ckpt-format", "torch_dist"],
+        "expert_model_parallel_size": ["--expert-model-parallel-size", "2"],
+        "timing_log_level": ["--timing-log-level", "2"],
+    }
+    assert set(cases) == set(REFUSALS), "give every refusal a refused example here"
+    for flags in cases.values():
+        with pytest.raises(GigatronError, match=re.escape(f"{flags[0]} {flags[1]}: ")):
+            parse_config(flags)
+
+
+def test_expert_parallel_is_refused_on_several_processes():
+    with pytest.raises(GigatronError, match="no model has experts yet"):
+        parse_config(["--expert-model-parallel-size", "2"], world_size=4)
+
+
+def test_no_create_attention_mask_with_reset_attention_mask_is_refused():
+    with pytest.raises(GigatronError, match="--reset-attention-mask needs the mask"):
+        parse_config(["--reset-attention-mask", "--no-create-attention-mask-in-dataloader"])
+    cfg = parse_config(["--no-create-attention-mask-in-dataloader"])
+    assert cfg.data.create_attention_mask_in_dataloader is False
+
+
+# ---- parsing ------------------------------------------------------------------------------------
+def test_every_parser_refuses_abbreviations_statically():
+    """Every ArgumentParser built in src/ passes allow_abbrev=False (new ones too)."""
+    missing = []
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name != "ArgumentParser":
+                continue
+            flags = {k.arg: k.value for k in node.keywords}
+            value = flags.get("allow_abbrev")
+            if not (isinstance(value, ast.Constant) and value.value is False):
+                missing.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert missing == []
+
+
+@pytest.mark.parametrize("argv", [["--hidden-siz", "64"], ["--train-iter", "3"]])
+def test_abbreviated_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(argv)
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(set(COMMANDS) - NO_FLAGS))
+def test_abbreviations_of_each_command_are_refused(command, capsys):
+    parser = _parsers()[command]()
+    action = max(_long_option_actions(parser), key=lambda a: len(a.option_strings[0]))
+    abbreviated = action.option_strings[0][:-1]
+    with pytest.raises(SystemExit):
+        parser.parse_args([abbreviated, "1"])
+    assert abbreviated in capsys.readouterr().err
+
+
+# ---- help ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("command", sorted(set(COMMANDS) - NO_FLAGS))
+def test_every_flag_has_help_and_its_default(command):
+    """Each flag says what it does; one with a default (not None, not a switch) shows it."""
+    problems = []
+    parser = _parsers()[command]()
+    for action in _long_option_actions(parser):
+        flag = action.option_strings[0]
+        if not action.help or action.help == argparse.SUPPRESS:
+            problems.append(f"{flag}: no help text")
+            continue
+        # What --help prints (a formatter class may add the default).
+        text = parser._get_formatter()._get_help_string(action)
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        shows = "default" in text
+        if not switch and not action.required and action.default is not None and not shows:
+            problems.append(f"{flag}: help does not show its default")
+    assert problems == []
+
+
+def test_quickstart_help_shows_the_defaults(capsys):
+    from gigatron.training.quickstart import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 800)" in text and "(default: quickstart-run)" in text
+
+
+def test_tiktoken_pattern_help_default_matches_the_docs():
+    parser = _pretrain_parser()
+    (action,) = [a for a in parser._actions if "--tiktoken-pattern" in a.option_strings]
+    assert "(default: v2)" in action.help
+    docs = (SRC.parents[1] / "docs" / "data.md").read_text()
+    assert "`--tiktoken-pattern v1\\|v2` (default v2)" in docs
