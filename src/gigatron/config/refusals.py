@@ -31,11 +31,6 @@ REFUSALS: dict[str, Refusal] = {
         "resharding format, is not available yet); use --ckpt-format torch and "
         "`gigatron convert-checkpoint` to change the parallel layout",
     ),
-    "expert_model_parallel_size": Refusal(
-        lambda value: value is not None and value > 1,
-        "no model has experts yet (Mixture of Experts is not available), so there is nothing "
-        "to split; use --expert-model-parallel-size 1",
-    ),
     "timing_log_level": Refusal(
         lambda value: value is not None and value > 1,
         "level 2 (fine-grained timers inside the schedule) is not available; use 1 for the "
