@@ -20,7 +20,7 @@ of each and their ratios. `--profile` instead profiles --repeats alternating ste
 (after warm-up) and prints, per operator, the smallest self CPU time of each side by side.
 
     python benchmarks/bench_megatron_core_cpu.py [--steps 8 --warmup 2] [--clip-grad 1.0]
-        [--threads 2] [--profile [--shapes]]
+        [--threads 2] [--profile [--shapes]] [--reference-cross-entropy] [--unfused-adam]
 """
 
 from __future__ import annotations
@@ -209,6 +209,24 @@ def report(times: dict[str, list], args: argparse.Namespace) -> None:
     )
 
 
+def ablate(args: argparse.Namespace) -> None:
+    """Put back the reference path of a fast path (for the ablation rows)."""
+    if args.reference_cross_entropy:
+        import torch.nn.functional as F
+
+        from gigatron.parallel import tensor_parallel
+
+        def torch_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            flat = logits.float().reshape(-1, logits.shape[-1])
+            return F.cross_entropy(flat, labels.reshape(-1), reduction="none").view(labels.shape)
+
+        tensor_parallel._CrossEntropy.apply = torch_cross_entropy
+    if args.unfused_adam:
+        from gigatron.optim import optimizer
+
+        optimizer._fused_adam_supported = lambda groups: False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=6)
@@ -225,6 +243,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="profiled rounds")
     parser.add_argument("--rows", type=int, default=30, help="profile rows")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--reference-cross-entropy", action="store_true", help="ablation: torch's cross entropy"
+    )
+    parser.add_argument("--unfused-adam", action="store_true", help="ablation: for-loop AdamW")
     parser.add_argument("--shapes", action="store_true", help="profile rows per input shape")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -241,6 +263,7 @@ def main() -> int:
         dist.destroy_process_group()
         return None
 
+    ablate(args)
     pretrain_module.train = benchmark
     cfg = pretrain_module.parse_pretrain_config(gigatron_flags(args))
     pretrain_module.pretrain(cfg, family="gpt")

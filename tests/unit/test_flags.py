@@ -47,7 +47,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     }
 
 
-# `gigatron presets` takes no flags; `gigatron text-generation-cli` takes HOST:PORT only.
+# `gigatron presets` takes no flags; `text-generation-cli` only HOST:PORT.
 NO_FLAGS = {"presets", "text-generation-cli"}
 
 
@@ -128,6 +128,11 @@ def test_refusals_name_real_fields_and_are_enforced():
     for flags in cases.values():
         with pytest.raises(GigatronError, match=re.escape(f"{flags[0]} {flags[1]}: ")):
             parse_config(flags)
+
+
+def test_expert_parallel_without_experts_is_refused_on_several_processes():
+    with pytest.raises(GigatronError, match="--expert-model-parallel-size 2 needs --num-experts"):
+        parse_config(["--expert-model-parallel-size", "2"], world_size=4)
 
 
 def test_no_create_attention_mask_with_reset_attention_mask_is_refused():

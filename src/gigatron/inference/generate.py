@@ -31,34 +31,27 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens to generate per prompt (default 64)",
     )
     group.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    group.add_argument(
-        "--top-k", "--top_k", dest="top_k", type=int, default=0, help="0 = off (default)"
-    )
-    group.add_argument(
-        "--top-p", "--top_p", dest="top_p", type=float, default=0.0, help="0 = off (default)"
-    )
+    group.add_argument("--top-k", "--top_k", dest="top_k", type=int, default=0, help="0 = off")
+    group.add_argument("--top-p", "--top_p", dest="top_p", type=float, default=0.0, help="0 = off")
     group.add_argument("--greedy", action="store_true", help="always the likeliest token")
     group.add_argument(
         "--sampling-seed", type=int, default=None, help="seed of every prompt's sampling"
     )
-    group.add_argument(
-        "--stop", action="append", default=[], help="stop string (repeatable; default: none)"
-    )
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--stop-on-eol", action="store_true", help="stop after a newline")
     group.add_argument("--stop-on-double-eol", action="store_true", help="stop at an empty line")
     group.add_argument("--ignore-eos", action="store_true", help="go on past end-of-document")
     group.add_argument("--add-bos", action="store_true", help="start each prompt with BOS/EOD")
     group.add_argument("--logprobs", action="store_true", help="log-probs of generated tokens")
     group.add_argument("--prompt-logprobs", action="store_true", help="log-probs of the prompt")
-    group.add_argument(
-        "--top-logprobs", type=int, default=0, help="n likeliest tokens per step (default 0: none)"
-    )
+    group.add_argument("--top-logprobs", type=int, default=0, help="n likeliest tokens per step")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron generate",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
         description="Generate text from a training checkpoint (KV cache, batched prompts).",
     )
     add_load_arguments(parser)

@@ -70,10 +70,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vocab-file", default=None, help="vocabulary file, if it moved")
     group.add_argument("--merge-file", default=None, help="BPE merges file, if it moved")
     group.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=8,
-        help="sequences generated at once (cache slots; default 8)",
+        "--max-batch-size", type=int, default=8, help="sequences generated at once (cache slots)"
     )
     group.add_argument(
         "--max-sequence-length",
@@ -81,9 +78,7 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="tokens per sequence, prompt included (default: the model's context)",
     )
-    group.add_argument(
-        "--seed", type=int, default=0, help="seed for requests that give none (default 0)"
-    )
+    group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
 
 
 def load_for_inference(args: argparse.Namespace) -> LoadedModel:
@@ -112,7 +107,13 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
     layout = saved_layout(iteration_dir)
     if layout is None:
         raise GigatronError(f"--load {load_dir}: {iteration_dir} holds no mp_rank_* directories")
-    tp, pp = layout
+    tp, pp, ep = layout
+    if ep > 1:
+        raise GigatronError(
+            f"--load {load_dir}: saved with expert-parallel size {ep}; generation runs at "
+            "expert-parallel size 1: convert it first with gigatron convert-checkpoint "
+            "--target-expert-parallel-size 1"
+        )
     first = safe_load(iteration_dir / mp_rank_dir_name(0, 0, pp) / CHECKPOINT_FILENAME)
     saved = first.get("args")
     if not isinstance(saved, dict) or not saved:
@@ -121,6 +122,12 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
             "checkpoints written by gigatron can be loaded for generation"
         )
     cfg = config_from_dict(saved, source=f"{iteration_dir} args")
+    if (cfg.parallel.expert_model_parallel_size or 1) > 1:
+        raise GigatronError(
+            f"--load {load_dir}: saved with expert-parallel size "
+            f"{cfg.parallel.expert_model_parallel_size}; generation runs at expert-parallel size "
+            "1: convert it first with gigatron convert-checkpoint --target-expert-parallel-size 1"
+        )
     family = first.get("gigatron_family", "gpt")
     if family != "gpt":
         raise GigatronError(f"--load {load_dir}: a '{family}' model; generation needs a GPT")

@@ -346,16 +346,15 @@ def build_parser() -> argparse.ArgumentParser:
     from gigatron.inference.load import add_load_arguments
 
     parser = argparse.ArgumentParser(
-        allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron serve",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
         description="Serve a checkpoint over HTTP: Megatron's PUT /api and OpenAI's /v1 API.",
     )
     add_load_arguments(parser)
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=5000, help="port (default 5000, Megatron's)")
-    parser.add_argument(
-        "--model-name", default="gigatron", help="the model id in /v1/models (default gigatron)"
-    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=5000, help="port (Megatron's default)")
+    parser.add_argument("--model-name", default="gigatron", help="the model id in /v1/models")
     return parser
 
 

@@ -61,6 +61,8 @@ def sort_chunks_by_expert(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
     """Rows in blocks ordered (source, expert) with sizes `counts` [sources, experts] ->
     blocks ordered (expert, source)."""
     sources, experts = counts.shape
+    if sources == 1:
+        return x
     blocks = x.split(counts.reshape(-1).tolist())
     return torch.cat([blocks[s * experts + e] for e in range(experts) for s in range(sources)])
 
@@ -68,6 +70,8 @@ def sort_chunks_by_expert(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor
 def sort_chunks_by_source(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Inverse of `sort_chunks_by_expert`."""
     sources, experts = counts.shape
+    if sources == 1:
+        return x
     blocks = x.split(counts.t().reshape(-1).tolist())
     return torch.cat([blocks[e * sources + s] for s in range(sources) for e in range(experts)])
 
