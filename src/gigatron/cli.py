@@ -88,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             str(error),
             exit_code=getattr(error, "exit_code", 2),
             report_key=getattr(error, "report_key", None),
+            exit_quietly=True,
         )
     except KeyboardInterrupt:
         print(f"gigatron {name}: interrupted", file=sys.stderr)

@@ -94,9 +94,12 @@ def report_error(
     exit_code: int = 2,
     report_key: str | None = None,
     stream: TextIO | None = None,
+    exit_quietly: bool = False,
 ) -> int:
     """Print `gigatron <command>: error: <message>` once per run and return the exit status of
-    this process (see the module docstring)."""
+    this process (see the module docstring). With `exit_quietly`, a rank whose error was already
+    reported ends at once (os._exit(0)): the first rank waits until the others are gone before
+    it exits, since torchrun stops (and lists) every worker still running after one fails."""
     stream = stream or sys.stderr
     text = f"gigatron {command}: error: {message}"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -115,9 +118,12 @@ def report_error(
             store.set(_run_key("error-key"), key)
             print(text, file=stream, flush=True)
             _write_torchelastic_error(text)
+            # Every other rank either leaves quietly (same error) or reports its own.
             deadline = time.monotonic() + GATHER_WAIT_S
-            while store.add(_run_key("error-count"), 0) < world_size:
-                if time.monotonic() > deadline:
+            while time.monotonic() < deadline:
+                settled = store.add(_run_key("left"), 0) + store.add(_run_key("own-error"), 0)
+                if settled >= world_size - 1:
+                    time.sleep(0.3)  # the last ones are in os._exit: let the kernel finish
                     break
                 time.sleep(0.05)
             return exit_code
@@ -126,11 +132,26 @@ def report_error(
     except Exception:  # noqa: BLE001 - the store went away: say it here rather than not at all
         print(f"[rank {rank}] {text}", file=stream, flush=True)
         return exit_code
-    if first_key == key:
-        return 0  # already reported by the first rank; this rank leaves quietly
+    if first_key == key:  # already reported by the first rank: this rank leaves quietly
+        _count(store, "left")
+        if exit_quietly:
+            # At once: an orderly interpreter shutdown can take seconds, and the first rank
+            # exits (and torchrun stops whoever still runs) as soon as every rank has left.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        return 0
     print(f"[rank {rank}] {text}", file=stream, flush=True)
     _write_torchelastic_error(f"[rank {rank}] {text}")
+    _count(store, "own-error")
     return exit_code
+
+
+def _count(store: Any, name: str) -> None:
+    try:
+        store.add(_run_key(name), 1)
+    except Exception:  # noqa: BLE001 - only how long the first rank waits depends on it
+        pass
 
 
 # ---- collectives that fail ----------------------------------------------------------------------
