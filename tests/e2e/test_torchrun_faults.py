@@ -134,11 +134,12 @@ def test_an_error_on_every_rank_is_printed_once(tmp_path):
         "divisible by --num-attention-heads 4"
     )
     assert output.count(line) == 1, output
-    # torchrun's summary: the one failure, with the message instead of a link, and no others.
-    summary = output[output.index("Failures:") :]
-    assert "<NO_OTHER_FAILURES>" in summary, summary
-    assert "--hidden-size 30 is not divisible" in summary
-    assert "SIGTERM" not in summary
+    # torchrun's summary names the message as the root cause (instead of a link to a file).
+    # Ranks slower to reach the check may be stopped by torchrun first (SIGTERM), so only the
+    # root cause is asserted; no rank prints a Python traceback of gigatron's code.
+    summary = output[output.index("Root Cause") :]
+    assert "--hidden-size 30 is not divisible" in summary, summary
+    assert not re.search(r'File ".*/gigatron/', output), output
 
 
 def test_a_killed_run_leaves_no_worker_behind(tmp_path):
