@@ -140,6 +140,9 @@ def test_an_error_on_every_rank_is_printed_once(tmp_path):
     summary = output[output.index("Root Cause") :]
     assert "--hidden-size 30 is not divisible" in summary, summary
     assert not re.search(r'File ".*/gigatron/', output), output
+    # The ranks that hit the same error left with status 0: one failure with an exit code.
+    failures = output[output.index("Failures:") :]
+    assert len(re.findall(r"exitcode\s*:\s*2 ", failures)) == 1, failures
 
 
 def test_a_killed_run_leaves_no_worker_behind(tmp_path):
