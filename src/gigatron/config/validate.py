@@ -8,17 +8,20 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-import torch
-
 from gigatron.config.refusals import refused_settings
 from gigatron.errors import GigatronError
 
 if TYPE_CHECKING:  # root.py calls into this module: a runtime import would be a cycle
+    import torch
+
     from gigatron.config.root import GigatronConfig
 
 
 def params_dtype(cfg: GigatronConfig) -> torch.dtype:
     """The dtype of model parameters and activations: bf16 / fp16 under --bf16 / --fp16."""
+    # Imported here: commands that only parse flags (preprocess, merge) never load torch.
+    import torch
+
     if cfg.training.bf16:
         return torch.bfloat16
     if cfg.training.fp16:

@@ -28,9 +28,10 @@ returns [t], merge-BPE too (3).
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 from typing import Any
+
+import numpy as np
 
 # The GPT-2 split pattern as HF `tokenizers`' ByteLevel pre-tokenizer spells it.
 GPT2_SPLIT_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -78,10 +79,10 @@ def same_class_members(tiktoken_class: str, hf_class: str) -> bool:
     keep = normalizers.Replace(Regex(f"[^{hf_class}]+"), "")
     # Plane by plane (surrogates are not scalar values), to keep memory small.
     for start in range(0, 0x110000, 0x10000):
-        codes = range(start, start + 0x10000)
+        codes = np.arange(start, start + 0x10000, dtype="<u4")
         if start == 0:
-            codes = itertools.chain(range(0xD800), range(0xE000, 0x10000))
-        block = "".join(map(chr, codes))
+            codes = codes[(codes < 0xD800) | (codes >= 0xE000)]
+        block = codes.tobytes().decode("utf-32-le")
         if bytes(probe.encode_ordinary(block)).decode("utf-8") != keep.normalize_str(block):
             return False
     return True
