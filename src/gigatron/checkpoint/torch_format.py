@@ -331,12 +331,13 @@ def saved_layout(iteration_dir: Path, expert_parallel: bool = False) -> tuple[in
     return tuple(max(r[i] for r in ranks) + 1 for i in range(3))  # type: ignore[return-value]
 
 
-def safe_load(path: Path) -> dict[str, Any]:
-    """torch.load with weights_only=True; anything needing arbitrary unpickling is refused."""
+def safe_load(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """torch.load with weights_only=True; anything needing arbitrary unpickling is refused.
+    `mmap`: tensors stay in the file until read (for converting one tensor at a time)."""
     try:
         # argparse.Namespace is plain data (Megatron-written files keep their args in one).
         with torch.serialization.safe_globals([argparse.Namespace]):
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         # torch's message also suggests weights_only=False; keep only the line naming the culprit.
         lines = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
