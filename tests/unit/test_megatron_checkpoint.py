@@ -185,8 +185,25 @@ def write_megatron_checkpoint(gigatron_dir: Path, out: Path, te: bool, iteration
     _forget_megatron()
 
 
-def _run(tmp: Path, *flags: str):
-    cfg = parse_pretrain_config([*FLAGS, *flags], world_size=1)
+SHAPE_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads")
+SHAPE_FLAGS += ("--max-position-embeddings", "--make-vocab-size-divisible-by")
+
+
+def _without_shape(flags: list[str]) -> list[str]:
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in SHAPE_FLAGS:
+            skip = True
+        else:
+            out.append(flag)
+    return out
+
+
+def _run(tmp: Path, *flags: str, shape: bool = True):
+    base = FLAGS if shape else _without_shape(FLAGS)
+    cfg = parse_pretrain_config([*base, *flags], world_size=1)
     result, _ = pretrain(cfg, stream=io.StringIO())
     return result
 
@@ -206,7 +223,10 @@ def test_full_resume_from_megatron_continues_the_same_run(tmp_path, reference, t
     directory, full = reference
     write_megatron_checkpoint(directory / "ckpt", tmp_path / "megatron", te, 3)
     assert "megatron" not in sys.modules
-    resumed = _run(tmp_path, "--train-iters", "6", "--load", str(tmp_path / "megatron"))
+    # with Transformer Engine names, the model flags are left out: the saved args give the shape
+    resumed = _run(
+        tmp_path, "--train-iters", "6", "--load", str(tmp_path / "megatron"), shape=not te
+    )
     assert "megatron" not in sys.modules and "megatron.core.enums" not in sys.modules
     assert sorted(resumed.train_losses) == [4, 5, 6]
     for iteration in (4, 5, 6):
@@ -242,3 +262,20 @@ def _lenient():
     """Unpickling with Megatron's classes faked (only to rewrite the test file)."""
     _stub_megatron_enums()
     return pickle
+
+
+def test_model_shape_from_saved_args_and_conflicts_flag_by_flag(tmp_path, reference):
+    directory, _ = reference
+    write_megatron_checkpoint(directory / "ckpt", tmp_path / "megatron", False, 3)
+    flags = [*_without_shape(FLAGS), "--train-iters", "6", "--load", str(tmp_path / "megatron")]
+    cfg = parse_pretrain_config(flags, world_size=1)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (2, 32, 4)
+    assert (m.max_position_embeddings, m.padded_vocab_size) == (16, 96)
+    given = [*flags, "--hidden-size", "64", "--num-layers", "3", "--num-attention-heads", "4"]
+    with pytest.raises(GigatronError) as error:
+        parse_pretrain_config(given, world_size=1)
+    message = str(error.value)
+    assert "--hidden-size 64 (checkpoint: 32)" in message
+    assert "--num-layers 3 (checkpoint: 2)" in message
+    assert "--num-attention-heads" not in message  # it agrees
