@@ -279,3 +279,35 @@ def test_model_shape_from_saved_args_and_conflicts_flag_by_flag(tmp_path, refere
     assert "--hidden-size 64 (checkpoint: 32)" in message
     assert "--num-layers 3 (checkpoint: 2)" in message
     assert "--num-attention-heads" not in message  # it agrees
+
+
+def test_export_to_megatron_and_import_again(tmp_path, reference):
+    from gigatron.checkpoint.convert import convert_checkpoint
+    from gigatron.checkpoint.hf_convert import main
+
+    directory, _ = reference
+    ckpt, megatron = directory / "ckpt", tmp_path / "megatron"
+    main(["--from", "gigatron", "--to", "megatron", "--load", str(ckpt), "--save",
+          str(megatron), "--ckpt-step", "3", "--megatron-te-names"])  # fmt: skip
+    path = megatron / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    written = torch.load(path, weights_only=False)
+    args = written["args"]
+    assert isinstance(args, argparse.Namespace)
+    assert (args.num_layers, args.hidden_size, args.padded_vocab_size) == (2, 32, 96)
+    assert args.consumed_train_samples == 12 and written["iteration"] == 3
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in written["model"]
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" not in written["model"]
+    assert written["model"]["decoder.layers.1.mlp.linear_fc2._extra_state"] is None
+
+    back = tmp_path / "back"
+    main(["--from", "megatron", "--to", "gigatron", "--load", str(megatron), "--save",
+          str(back), "--target-tensor-parallel-size", "2"])  # fmt: skip
+    assert sorted(p.name for p in (back / "iter_0000003").iterdir()) == [
+        "mp_rank_00",
+        "mp_rank_01",
+    ]
+    convert_checkpoint(back, tmp_path / "tp1", 1, 1)
+    original = safe_load(ckpt / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")["model"]
+    again = safe_load(tmp_path / "tp1" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    assert again["model"].keys() == original.keys()
+    assert all(torch.equal(again["model"][k], original[k]) for k in original)

@@ -40,7 +40,7 @@ TOKENIZER_FILES = re.compile(
 )
 # Hugging Face tensors that are not weights (buffers some versions saved).
 IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq|position_ids)$")
-FORMATS = ["hf", "gigatron"]
+FORMATS = ["hf", "gigatron", "megatron"]
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMG]?B)?$", re.IGNORECASE)
 
 
@@ -246,7 +246,10 @@ def _parser() -> argparse.ArgumentParser:
         ("--target-expert-parallel-size", "expert-parallel size"),
     ):
         parser.add_argument(
-            flag, type=int, default=1, help=f"{what} of a gigatron target (default 1)"
+            flag,
+            type=int,
+            default=None,
+            help=f"{what} of a gigatron target (default: 1 from hf, the saved one from megatron)",
         )
     parser.add_argument(
         "--target-num-virtual-stages-per-pipeline-rank",
@@ -256,6 +259,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--ckpt-step", type=int, default=None, help="iteration to export (default: the latest)"
+    )
+    parser.add_argument(
+        "--megatron-te-names",
+        action="store_true",
+        help="--to megatron: Transformer Engine layer names (norms fused into the next linear) "
+        "instead of the local spec's",
     )
     parser.add_argument(
         "--max-shard-size",
@@ -275,22 +284,31 @@ def main(argv: Sequence[str]) -> int:
         raise GigatronError(f"--save {save}: is the --load directory; give a new directory")
     log = lambda text: print(text, flush=True)  # noqa: E731
     pair = (args.source, args.target)
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     if pair == ("hf", "gigatron"):
         hf_to_gigatron(
             load,
             save,
-            args.target_tensor_parallel_size,
-            args.target_pipeline_parallel_size,
+            tp or 1,
+            pp or 1,
             args.target_num_virtual_stages_per_pipeline_rank,
-            args.target_expert_parallel_size,
+            args.target_expert_parallel_size or 1,
             args.family,
             log,
         )
     elif pair == ("gigatron", "hf"):
         gigatron_to_hf(load, save, args.ckpt_step, parse_size(args.max_shard_size), log)
+    elif pair == ("gigatron", "megatron"):
+        from gigatron.checkpoint.megatron_convert import gigatron_to_megatron
+
+        gigatron_to_megatron(load, save, args.ckpt_step, args.megatron_te_names, log)
+    elif pair == ("megatron", "gigatron"):
+        from gigatron.checkpoint.megatron_convert import megatron_to_gigatron
+
+        megatron_to_gigatron(load, save, args.ckpt_step, tp, pp, log)
     else:
         raise GigatronError(
-            f"--from {args.source} --to {args.target}: not a conversion; use --from hf --to "
-            "gigatron or --from gigatron --to hf"
+            f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "
+            "gigatron, gigatron -> hf, megatron -> gigatron, gigatron -> megatron"
         )
     return 0
