@@ -182,3 +182,24 @@ def test_tensors_without_a_place_are_refused(tmp_path):
     with pytest.raises(GigatronError, match="o_proj.bias"):
         hf_to_gigatron(folder, tmp_path / "out", log=lambda _: None)
     assert not (tmp_path / "out" / "release").exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt2", "llama3-gqa-rope-scaling", "llama-linear-rope-tied", "qwen2-qkv-bias",
+             "mixtral", "bert"],
+)  # fmt: skip
+def test_export_of_a_model_that_was_not_imported(tmp_path, name):
+    """Without the stored Hugging Face config the adapter writes one from the gigatron config."""
+    hf_dir = tmp_path / "hf"
+    hf = _hf_model(name, hf_dir)
+    release = hf_to_gigatron(hf_dir, tmp_path / "ckpt", log=lambda _: None)
+    path = release / "mp_rank_00" / "model_optim_rng.pt"
+    state = safe_load(path)
+    del state["hf_config"]
+    torch.save(state, path)
+    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["model_type"] == hf.config.model_type
+    auto = AUTO.get(name, transformers.AutoModelForCausalLM)
+    reloaded = auto.from_pretrained(tmp_path / "back").eval()
+    assert _relative_error(_hf_logits(reloaded, name), _hf_logits(hf, name)) < 1e-5

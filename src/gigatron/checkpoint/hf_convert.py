@@ -196,7 +196,10 @@ def gigatron_to_hf(
                 f"{iteration_dir}: was not imported from Hugging Face and the {family} adapter "
                 "cannot write a config.json for it"
             )
-        hf_config = adapter.config_to_hf(cfg)
+        from gigatron.checkpoint.convert import _true_vocab_size
+
+        vocab = _true_vocab_size(cfg) or source.meta(WORD_EMBEDDING).shape[0]
+        hf_config = adapter.config_to_hf(cfg, vocab)
     vocab = hf_config["vocab_size"]
     model = cfg.model
     to_files = getattr(adapter, "to_hf_files", None)

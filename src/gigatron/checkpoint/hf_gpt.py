@@ -133,6 +133,84 @@ class GPTHFAdapter:
             return hf_mapping.gigatron_to_gpt2(sd, num_layers, num_heads, vocab_size)
         return hf_moe.gigatron_to_hf(sd, c)
 
+    def config_to_hf(self, cfg: Any, vocab_size: int) -> dict[str, Any]:
+        """A `config.json` for a gigatron GPT model that was not imported: GPT-2 (learned
+        positions, LayerNorm, GeLU), or Llama / Qwen2 (q/k/v biases) / Mixtral (MoE) for RoPE,
+        RMSNorm and SwiGLU models."""
+        m, moe = cfg.model, cfg.moe
+        tied = not m.untie_embeddings_and_output_weights
+        gpt2 = (m.position_embedding_type, m.normalization, m.swiglu, m.add_bias_linear) == (
+            "learned_absolute", "LayerNorm", False, True
+        )  # fmt: skip
+        if gpt2 and tied and not moe.num_experts:
+            return {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": vocab_size,
+                "n_layer": m.num_layers,
+                "n_embd": m.hidden_size,
+                "n_head": m.num_attention_heads,
+                "n_inner": m.ffn_hidden_size,
+                "n_positions": m.max_position_embeddings,
+                "layer_norm_epsilon": m.layernorm_epsilon,
+                "activation_function": "gelu_new" if m.openai_gelu else "gelu",
+                "tie_word_embeddings": True,
+            }
+        llama = (m.position_embedding_type, m.normalization, m.swiglu, m.add_bias_linear) == (
+            "rope", "RMSNorm", True, False
+        )  # fmt: skip
+        if not llama or m.rotary_percent != 1.0:
+            raise GigatronError(
+                "this GPT model has no Hugging Face architecture: exported are GPT-2 shaped models "
+                "(learned positions, LayerNorm, GeLU, biases, tied) and Llama shaped ones (RoPE, "
+                "RMSNorm, SwiGLU, no biases but Qwen2's q/k/v biases)"
+            )
+        heads = m.num_attention_heads
+        config: dict[str, Any] = {
+            "vocab_size": vocab_size,
+            "hidden_size": m.hidden_size,
+            "intermediate_size": m.ffn_hidden_size,
+            "num_hidden_layers": m.num_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": m.num_query_groups if m.group_query_attention else heads,
+            "head_dim": m.kv_channels,
+            "max_position_embeddings": m.max_position_embeddings,
+            "rms_norm_eps": m.layernorm_epsilon,
+            "hidden_act": "silu",
+            "tie_word_embeddings": tied,
+            "rope_theta": float(m.rotary_base),
+        }
+        if m.use_rope_scaling:
+            config["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": m.rope_scaling_factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+        elif m.rotary_seq_len_interpolation_factor:
+            config["rope_scaling"] = {
+                "rope_type": "linear",
+                "factor": m.rotary_seq_len_interpolation_factor,
+            }
+        if moe.num_experts:
+            if moe.moe_shared_expert_intermediate_size or m.add_qkv_bias:
+                raise GigatronError(
+                    "this MoE model has no Hugging Face architecture (Mixtral: no shared experts, "
+                    "no q/k/v biases)"
+                )
+            return {
+                **config,
+                "model_type": "mixtral",
+                "architectures": ["MixtralForCausalLM"],
+                "intermediate_size": moe.moe_ffn_hidden_size or m.ffn_hidden_size,
+                "num_local_experts": moe.num_experts,
+                "num_experts_per_tok": moe.moe_router_topk,
+            }
+        if m.add_qkv_bias:
+            return {**config, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+        return {**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+
     def to_hf_files(self, hf_state: dict[str, Any], hf_config: Any) -> dict[str, Any]:
         """The names `save_pretrained` writes (per-expert tensors for the MoE models)."""
         return hf_moe.state_to_files(hf_state, hf_config)
