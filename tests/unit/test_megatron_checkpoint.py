@@ -155,6 +155,15 @@ def write_megatron_checkpoint(gigatron_dir: Path, out: Path, te: bool, iteration
         template.update(params=ids_in_group, wd_mult=wd_mult, lr_mult=1.0, max_lr=0.01)
         groups.append(template)
     optimizer = {"state": torch_state, "param_groups": groups}  # FP32Optimizer: torch's own
+    mains = state["optimizer"].get("fp32_from_fp16_params")
+    if mains is not None:  # Float16OptimizerWithFloat16Params: fp32 main copies per group
+        by_name = dict(zip(gigatron_names, mains))
+        optimizer = {
+            "optimizer": optimizer,
+            "fp32_from_fp16_params": [
+                [by_name[n] for n in members] for members in (decay, no_decay)
+            ],
+        }
 
     rng = dict(state["rng_state"])
     np_state = rng["np_rng_state"]
@@ -208,14 +217,35 @@ def _run(tmp: Path, *flags: str, shape: bool = True):
     return result
 
 
+def _reference(directory: Path, *flags: str):
+    """A run of 6 iterations that saves at iteration 3."""
+    result = _run(
+        directory, "--train-iters", "6", "--save", str(directory / "ckpt"), "--save-interval", "3",
+        *flags,
+    )  # fmt: skip
+    return directory, result
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """A run of 6 iterations that saves at iteration 3."""
-    directory = tmp_path_factory.mktemp("reference")
-    result = _run(
-        directory, "--train-iters", "6", "--save", str(directory / "ckpt"), "--save-interval", "3"
+    return _reference(tmp_path_factory.mktemp("reference"))
+
+
+def test_bf16_resume_maps_the_fp32_main_parameters(tmp_path):
+    directory, full = _reference(tmp_path / "reference", "--bf16")
+    write_megatron_checkpoint(directory / "ckpt", tmp_path / "megatron", False, 3)
+    written = torch.load(
+        tmp_path / "megatron" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt",
+        weights_only=False,
+        pickle_module=_lenient(),
     )
-    return directory, result
+    _forget_megatron()
+    assert len(written["optimizer"]["fp32_from_fp16_params"]) == 2
+    resumed = _run(tmp_path, "--train-iters", "6", "--load", str(tmp_path / "megatron"), "--bf16")
+    for iteration in (4, 5, 6):
+        assert resumed.train_losses[iteration] == pytest.approx(
+            full.train_losses[iteration], rel=1e-6
+        )
 
 
 @pytest.mark.parametrize("te", [False, True], ids=["local-names", "te-names"])
