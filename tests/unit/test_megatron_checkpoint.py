@@ -341,3 +341,47 @@ def test_export_to_megatron_and_import_again(tmp_path, reference):
     again = safe_load(tmp_path / "tp1" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
     assert again["model"].keys() == original.keys()
     assert all(torch.equal(again["model"][k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize("style", ["sequential", "te-grouped"])
+def test_moe_expert_weights_of_both_styles_load(tmp_path, style):
+    from gigatron.checkpoint.torch_format import load_checkpoint
+    from gigatron.config import parse_config
+    from gigatron.families import get_family
+    from gigatron.parallel.context import ParallelContext
+
+    flags = [*FLAGS[1:], "--num-experts", "4", "--moe-router-topk", "2", "--train-iters", "1"]
+    flags += ["--disable-bias-linear"]
+    source_cfg = parse_config([*flags, "--seed", "1"])
+    (source,) = get_family("gpt").build_model(source_cfg, ParallelContext.single(), vocab_size=96)
+    model = {}
+    for name, tensor in source.state_dict().items():
+        if ".mlp.experts.linear_fc" in name:
+            prefix, fc = name.rsplit(".", 2)[0], name.split(".")[-2]
+            for e, weight in enumerate(tensor):
+                key = (
+                    f"{prefix}.local_experts.{e}.{fc}.weight"
+                    if style == "sequential"
+                    else f"{prefix}.{fc}.weight{e}"
+                )
+                model[key] = weight.clone()
+        else:
+            model[name] = tensor
+    _stub_megatron_enums()
+    path = tmp_path / "megatron" / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True)
+    args = argparse.Namespace(num_layers=2, num_experts=4, model_type=sys.modules[
+        "megatron.core.enums"].ModelType.encoder_or_decoder)  # fmt: skip
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 0, "model": model}, path)
+    (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("release")
+    _forget_megatron()
+
+    cfg = parse_config([*flags, "--finetune"])
+    (target,) = get_family("gpt").build_model(cfg, ParallelContext.single(), vocab_size=96)
+    assert not torch.equal(
+        target.state_dict()["decoder.layers.0.mlp.experts.linear_fc1.weight"],
+        source.state_dict()["decoder.layers.0.mlp.experts.linear_fc1.weight"],
+    )
+    load_checkpoint(tmp_path / "megatron", [target], None, None, ParallelContext.single(), cfg)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name
