@@ -203,3 +203,17 @@ def test_export_of_a_model_that_was_not_imported(tmp_path, name):
     auto = AUTO.get(name, transformers.AutoModelForCausalLM)
     reloaded = auto.from_pretrained(tmp_path / "back").eval()
     assert _relative_error(_hf_logits(reloaded, name), _hf_logits(hf, name)) < 1e-5
+
+
+def test_mixtral_into_an_expert_parallel_layout_and_back(tmp_path):
+    hf_dir = tmp_path / "hf"
+    _hf_model("mixtral", hf_dir)
+    hf_to_gigatron(hf_dir, tmp_path / "ckpt", tp=2, ep=2, log=lambda _: None)
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir())
+    assert files == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    state = safe_load(tmp_path / "ckpt" / "release" / "mp_rank_01_001" / "model_optim_rng.pt")
+    assert state["model"]["decoder.layers.0.mlp.experts.linear_fc1.weight"].shape[0] == 2
+    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
+    original, exported = _weights(hf_dir), _weights(tmp_path / "back")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
