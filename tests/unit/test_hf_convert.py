@@ -217,3 +217,17 @@ def test_mixtral_into_an_expert_parallel_layout_and_back(tmp_path):
     original, exported = _weights(hf_dir), _weights(tmp_path / "back")
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_flags_without_meaning_for_the_pair_are_refused(tmp_path):
+    from gigatron.checkpoint.hf_convert import main
+
+    (tmp_path / "in").mkdir()
+    base = ["--load", str(tmp_path / "in"), "--save", str(tmp_path / "out")]
+    with pytest.raises(GigatronError, match="--target-tensor-parallel-size: no meaning"):
+        main(["--from", "gigatron", "--to", "hf", *base, "--target-tensor-parallel-size", "2"])
+    with pytest.raises(GigatronError, match="--family, --megatron-te-names: no meaning"):
+        main(["--from", "megatron", "--to", "gigatron", *base, "--family", "gpt",
+              "--megatron-te-names"])  # fmt: skip
+    with pytest.raises(GigatronError, match="--max-shard-size: no meaning"):
+        main(["--from", "hf", "--to", "gigatron", *base, "--max-shard-size", "1GB"])

@@ -271,11 +271,41 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=None,
         help="largest safetensors file of a Hugging Face target (default 5GB); larger models "
         "are sharded with an index file",
     )
     return parser
+
+
+_TARGET_FLAGS = (
+    "target_tensor_parallel_size",
+    "target_pipeline_parallel_size",
+    "target_expert_parallel_size",
+    "target_num_virtual_stages_per_pipeline_rank",
+)
+
+
+def _refuse_unused_flags(args: argparse.Namespace) -> None:
+    """Each flag given must mean something for this pair of formats."""
+    unused = []
+    if args.target != "gigatron":
+        unused += [f for f in _TARGET_FLAGS if getattr(args, f) is not None]
+    if args.source != "hf" and args.family is not None:
+        unused.append("family")
+    if args.target != "megatron" and args.megatron_te_names:
+        unused.append("megatron_te_names")
+    if args.target != "hf" and args.max_shard_size is not None:
+        unused.append("max_shard_size")
+    if args.source == "hf" and args.ckpt_step is not None:
+        unused.append("ckpt_step")
+    if unused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        raise GigatronError(
+            f"{flags}: no meaning for --from {args.source} --to {args.target}; drop "
+            + ("it" if len(unused) == 1 else "them")
+            + " (--to megatron keeps the saved layout: re-split first with convert-checkpoint)"
+        )
 
 
 def main(argv: Sequence[str]) -> int:
@@ -287,6 +317,7 @@ def main(argv: Sequence[str]) -> int:
         raise GigatronError(f"--save {save}: is the --load directory; give a new directory")
     log = lambda text: print(text, flush=True)  # noqa: E731
     pair = (args.source, args.target)
+    _refuse_unused_flags(args)
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     if pair == ("hf", "gigatron"):
         hf_to_gigatron(
@@ -300,7 +331,7 @@ def main(argv: Sequence[str]) -> int:
             log,
         )
     elif pair == ("gigatron", "hf"):
-        gigatron_to_hf(load, save, args.ckpt_step, parse_size(args.max_shard_size), log)
+        gigatron_to_hf(load, save, args.ckpt_step, parse_size(args.max_shard_size or "5GB"), log)
     elif pair == ("gigatron", "megatron"):
         from gigatron.checkpoint.megatron_convert import gigatron_to_megatron
 
@@ -308,7 +339,16 @@ def main(argv: Sequence[str]) -> int:
     elif pair == ("megatron", "gigatron"):
         from gigatron.checkpoint.megatron_convert import megatron_to_gigatron
 
-        megatron_to_gigatron(load, save, args.ckpt_step, tp, pp, log)
+        megatron_to_gigatron(
+            load,
+            save,
+            args.ckpt_step,
+            tp,
+            pp,
+            args.target_num_virtual_stages_per_pipeline_rank,
+            args.target_expert_parallel_size or 1,
+            log,
+        )
     else:
         raise GigatronError(
             f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "
