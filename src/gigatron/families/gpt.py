@@ -108,5 +108,6 @@ FAMILY = ModelFamily(
     flops_per_iteration=flops_per_iteration,
     validate=validate,
     hf_adapter=hf_mapping,
+    generation=True,
     iteration_reports=iteration_reports,
 )

@@ -82,4 +82,5 @@ FAMILY = ModelFamily(
     flops_per_iteration=flops_per_iteration,
     validate=validate,
     hf_adapter=Mamba2HFAdapter(),
+    generation=True,
 )

@@ -10,6 +10,9 @@ the step feeds `lengths[r]` new tokens (right-padded to the step's width `n`) at
 `starts[r] ...`. `begin_step` computes, once for all layers: where the new keys go, how many
 cached positions attention reads, and the attention mask (causal within the step, and no key
 past a row's own end), so sequences of different lengths share one step.
+
+Mamba layers (hybrid models) keep a fixed-size recurrent state per slot instead of keys and
+values: `cache.mamba` (`inference.mamba_state.MambaStateCache`, None without Mamba layers).
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gigatron.inference.mamba_state import MambaStateCache, mamba_mixers
+
 
 class KVCache:
-    """Key/value buffers of every attention layer of `model_chunks` (see the module docstring)."""
+    """Key/value buffers of every attention layer of `model_chunks`, and the states of its Mamba
+    layers (see the module docstring)."""
 
     def __init__(
         self,
@@ -42,9 +48,12 @@ class KVCache:
                 kwargs = {"dtype": dtype or weight.dtype, "device": device or weight.device}
                 self.keys[module.layer_number] = torch.zeros(shape, **kwargs)
                 self.values[module.layer_number] = torch.zeros(shape, **kwargs)
-        if not self.keys:
-            raise ValueError("KVCache: the model has no attention layers with a key/value cache")
-        self.device = next(iter(self.keys.values())).device
+        mixers = mamba_mixers(model_chunks)
+        self.mamba = MambaStateCache(mixers, max_batch_size, device) if mixers else None
+        if not self.keys and self.mamba is None:
+            raise ValueError("KVCache: the model has no attention or Mamba layers to cache")
+        buffers = self.keys or self.mamba.ssm
+        self.device = next(iter(buffers.values())).device
         self.attention_mask: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
         self._write_positions: torch.Tensor | None = None
@@ -53,9 +62,8 @@ class KVCache:
 
     def bytes(self) -> int:
         """Memory held by the buffers."""
-        return sum(
-            t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
-        )
+        kv = sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        return kv + (self.mamba.bytes() if self.mamba is not None else 0)
 
     def begin_step(
         self,
@@ -71,6 +79,8 @@ class KVCache:
         device = self.device
         if any(s + width > self.max_sequence_length for s in starts):
             raise ValueError("KVCache: a step would write past the cache's sequence length")
+        if self.mamba is not None:
+            self.mamba.begin_step(slots, starts, lengths)
         slots_t = torch.tensor(slots, dtype=torch.long, device=device)
         starts_t = torch.tensor(starts, dtype=torch.long, device=device)
         ends_t = starts_t + torch.tensor(lengths, dtype=torch.long, device=device)

@@ -129,8 +129,11 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
             "1: convert it first with gigatron convert-checkpoint --target-expert-parallel-size 1"
         )
     family = first.get("gigatron_family", "gpt")
-    if family != "gpt":
-        raise GigatronError(f"--load {load_dir}: a '{family}' model; generation needs a GPT")
+    if not get_family(family).generation:
+        raise GigatronError(
+            f"--load {load_dir}: a '{family}' model, which does not generate text; generation "
+            "needs a GPT or hybrid Mamba (family 'mamba') checkpoint"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != tp * pp:
         raise GigatronError(
