@@ -165,7 +165,11 @@ def train_step(run: Run, num_microbatches: int) -> dict[str, Any]:
         run.schedule_config,
     )
     run.timers("forward-backward").stop()
-    finalize_model_grads(run.model, pctx)
+    num_tokens = None
+    if run.schedule_config.per_token_loss:  # the main loss's tokens in the global batch
+        main = run.loss_names[0]
+        num_tokens = reduce_loss_reports(reports, pctx, run.loss_names)[main][1]
+    finalize_model_grads(run.model, pctx, num_tokens)
     if run.iteration_reports is not None:
         reports = [*reports, run.iteration_reports(run.model)]
     losses = mean_losses(reduce_loss_reports(reports, pctx, run.loss_names))
