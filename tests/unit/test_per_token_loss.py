@@ -19,18 +19,19 @@ FLAGS = [
 ]  # fmt: skip
 
 
-def _train(*extra: str):
-    cfg = parse_pretrain_config([*FLAGS, *extra], world_size=1)
+def _train(tmp_path, *extra: str):
+    metrics = ["--metrics-file", str(tmp_path / f"metrics{len(list(tmp_path.iterdir()))}.jsonl")]
+    cfg = parse_pretrain_config([*FLAGS, *extra, *metrics], world_size=1)
     result, _ = pretrain(cfg, stream=io.StringIO())
     return result
 
 
-def test_per_token_loss_divides_the_gradients_by_the_global_token_count():
-    means = _train()
-    per_token = _train("--calculate-per-token-loss")
+def test_per_token_loss_divides_the_gradients_by_the_global_token_count(tmp_path):
+    means = _train(tmp_path)
+    per_token = _train(tmp_path, "--calculate-per-token-loss")
     assert list(per_token.train_losses) == [1, 2, 3, 4]
     for iteration, loss in means.train_losses.items():
         assert per_token.train_losses[iteration] == pytest.approx(loss, rel=1e-5)
     # The step size shows in the losses: half the learning rate gives other ones.
-    half = _train("--calculate-per-token-loss", "--lr", "0.25")
+    half = _train(tmp_path, "--calculate-per-token-loss", "--lr", "0.25")
     assert half.train_losses[4] != pytest.approx(per_token.train_losses[4], rel=1e-4)
