@@ -45,6 +45,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gigatron.checkpoint.convert:main",
         "re-split a torch checkpoint for another tensor/pipeline-parallel layout",
     ),
+    "convert": (
+        "gigatron.checkpoint.hf_convert:main",
+        "convert checkpoints: --from hf|gigatron|megatron --to gigatron|hf|megatron",
+    ),
 }
 
 

@@ -30,7 +30,7 @@ def _pretrain_parser() -> argparse.ArgumentParser:
 
 
 def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
-    from gigatron.checkpoint import convert
+    from gigatron.checkpoint import convert, hf_convert
     from gigatron.data import merge, preprocess, train_tokenizer
     from gigatron.inference import generate, server
     from gigatron.training import quickstart
@@ -42,6 +42,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "train-tokenizer": train_tokenizer.build_parser,
         "pretrain": _pretrain_parser,
         "convert-checkpoint": convert._parser,
+        "convert": hf_convert._parser,
         "generate": generate.build_parser,
         "serve": server.build_parser,
     }

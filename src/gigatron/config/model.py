@@ -28,6 +28,14 @@ class ModelConfig:
     )
     rotary_percent: float = flag_field(1.0, "fraction of each head's channels that RoPE rotates")
     rotary_base: int = flag_field(10000, "RoPE base period")
+    rotary_seq_len_interpolation_factor: Optional[float] = flag_field(
+        None, "divide RoPE positions by this factor (linear position interpolation)"
+    )
+    use_rope_scaling: bool = flag_field(
+        False,
+        "Llama 3.1 RoPE frequency scaling (low/high frequency factors 1 and 4, 8192 positions)",
+    )
+    rope_scaling_factor: float = flag_field(8.0, "the scaling factor of --use-rope-scaling")
     normalization: str = flag_field("LayerNorm", "norm layer", choices=["LayerNorm", "RMSNorm"])
     layernorm_epsilon: float = flag_field(1e-5, "epsilon of the norm layers", flag="--norm-epsilon")
     swiglu: bool = flag_field(False, "gated SiLU MLP (Llama style)")

@@ -12,7 +12,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from gigatron.checkpoint import hf_mapping
+from gigatron.checkpoint.hf_gpt import GPTHFAdapter
 from gigatron.families.registry import ModelFamily
 from gigatron.models.gpt import build_model
 from gigatron.models.hybrid_layout import refuse_hybrid_flags
@@ -107,7 +107,7 @@ FAMILY = ModelFamily(
     build_datasets=build_datasets,
     flops_per_iteration=flops_per_iteration,
     validate=validate,
-    hf_adapter=hf_mapping,
+    hf_adapter=GPTHFAdapter(),
     generation=True,
     iteration_reports=iteration_reports,
 )

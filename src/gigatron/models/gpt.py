@@ -51,7 +51,13 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, pctx, vocab_size, self.rng)
         self.rotary = (
-            RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+            RotaryEmbedding(
+                config.kv_channels,
+                config.rotary_percent,
+                config.rotary_base,
+                seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
+                rope_scaling_factor=config.rope_scaling_factor if config.use_rope_scaling else None,
+            )
             if config.position_embedding_type == "rope"
             else None
         )

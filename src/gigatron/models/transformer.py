@@ -73,19 +73,53 @@ class Norm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def llama3_scaled_frequencies(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_positions: int = 8192,
+) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (Megatron's --use-rope-scaling): wavelengths longer than
+    original_positions / low_freq_factor are stretched by `factor`, those shorter than
+    original_positions / high_freq_factor kept, and the band between interpolated smoothly."""
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original_positions / wavelength - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    low = wavelength > original_positions / low_freq_factor
+    high = wavelength < original_positions / high_freq_factor
+    return torch.where(low, inv_freq / factor, torch.where(high, inv_freq, blended))
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE tables: cos/sin [seq, batch, 1, rotary_dim] for given positions (no parameters)."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float, rotary_base: int) -> None:
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float,
+        rotary_base: int,
+        seq_len_interpolation_factor: float | None = None,
+        rope_scaling_factor: float | None = None,
+    ) -> None:
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         self.dim -= self.dim % 2
         exponents = torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim
-        self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents), persistent=False)
+        inv_freq = 1.0 / (rotary_base**exponents)
+        if rope_scaling_factor is not None:
+            inv_freq = llama3_scaled_frequencies(inv_freq, rope_scaling_factor)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interpolation = seq_len_interpolation_factor
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids: [batch, seq]
-        freqs = position_ids.t().float().unsqueeze(-1) * self.inv_freq.to(position_ids.device)
+        positions = position_ids.t().float()
+        if self.interpolation:
+            positions = positions / self.interpolation
+        freqs = positions.unsqueeze(-1) * self.inv_freq.to(position_ids.device)
         angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
         return angles.cos(), angles.sin()
 

@@ -30,6 +30,9 @@ class TransformerConfig:
     position_embedding_type: str = "learned_absolute"
     rotary_percent: float = 1.0
     rotary_base: int = 10000
+    rotary_seq_len_interpolation_factor: float | None = None
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     swiglu: bool = False

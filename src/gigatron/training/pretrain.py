@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gigatron.config import GigatronConfig, parse_config, validate_config
+from gigatron.checkpoint.megatron_args import parse_config_with_checkpoint_args
+from gigatron.config import GigatronConfig, validate_config
 from gigatron.config.validate import params_dtype
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
@@ -50,7 +51,10 @@ def parse_pretrain_config(
     """Flags of `gigatron pretrain <family>`, validated for a training run."""
     family = get_family(family) if isinstance(family, str) else family
     world_size = _world_size() if world_size is None else world_size
-    cfg = parse_config(list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size)
+    # A Megatron-LM checkpoint under --load gives the model shape the flags leave out.
+    cfg = parse_config_with_checkpoint_args(
+        list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size
+    )
     validate_config(cfg, world_size=world_size, for_training=True)
     if family.validate is not None:
         family.validate(cfg)
