@@ -25,11 +25,8 @@ class Refusal:
 
 
 REFUSALS: dict[str, Refusal] = {
-    "ckpt_format": Refusal(
-        lambda value: value != "torch",
-        "only Megatron's per-rank torch format is written and read so far (torch_dist, the "
-        "resharding format, is not available yet); use --ckpt-format torch and "
-        "`gigatron convert-checkpoint` to change the parallel layout",
+    "async_save": Refusal(
+        lambda value: bool(value), "asynchronous saving is not available yet; leave it out"
     ),
     "timing_log_level": Refusal(
         lambda value: value is not None and value > 1,

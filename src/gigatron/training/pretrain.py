@@ -10,6 +10,7 @@ family's record in gigatron.families. Works alone and under `torchrun --nproc-pe
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -129,7 +130,8 @@ def pretrain(
     """Run pretraining for a validated config. Returns the result and, with `keep_model`, the
     unwrapped model chunks (quickstart samples from them); otherwise None.
     `evaluate_on_early_exit` validates once more when an exit condition stops the run."""
-    from gigatron.checkpoint.torch_format import load_checkpoint, loaded_message, save_checkpoint
+    from gigatron.checkpoint.formats import load_checkpoint, save_checkpoint
+    from gigatron.checkpoint.torch_format import loaded_message
     from gigatron.data.loader import build_data_iterator
     from gigatron.optim import build_optimizer
     from gigatron.optim.batch_schedule import build_num_microbatches_calculator
@@ -175,6 +177,21 @@ def pretrain(
             # The checkpoint holds the consumed train and validation samples, so both data
             # streams continue where they stopped.
             state = _state_from_loaded(loaded, cfg)
+            if ckpt.ckpt_convert_format is not None:
+                # Megatron's convert-on-load: write the loaded state in the other format, stop.
+                save_checkpoint(
+                    ckpt.ckpt_convert_save, state.iteration, model, optimizer, scheduler, pctx,
+                    cfg, extra={**_state_to_saved(state), "gigatron_family": family.name},
+                    rng_tracker=rng_tracker, ckpt_format=ckpt.ckpt_convert_format,
+                )  # fmt: skip
+                if pctx.rank == 0:
+                    print(
+                        f"converted checkpoint {ckpt.load} (iteration {state.iteration}) to "
+                        f"{ckpt.ckpt_convert_format} in {ckpt.ckpt_convert_save}",
+                        file=stream or sys.stdout,
+                        flush=True,
+                    )
+                return TrainResult(iteration=state.iteration, exit_reason="converted"), None
 
         train_n, valid_n, test_n = dataset_sample_counts(cfg, train_iters, global_batch)
         train_ds, valid_ds, test_ds = family.build_datasets(
