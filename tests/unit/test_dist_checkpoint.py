@@ -189,3 +189,15 @@ def test_format_mismatch_needs_auto_detect(tmp_path: Path):
         load_checkpoint(tmp_path, [model], optimizer, scheduler, pctx, cfg)
     cfg.checkpoint.auto_detect_ckpt_format = True
     assert load_checkpoint(tmp_path, [model], optimizer, scheduler, pctx, cfg)["iteration"] == 1
+
+
+def test_checkpoint_flag_rules():
+    from gigatron.config.root import parse_config
+
+    with pytest.raises(GigatronError, match="--async-save works with --ckpt-format torch_dist"):
+        parse_config(["--async-save"])
+    with pytest.raises(GigatronError, match="--ckpt-convert-format torch converts .* give both"):
+        parse_config(["--ckpt-convert-format", "torch", "--ckpt-convert-save", "out"])
+    with pytest.raises(GigatronError, match="--ckpt-convert-save needs --ckpt-convert-format"):
+        parse_config(["--ckpt-convert-save", "out"])
+    parse_config(["--async-save", "--ckpt-format", "torch_dist"])

@@ -121,7 +121,6 @@ def test_refusals_name_real_fields_and_are_enforced():
         field_section(name)  # a KeyError here: the table names a field that does not exist
     assert refused_settings(GigatronConfig()) == [], "the defaults must be accepted"
     cases = {
-        "async_save": ["--async-save", "--ckpt-format", "torch_dist"],
         "timing_log_level": ["--timing-log-level", "2"],
     }
     assert set(cases) == set(REFUSALS), "give every refusal a refused example here"

@@ -25,9 +25,6 @@ class Refusal:
 
 
 REFUSALS: dict[str, Refusal] = {
-    "async_save": Refusal(
-        lambda value: bool(value), "asynchronous saving is not available yet; leave it out"
-    ),
     "timing_log_level": Refusal(
         lambda value: value is not None and value > 1,
         "level 2 (fine-grained timers inside the schedule) is not available; use 1 for the "

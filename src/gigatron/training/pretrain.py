@@ -144,6 +144,7 @@ def pretrain(
     pctx = ParallelContext.from_config(cfg)
     owns_process_group = dist.is_initialized() and pctx.world_size > 1
     metrics: MetricsLogger | None = None
+    saver = None
     try:
         t, ckpt = cfg.training, cfg.checkpoint
         seed_everything(t.seed, pctx)
@@ -262,12 +263,29 @@ def pretrain(
                 "bytes_per_rank": per_rank,
             }
 
-        def save(current: TrainState) -> None:
+        if ckpt.async_save and ckpt.save:
+            from gigatron.checkpoint.async_save import AsyncCheckpointSaver
+
+            saver = AsyncCheckpointSaver(
+                pctx,
+                on_complete=lambda iteration: metrics.message(
+                    f"saved checkpoint at iteration {iteration} to {ckpt.save} (async save done)"
+                ),
+            )
+
+        def save(current: TrainState) -> str | None:
+            extra = {**_state_to_saved(current), "gigatron_family": family.name}
+            if saver is not None:
+                saver.save(
+                    ckpt.save, current.iteration, model, optimizer, scheduler, cfg, extra,
+                    rng_tracker,
+                )  # fmt: skip
+                return f"saving checkpoint at iteration {current.iteration} in the background"
             save_checkpoint(
                 ckpt.save, current.iteration, model, optimizer, scheduler, pctx, cfg,
-                extra={**_state_to_saved(current), "gigatron_family": family.name},
-                rng_tracker=rng_tracker,
+                extra=extra, rng_tracker=rng_tracker,
             )  # fmt: skip
+            return None
 
         schedule_config = ScheduleConfig(
             seq_length=cfg.model.seq_length,
@@ -307,14 +325,20 @@ def pretrain(
             test_iterator=iterator(test_ds, 0, cycle=True),
             state=state,
             save_checkpoint=save if ckpt.save else None,
+            after_iteration=saver.poll if saver is not None else None,
             peak_flops=device_peak_flops(pctx.device, precision),
             startup_record=startup_record,
             evaluate_on_early_exit=evaluate_on_early_exit,
         )
         # A collective that times out or loses its peer is named while the groups still exist.
         result = name_distributed_failures(train, run)
+        if saver is not None:
+            saver.close()  # the last checkpoint is complete before the run ends
+            saver = None
         return result, ([m.module for m in model] if keep_model else None)
     finally:
+        if saver is not None:
+            saver.abandon()  # an error: the save in flight stays unpublished
         if metrics is not None:
             metrics.close()
         if owns_process_group:
