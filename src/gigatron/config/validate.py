@@ -120,6 +120,22 @@ def _context_parallel_rules(cfg: GigatronConfig, problems: list[str]) -> None:
         )
 
 
+def _checkpoint_rules(cfg: GigatronConfig, problems: list[str]) -> None:
+    c = cfg.checkpoint
+    if c.ckpt_convert_format is not None and (c.ckpt_convert_save is None or c.load is None):
+        problems.append(
+            f"--ckpt-convert-format {c.ckpt_convert_format} converts the --load checkpoint into "
+            "--ckpt-convert-save DIR; give both"
+        )
+    if c.ckpt_convert_save is not None and c.ckpt_convert_format is None:
+        problems.append("--ckpt-convert-save needs --ckpt-convert-format torch or torch_dist")
+    if c.async_save and c.ckpt_format != "torch_dist":
+        problems.append(
+            f"--async-save works with --ckpt-format torch_dist (not {c.ckpt_format}); add "
+            "--ckpt-format torch_dist or leave --async-save out"
+        )
+
+
 def validate_config(
     cfg: GigatronConfig, world_size: int | None = None, for_training: bool = False
 ) -> None:
@@ -297,6 +313,7 @@ def validate_config(
                     problems.append(str(error))
 
     problems.extend(moe_problems(cfg, world_size))
+    _checkpoint_rules(cfg, problems)
 
     if problems:
         raise GigatronError("invalid configuration:\n  - " + "\n  - ".join(problems))

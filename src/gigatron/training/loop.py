@@ -66,7 +66,10 @@ class Run:
     valid_iterator: Iterator | None = None
     test_iterator: Iterator | None = None
     state: TrainState = field(default_factory=TrainState)
-    save_checkpoint: Callable[[TrainState], None] | None = None
+    # Returns None, or the line to log instead of "saved checkpoint ..." (an async save).
+    save_checkpoint: Callable[[TrainState], str | None] | None = None
+    # Called after every iteration (an async save finishes its checkpoint when written).
+    after_iteration: Callable[[], None] | None = None
     peak_flops: float | None = None
     timers: Timers = field(default_factory=Timers)
     startup_record: Callable[[], dict[str, Any]] | None = None
@@ -269,11 +272,11 @@ def _save(run: Run, result: TrainResult) -> None:
     if run.save_checkpoint is None or result.last_saved_iteration == run.state.iteration:
         return
     run.timers("save-checkpoint").start()
-    run.save_checkpoint(run.state)
+    note = run.save_checkpoint(run.state)
     run.timers("save-checkpoint").stop()
     result.last_saved_iteration = run.state.iteration
     run.metrics.message(
-        f"saved checkpoint at iteration {run.state.iteration} to {run.cfg.checkpoint.save}"
+        note or f"saved checkpoint at iteration {run.state.iteration} to {run.cfg.checkpoint.save}"
     )
 
 
@@ -383,6 +386,8 @@ def train(run: Run) -> TrainResult:
 
             if ckpt.save and ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
                 _save(run, result)
+            if run.after_iteration is not None:
+                run.after_iteration()
 
             # Exit conditions, decided together by all ranks.
             reason = None
