@@ -13,6 +13,7 @@ from gigatron.families.registry import ModelFamily
 from gigatron.models.hybrid import build_model, hybrid_pattern
 from gigatron.models.hybrid_layout import ATTENTION, MAMBA, MLP
 from gigatron.models.mamba import MambaSpec
+from gigatron.models.t5 import refuse_t5_flags
 from gigatron.training.flops import forward_flops_per_token
 
 
@@ -27,6 +28,7 @@ def mamba_forward_flops_per_token(hidden_size: int, mamba: MambaSpec) -> float:
 def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> float:
     """Training FLOPs (3x forward) of one iteration: each layer counted by its kind."""
     m = cfg.model
+    refuse_t5_flags(cfg, "mamba")
     pattern = hybrid_pattern(cfg)
 
     def transformer_part(ffn: int, with_attention: bool) -> float:
