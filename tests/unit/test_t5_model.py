@@ -117,3 +117,29 @@ def test_stage_layout_puts_the_encoder_before_the_split_rank():
         (range(2), None, True), (None, range(0, 1), False),
         (None, range(1, 2), False), (None, range(2, 3), False),
     ]  # fmt: skip
+
+
+def _validated(family: str, *flags: str):
+    from gigatron.config.validate import finalize_config
+    from gigatron.families import get_family
+
+    cfg = parse_config(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+                        "4", *flags])  # fmt: skip
+    finalize_config(cfg)
+    get_family(family).validate(cfg)
+    return cfg
+
+
+def test_family_rules():
+    from gigatron.errors import GigatronError
+
+    cfg = _validated("t5", "--encoder-seq-length", "64", "--decoder-seq-length", "32")
+    assert cfg.model.seq_length == 64 and cfg.model.max_position_embeddings == 64
+    with pytest.raises(GigatronError, match="--decoder-seq-length is not set"):
+        _validated("t5", "--encoder-seq-length", "64")
+    with pytest.raises(GigatronError, match="rope: T5 has learned_absolute"):
+        _validated("t5", "--encoder-seq-length", "64", "--decoder-seq-length", "32",
+                   "--position-embedding-type", "rope")  # fmt: skip
+    for family in ("gpt", "bert", "mamba"):
+        with pytest.raises(GigatronError, match="--encoder-num-layers: the .* no encoder-decoder"):
+            _validated(family, "--seq-length", "64", "--encoder-num-layers", "2")

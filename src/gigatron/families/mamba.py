@@ -28,7 +28,6 @@ def mamba_forward_flops_per_token(hidden_size: int, mamba: MambaSpec) -> float:
 def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> float:
     """Training FLOPs (3x forward) of one iteration: each layer counted by its kind."""
     m = cfg.model
-    refuse_t5_flags(cfg, "mamba")
     pattern = hybrid_pattern(cfg)
 
     def transformer_part(ffn: int, with_attention: bool) -> float:
@@ -51,6 +50,7 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
 
 def validate(cfg) -> None:
     """The pattern's rules, and what Mamba layers cannot do."""
+    refuse_t5_flags(cfg, "mamba")
     pattern = hybrid_pattern(cfg)
     mamba = MambaSpec.from_config(cfg)
     if MAMBA not in pattern:
