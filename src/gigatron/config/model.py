@@ -11,6 +11,12 @@ from gigatron.config.fields import flag_field
 @dataclass
 class ModelConfig:
     num_layers: Optional[int] = flag_field(None, "number of transformer layers")
+    encoder_num_layers: Optional[int] = flag_field(
+        None, "encoder layers of an encoder-decoder model (T5); default --num-layers"
+    )
+    decoder_num_layers: Optional[int] = flag_field(
+        None, "decoder layers of an encoder-decoder model (T5); default --num-layers"
+    )
     hidden_size: Optional[int] = flag_field(None, "transformer hidden size")
     ffn_hidden_size: Optional[int] = flag_field(
         None, "MLP hidden size; default 4*hidden, or the SwiGLU size with --swiglu"
@@ -20,11 +26,25 @@ class ModelConfig:
     num_query_groups: int = flag_field(1, "number of key/value groups with --group-query-attention")
     kv_channels: Optional[int] = flag_field(None, "projection size per head; default hidden/heads")
     seq_length: Optional[int] = flag_field(None, "sequence length of a training sample")
+    encoder_seq_length: Optional[int] = flag_field(
+        None, "encoder sequence length of an encoder-decoder model (T5); sets --seq-length"
+    )
+    decoder_seq_length: Optional[int] = flag_field(
+        None, "decoder sequence length of an encoder-decoder model (T5)"
+    )
     max_position_embeddings: Optional[int] = flag_field(
         None, "size of the position table; default --seq-length"
     )
     position_embedding_type: str = flag_field(
-        "learned_absolute", "position encoding", choices=["learned_absolute", "rope", "none"]
+        "learned_absolute",
+        "position encoding (relative: T5's bucketed attention bias, the t5 family only)",
+        choices=["learned_absolute", "rope", "relative", "none"],
+    )
+    relative_attention_num_buckets: int = flag_field(
+        32, "buckets of the relative position bias (--position-embedding-type relative)"
+    )
+    relative_attention_max_distance: int = flag_field(
+        128, "distance from which relative positions share the last bucket (relative)"
     )
     rotary_percent: float = flag_field(1.0, "fraction of each head's channels that RoPE rotates")
     rotary_base: int = flag_field(10000, "RoPE base period")
@@ -39,6 +59,11 @@ class ModelConfig:
     normalization: str = flag_field("LayerNorm", "norm layer", choices=["LayerNorm", "RMSNorm"])
     layernorm_epsilon: float = flag_field(1e-5, "epsilon of the norm layers", flag="--norm-epsilon")
     swiglu: bool = flag_field(False, "gated SiLU MLP (Llama style)")
+    geglu: bool = flag_field(
+        False,
+        "gated GeLU MLP (T5 v1.1's gated-gelu; with --openai-gelu the tanh GeLU it uses); "
+        "a gigatron flag",
+    )
     add_bias_linear: bool = flag_field(
         True, "drop the biases of all linear layers", flag="--disable-bias-linear", store_false=True
     )

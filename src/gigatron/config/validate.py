@@ -49,6 +49,11 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
     pattern = m.hybrid_layer_pattern or m.hybrid_override_pattern
     if m.num_layers is None and pattern:
         m.num_layers = len(pattern)  # a hybrid stack's layer count is its pattern's (Megatron)
+    # Encoder-decoder models (T5), as Megatron: the encoder's values stand in for the shared ones.
+    if m.num_layers is None and m.encoder_num_layers is not None:
+        m.num_layers = m.encoder_num_layers
+    if m.seq_length is None and m.encoder_seq_length is not None:
+        m.seq_length = m.encoder_seq_length
     if m.hidden_size is not None and m.ffn_hidden_size is None:
         if m.swiglu:
             # Keeps the parameter count of a 4h GeLU MLP, rounded down to a multiple of 64.
@@ -71,7 +76,7 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
             "--sequence-parallel needs --tensor-model-parallel-size > 1; turned off", stacklevel=2
         )
     if m.max_position_embeddings is None and m.seq_length is not None:
-        m.max_position_embeddings = m.seq_length
+        m.max_position_embeddings = max(m.seq_length, m.decoder_seq_length or 0)
     if cfg.moe.num_experts and cfg.moe.moe_ffn_hidden_size is None:
         cfg.moe.moe_ffn_hidden_size = m.ffn_hidden_size
     if cfg.moe.num_experts and p.expert_tensor_parallel_size is None:
@@ -340,6 +345,10 @@ def moe_problems(cfg: GigatronConfig, world_size: int | None = None) -> list[str
                 f"--expert-model-parallel-size {p.expert_model_parallel_size} needs --num-experts"
             )
         return problems
+    if m.geglu:
+        problems.append(
+            "--geglu: MoE experts have SwiGLU or GeLU MLPs only; use --swiglu or drop --geglu"
+        )
     experts, ep, tp = e.num_experts, p.expert_model_parallel_size, p.tensor_model_parallel_size
     if experts < 1:
         return [f"--num-experts {experts} must be positive (leave it out for a dense model)"]

@@ -18,6 +18,7 @@ from gigatron.models.gpt import build_model
 from gigatron.models.hybrid_layout import refuse_hybrid_flags
 from gigatron.models.moe import MoESpec, collect_moe_reports, update_expert_bias
 from gigatron.models.moe import report_names as moe_report_names
+from gigatron.models.t5 import refuse_t5_flags
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from gigatron.training.batch import get_batch
@@ -96,6 +97,7 @@ def iteration_reports(cfg, pctx: ParallelContext, model_chunks: list[nn.Module])
 
 def validate(cfg) -> None:
     refuse_hybrid_flags(cfg, "gpt")
+    refuse_t5_flags(cfg, "gpt")
 
 
 FAMILY = ModelFamily(

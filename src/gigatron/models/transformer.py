@@ -149,7 +149,8 @@ def _flash_attn_func():
 class CoreAttention(nn.Module):
     """softmax(q k^T / sqrt(hn) + mask) v on this rank's heads; q [s, b, np, hn], k/v
     [s, b, ng, hn] -> [s, b, np * hn]. With no mask, attention is causal unless
-    `config.causal_attention` is False (then every position sees every other).
+    `config.causal_attention` is False (then every position sees every other). The mask is bool
+    (True = masked) or a float bias [b or 1, np, sq, sk] added to the scores.
 
     Paths: flash-attn (`--use-flash-attn`, causal masks only), an explicit one when
     `--apply-query-key-layer-scaling` or `--attention-softmax-in-fp32` ask for control of the
@@ -206,9 +207,7 @@ class CoreAttention(nn.Module):
                     qb,
                     kb,
                     vb,
-                    # Data masks are True where attention is forbidden; SDPA's bool mask is
-                    # True where it is allowed.
-                    attn_mask=None if attention_mask is None else ~attention_mask,
+                    attn_mask=_sdpa_mask(attention_mask, qb.dtype),
                     dropout_p=dropout_p,
                     is_causal=attention_mask is None and self.causal,
                     scale=self.scale,
@@ -230,11 +229,23 @@ class CoreAttention(nn.Module):
         if attention_mask is None and self.causal:
             s_q, s_k = scores.shape[-2:]
             attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
-        if attention_mask is not None:
+        if attention_mask is not None and attention_mask.is_floating_point():
+            scores = scores + attention_mask.to(scores.dtype)
+        elif attention_mask is not None:
             scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
         probs = scores.softmax(dim=-1).to(v.dtype)
         probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
         return torch.matmul(probs, v)
+
+
+def _sdpa_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Data masks are bool, True where attention is forbidden (SDPA's bool mask is True where it
+    is allowed), or a float bias added to the scores (T5's relative positions)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.is_floating_point():
+        return attention_mask.to(dtype)
+    return ~attention_mask
 
 
 class SelfAttention(nn.Module):
@@ -310,7 +321,8 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """linear_fc1 -> GeLU, or SwiGLU on the fused [gate; up] output -> linear_fc2."""
+    """linear_fc1 -> GeLU, or SwiGLU / GeGLU (T5 v1.1) on the fused [gate; up] output ->
+    linear_fc2."""
 
     def __init__(
         self,
@@ -321,8 +333,10 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         self.swiglu = config.swiglu
+        self.geglu = config.geglu and not config.swiglu
+        gated = self.swiglu or self.geglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
-        fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
+        fc1_out = config.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
             fc1_out,
@@ -330,7 +344,7 @@ class MLP(nn.Module):
             bias=config.add_bias_linear,
             sequence_parallel=config.sequence_parallel,
             init_std=config.init_method_std,
-            stride=2 if config.swiglu else 1,
+            stride=2 if gated else 1,
             dtype=config.params_dtype,
         )
         self.linear_fc2 = RowParallelLinear(
@@ -348,6 +362,9 @@ class MLP(nn.Module):
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.geglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.gelu(gate, approximate=self.gelu_approximate) * up
         else:
             h = F.gelu(h, approximate=self.gelu_approximate)
         return self.linear_fc2(h)

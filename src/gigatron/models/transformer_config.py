@@ -36,6 +36,9 @@ class TransformerConfig:
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     swiglu: bool = False
+    geglu: bool = False
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
     openai_gelu: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
