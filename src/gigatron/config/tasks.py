@@ -1,6 +1,5 @@
 """Flags of the downstream tasks (Megatron's tasks/main.py): `gigatron evaluate` (zero-shot
-WikiText / LAMBADA) and `gigatron finetune` (GLUE MNLI/QQP, RACE). Not a section of
-GigatronConfig: only these two commands parse them."""
+WikiText / LAMBADA). Not a section of GigatronConfig: only the task commands parse them."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from typing import Optional
 from gigatron.config.fields import add_dataclass_arguments, flag_field
 
 ZERO_SHOT_TASKS = ["WIKITEXT103", "LAMBADA"]
-FINETUNE_TASKS = ["MNLI", "QQP", "RACE"]
 
 
 @dataclass
@@ -24,18 +22,6 @@ class ZeroShotTaskConfig:
     )
     strict_lambada: bool = flag_field(
         False, "LAMBADA: the target is the whole last word (all of its tokens), not its last token"
-    )
-
-
-@dataclass
-class FinetuneTaskConfig:
-    task: Optional[str] = flag_field(None, "the fine-tuning task", choices=FINETUNE_TASKS)
-    train_data: list[str] = flag_field([], "training files (GLUE TSV) or RACE directories")
-    valid_data: list[str] = flag_field(
-        [], "validation files or directories (each gets its accuracy every epoch)"
-    )
-    epochs: Optional[int] = flag_field(
-        None, "passes over the training data (0: evaluate the validation sets only)"
     )
 
 
