@@ -131,3 +131,28 @@ def test_harness_lambada_agrees_with_gigatron_evaluate(memorised, tmp_path):
     assert ours["num_examples"] == 24
     assert ours["num_correct"] >= 4  # the memorised passages
     assert harness == pytest.approx(ours["accuracy"])
+
+
+def test_gigatron_lm_eval_command_runs_the_harness(memorised, tmp_path):
+    import subprocess
+    import sys
+
+    from task_helpers import env
+
+    directory, _, _, data, _ = memorised
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "lambada_local.yaml").write_text(TASK_YAML.format(path=data))
+    command = [sys.executable, "-m", "gigatron.cli", "lm-eval", "--model", "gigatron",
+               "--model_args", f"load={directory / 'ckpt'},device=cpu", "--tasks",
+               "gigatron_lambada_local", "--include_path", str(tasks)]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=300,
+        env={**env(), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    ours = evaluate(["--load", str(directory / "ckpt"), "--device", "cpu", "--task", "LAMBADA",
+                     "--strict-lambada", "--valid-data", str(data), "--no-progress-bar"])  # fmt: skip
+    (row,) = [line for line in result.stdout.splitlines() if "|gigatron_lambada_local|" in line]
+    value = float(row.split("|")[7])
+    assert value == pytest.approx(ours["accuracy"], abs=5e-5)

@@ -65,8 +65,13 @@ class GigatronLM(LM):
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
         values = dict(item.split("=", 1) for item in arg_string.split(",") if item)
+        return cls.create_from_arg_obj(values, additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """--model_args win over the harness's own options (--device, --batch_size)."""
         extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
-        return cls(**{**extra, **values})
+        return cls(**{**extra, **arg_dict})
 
     # ---- scoring ------------------------------------------------------------------------------
     def tok_encode(self, text: str) -> list[int]:
