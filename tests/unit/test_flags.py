@@ -33,6 +33,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from gigatron.checkpoint import convert, hf_convert
     from gigatron.data import merge, preprocess, train_tokenizer
     from gigatron.inference import generate, server
+    from gigatron.tasks import evaluate
     from gigatron.training import quickstart
 
     return {
@@ -45,11 +46,13 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "convert": hf_convert._parser,
         "generate": generate.build_parser,
         "serve": server.build_parser,
+        "evaluate": evaluate.build_parser,
     }
 
 
-# `gigatron presets` takes no flags; `text-generation-cli` only HOST:PORT.
-NO_FLAGS = {"presets", "text-generation-cli"}
+# `gigatron presets` takes no flags; `text-generation-cli` only HOST:PORT; `lm-eval` passes its
+# flags to the lm-evaluation-harness command line.
+NO_FLAGS = {"presets", "text-generation-cli", "lm-eval"}
 
 
 def _long_option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
