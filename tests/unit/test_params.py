@@ -28,6 +28,15 @@ SHAPES = {
         position_embedding_type="none",
         ffn_hidden_size=96,
     ),
+    "gpt-oss-attention": dict(
+        num_attention_heads=4,
+        normalization="RMSNorm",
+        quick_geglu=True,
+        qk_layernorm=True,
+        softmax_type="learnable",
+        window_size="(7,0)",
+        window_attn_skip_freq="2",
+    ),
 }
 LAYOUTS = [
     dict(tp=1, pp=1),

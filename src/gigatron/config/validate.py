@@ -72,6 +72,8 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         )
     if m.max_position_embeddings is None and m.seq_length is not None:
         m.max_position_embeddings = m.seq_length
+    if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
+        m.position_embedding_type = "none"  # --no-position-embedding's older meaning
     if cfg.moe.num_experts and cfg.moe.moe_ffn_hidden_size is None:
         cfg.moe.moe_ffn_hidden_size = m.ffn_hidden_size
     if cfg.moe.num_experts and p.expert_tensor_parallel_size is None:
@@ -118,6 +120,44 @@ def _context_parallel_rules(cfg: GigatronConfig, problems: list[str]) -> None:
             f"--cp-comm-type a2a: the {heads} attention heads per tensor-parallel rank do not "
             f"divide over --context-parallel-size {cp}; use p2p or allgather"
         )
+
+
+def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
+    """Sliding windows, softmax sinks, gated activations, YaRN and multi-latent attention."""
+    from gigatron.config.model import parse_window_size, parse_window_skip_freq
+
+    m, p = cfg.model, cfg.parallel
+    try:
+        parse_window_size(m.window_size)
+        parse_window_skip_freq(m.window_attn_skip_freq, m.num_layers or 0)
+    except GigatronError as error:
+        problems.append(str(error))
+    if m.window_attn_skip_freq is not None and m.window_size is None:
+        problems.append("--window-attn-skip-freq needs --window-size")
+    if p.context_parallel_size > 1 and (m.window_size or m.softmax_type != "vanilla"):
+        problems.append(
+            "--window-size / --softmax-type: the context-parallel attention has no sliding "
+            "window or softmax sinks; use --context-parallel-size 1"
+        )
+    if m.swiglu and m.quick_geglu:
+        problems.append("--swiglu and --quick-geglu both given; choose one gated activation")
+    gated = m.swiglu or m.quick_geglu
+    if not gated and (m.glu_linear_offset or m.activation_func_clamp_value is not None):
+        problems.append(
+            "--glu-linear-offset / --activation-func-clamp-value act on gated MLPs; add "
+            "--swiglu or --quick-geglu"
+        )
+    if m.activation_func_clamp_value is not None and m.activation_func_clamp_value <= 0:
+        problems.append(
+            f"--activation-func-clamp-value {m.activation_func_clamp_value} must be > 0"
+        )
+    if m.rope_type == "yarn" and not getattr(m, "multi_latent_attention", False):
+        problems.append(
+            "--rope-type yarn selects the RoPE of multi-latent attention; for other attention "
+            "use --position-embedding-type yarn"
+        )
+    if m.rotary_scaling_factor <= 0:
+        problems.append(f"--rotary-scaling-factor {m.rotary_scaling_factor} must be positive")
 
 
 def validate_config(
@@ -224,6 +264,7 @@ def validate_config(
             "--no-create-attention-mask-in-dataloader"
         )
     problems.extend(refused_settings(cfg))
+    _attention_variant_rules(cfg, problems)
     _context_parallel_rules(cfg, problems)
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         problems.append(

@@ -103,6 +103,16 @@ class KVCache:
         starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
         return starts_t[:, None] + torch.arange(width, device=self.device)[None, :]
 
+    def attention_mask_for(self, core_attention) -> torch.Tensor:
+        """This step's mask for a core attention module: with a sliding window
+        (`core_attention.window` = (left, right)), keys before each query's window are masked too."""
+        window = getattr(core_attention, "window", None)
+        if window is None or window[0] < 0:
+            return self.attention_mask
+        queries = self._write_positions.t()[:, None, :, None]  # [b, 1, n, 1]
+        keys = torch.arange(self._read_length, device=self.device)
+        return self.attention_mask | (keys < queries - window[0])
+
     def update(
         self, layer_number: int, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,8 +13,9 @@ from torch import nn
 
 from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
-from gigatron.models.transformer import LayerParts, RotaryEmbedding, TransformerBlock
+from gigatron.models.transformer import LayerParts, TransformerBlock
 from gigatron.models.transformer_config import TransformerConfig
+from gigatron.models.yarn import rotary_embedding
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import sequence_positions
 from gigatron.parallel.random import ModelParallelRNG
@@ -50,11 +51,7 @@ class GPTModel(nn.Module):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, pctx, vocab_size, self.rng)
-        self.rotary = (
-            RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
-            if config.position_embedding_type == "rope"
-            else None
-        )
+        self.rotary = rotary_embedding(config)
         self.decoder = TransformerBlock(
             config, pctx, layer_numbers, post_process, self.rng, parts, layer_builder
         )

@@ -43,12 +43,16 @@ def _attention_counts(spec: TransformerConfig) -> tuple[int, int]:
     if bias or spec.add_qkv_bias:
         split += qkv_out
     replicated = 2 * _norm_count(spec) + (h if bias else 0)  # norms, proj bias
+    if spec.qk_layernorm:
+        replicated += 2 * _norm_count(spec, hn)
+    if spec.softmax_type == "learnable":
+        split += spec.num_attention_heads
     return split, replicated
 
 
 def _dense_mlp_counts(spec: TransformerConfig, ffn: int | None = None) -> tuple[int, int]:
     h, ffn = spec.hidden_size, ffn or spec.ffn_hidden_size
-    fc1_out = ffn * (2 if spec.swiglu else 1)
+    fc1_out = ffn * (2 if spec.gated_linear_unit else 1)
     split = h * fc1_out + ffn * h + (fc1_out if spec.add_bias_linear else 0)
     return split, (h if spec.add_bias_linear else 0)  # fc2 bias
 
@@ -65,8 +69,8 @@ def _moe_mlp_counts(spec: TransformerConfig, moe) -> tuple[int, int, int]:
     return shared_split, replicated, moe.num_experts * expert_split
 
 
-def _norm_count(spec: TransformerConfig) -> int:
-    return spec.hidden_size * (2 if spec.normalization == "LayerNorm" else 1)
+def _norm_count(spec: TransformerConfig, size: int | None = None) -> int:
+    return (size or spec.hidden_size) * (2 if spec.normalization == "LayerNorm" else 1)
 
 
 def count_parameters(

@@ -16,10 +16,13 @@ loop over the experts' contiguous blocks (always available; the reference).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gigatron.models.activations import Activation, mlp_activation
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import set_tensor_parallel_attributes
 
@@ -69,12 +72,17 @@ class GroupedExperts(nn.Module):
         output_init_std: float,
         params_dtype: torch.dtype,
         grouped_gemm: bool,
+        activation: Activation | None = None,
     ) -> None:
+        """`swiglu`: the MLP is gated (fc1 = [gate; up]); `activation` (default: SwiGLU or GeLU
+        from `swiglu` and `openai_gelu`) is models/activations.py's choice for the model."""
         super().__init__()
         etp = pctx.etp_size
         local_ffn = ffn_hidden_size // etp
         self.swiglu = swiglu
-        self.gelu_approximate = "tanh" if openai_gelu else "none"
+        self.activation = activation or mlp_activation(
+            SimpleNamespace(swiglu=swiglu, openai_gelu=openai_gelu)
+        )
         fc1_out = local_ffn * (2 if swiglu else 1)
         shape1 = (num_local_experts, fc1_out, hidden_size)
         shape2 = (num_local_experts, hidden_size, local_ffn)
@@ -109,23 +117,17 @@ class GroupedExperts(nn.Module):
         if self.grouped_gemm_used and x.shape[0] > 0:
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             h = _ContiguousGrad.apply(torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets))
-            h = self._activation(h)
+            h = self.activation(h)
             return _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets))
         blocks = x.split(tokens_per_expert.tolist())
         outputs = [
-            F.linear(self._activation(F.linear(block, w1[e])), w2[e])
+            F.linear(self.activation(F.linear(block, w1[e])), w2[e])
             for e, block in enumerate(blocks)
         ]
         if not outputs:
             return x.new_zeros((0, w2.shape[1]))
         # Experts without tokens still join the graph, so their weights get zero gradients.
         return torch.cat(outputs)
-
-    def _activation(self, h: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(h, approximate=self.gelu_approximate)
 
 
 class _Weight(nn.Module):

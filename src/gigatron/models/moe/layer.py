@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from gigatron.errors import GigatronError
+from gigatron.models.activations import mlp_activation
 from gigatron.models.moe.dispatcher import build_dispatcher
 from gigatron.models.moe.experts import GroupedExperts
 from gigatron.models.moe.router import TopKRouter
@@ -56,12 +57,13 @@ class MoELayer(nn.Module):
             spec.hidden_size,
             moe.ffn_hidden_size,
             pctx,
-            swiglu=spec.swiglu,
+            swiglu=spec.gated_linear_unit,
             openai_gelu=spec.openai_gelu,
             init_std=spec.init_method_std,
             output_init_std=spec.output_init_std,
             params_dtype=spec.params_dtype,
             grouped_gemm=moe.grouped_gemm,
+            activation=mlp_activation(spec),
         )
         self.shared_experts = (
             SharedExpertMLP(spec, pctx, moe.shared_expert_size, moe.shared_expert_gate)

@@ -1,0 +1,102 @@
+"""Architectures of gpt-oss and DeepSeek at tensor parallel size 2 (with and without sequence
+parallelism) equal the single-process model: logits, per-token loss and every gradient
+(gathered to full tensors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gigatron.config.root import GigatronConfig
+from gigatron.families.gpt import token_losses
+from gigatron.models import build_model
+from gigatron.parallel.context import ParallelContext, run_distributed
+from gigatron.parallel.grad_sync import finalize_model_grads
+from gigatron.parallel.tensor_parallel import merge_partitions
+
+pytestmark = pytest.mark.distributed
+
+SEQ, BATCH, VOCAB = 16, 2, 100
+
+FLAVORS = {
+    # Sliding windows on odd layers, learned sinks, query/key norms, YaRN, clamped quick GeGLU.
+    "gpt-oss": dict(
+        num_attention_heads=4,
+        group_query_attention=True,
+        num_query_groups=2,
+        normalization="RMSNorm",
+        position_embedding_type="yarn",
+        rotary_scaling_factor=4.0,
+        yarn_original_max_position_embeddings=8,
+        window_size="(3,0)",
+        window_attn_skip_freq="2",
+        softmax_type="learnable",
+        qk_layernorm=True,
+        quick_geglu=True,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=0.5,
+        layernorm_zero_centered_gamma=True,
+    ),
+}
+
+
+def _config(flavor: str, tp: int, sequence_parallel: bool) -> GigatronConfig:
+    cfg = GigatronConfig()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.seq_length = 2, 64, SEQ
+    m.padded_vocab_size = 128
+    m.attention_dropout = m.hidden_dropout = 0.0
+    m.init_method_std = 0.2  # large enough that norms, clamps and sinks see varied values
+    for key, value in FLAVORS[flavor].items():
+        setattr(m, key, value)
+    cfg.parallel.tensor_model_parallel_size = tp
+    cfg.parallel.sequence_parallel = sequence_parallel
+    return cfg
+
+
+def _gather(tensor: torch.Tensor, param: torch.nn.Parameter, pctx: ParallelContext):
+    if not getattr(param, "tensor_model_parallel", False):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(pctx.tp_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=pctx.group("tp"))
+    return merge_partitions(parts, param.partition_dim, param.partition_stride)
+
+
+def _compare(rank: int, world_size: int) -> None:
+    pctx = ParallelContext.from_sizes(tp=world_size)
+    single = ParallelContext.single()
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    for flavor in FLAVORS:
+        (reference,) = build_model(_config(flavor, 1, False), single)
+        ref_logits = reference(tokens, positions)
+        ref_loss = token_losses(ref_logits, labels, single)
+        ref_loss.sum().backward()
+        ref_params = dict(reference.named_parameters())
+        for sequence_parallel in (False, True):
+            case = f"{flavor} sp={sequence_parallel}"
+            (model,) = build_model(_config(flavor, world_size, sequence_parallel), pctx)
+            for name, param in model.named_parameters():
+                full = _gather(param.detach(), param, pctx)
+                assert torch.equal(full, ref_params[name]), (case, name)
+            logits = model(tokens, positions)
+            parts = [torch.empty_like(logits.contiguous()) for _ in range(world_size)]
+            dist.all_gather(parts, logits.contiguous(), group=pctx.group("tp"))
+            torch.testing.assert_close(torch.cat(parts, -1), ref_logits, rtol=1e-4, atol=1e-5)
+            loss = token_losses(logits, labels, pctx)
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=case)
+            loss.sum().backward()
+            finalize_model_grads([model], pctx)
+            for name, param in model.named_parameters():
+                grad = _gather(param.grad, param, pctx)
+                expected = ref_params[name].grad
+                torch.testing.assert_close(
+                    grad, expected, rtol=1e-4, atol=2e-5, msg=f"{case} {name}"
+                )
+
+
+def test_architectures_at_tp2_match_single_process() -> None:
+    run_distributed(_compare, 2)

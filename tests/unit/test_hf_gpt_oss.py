@@ -1,0 +1,111 @@
+"""gigatron equals Hugging Face gpt-oss (`GptOssForCausalLM`, random-initialised from a small
+one-expert config): learned softmax sinks, sliding windows on alternate layers, YaRN RoPE with a
+fractional correction range, biases everywhere, the clamped quick-GeGLU MLP with offset 1. The
+sequence is longer than the window and YaRN interpolates part of the channels, so each feature matters;
+the map goes both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GptOssConfig, GptOssForCausalLM
+
+from gigatron.checkpoint.hf_gpt_oss import GptOssHFAdapter
+from gigatron.config.root import GigatronConfig
+from gigatron.config.validate import finalize_config, validate_config
+from gigatron.errors import GigatronError
+from gigatron.models import build_model
+from gigatron.parallel.context import ParallelContext
+
+VOCAB, SEQ = 100, 24
+
+
+def _hf_config(**overrides) -> GptOssConfig:
+    values = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=1,
+        num_experts_per_tok=1,
+        sliding_window=5,
+        max_position_embeddings=128,
+        swiglu_limit=0.5,  # small enough that the clamp acts on these activations
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 8.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+        },
+        attn_implementation="eager",
+    )
+    values.update(overrides)
+    return GptOssConfig(**values)
+
+
+def _gigatron(hf_config, **overrides):
+    values = GptOssHFAdapter().config_from_hf(hf_config)
+    vocab = values.pop("vocab_size")
+    cfg = GigatronConfig()
+    for key, value in {**values, **overrides}.items():
+        setattr(cfg.model, key, value)
+    cfg.model.attention_dropout = cfg.model.hidden_dropout = 0.0
+    finalize_config(cfg)
+    validate_config(cfg)
+    (model,) = build_model(cfg, ParallelContext.single(), vocab_size=vocab)
+    return model.eval()
+
+
+def _logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens, torch.arange(SEQ).expand(tokens.shape[0], SEQ))[..., :VOCAB]
+
+
+def test_gpt_oss_same_logits_as_hugging_face():
+    torch.manual_seed(0)
+    hf_config = _hf_config()
+    hf_model = GptOssForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.2)
+    adapter = GptOssHFAdapter()
+    model = _gigatron(hf_config)
+    model.load_state_dict(adapter.from_hf(hf_model.state_dict(), hf_config, model.vocab_size))
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf_model(tokens).logits
+    logits = _logits(model, tokens)
+    error = ((logits - expected).norm() / expected.norm()).item()
+    assert error < 1e-5, error
+
+    back = adapter.to_hf(model.state_dict(), hf_config)
+    reference = hf_model.state_dict()
+    assert back.keys() == reference.keys()
+    for name, tensor in reference.items():
+        if ".mlp.router." not in name:  # one expert: the router's weights do not matter
+            torch.testing.assert_close(back[name], tensor, rtol=0, atol=0, msg=name)
+
+    # Each feature changes the logits: without it the model is not Hugging Face's.
+    state = model.state_dict()
+    for change in (
+        dict(window_size=None, window_attn_skip_freq=None),
+        dict(softmax_type="vanilla"),
+        dict(activation_func_clamp_value=None),
+        dict(yarn_correction_range_round_to_int=True),
+    ):
+        other = _gigatron(hf_config, **change)
+        other.load_state_dict(state, strict=False)
+        changed = ((_logits(other, tokens) - expected).norm() / expected.norm()).item()
+        assert changed > 1e-3, change
+
+
+def test_gpt_oss_with_several_experts_is_refused():
+    with pytest.raises(GigatronError, match="4 experts"):
+        GptOssHFAdapter().config_from_hf(_hf_config(num_local_experts=4, num_experts_per_tok=2))
