@@ -38,6 +38,34 @@ FLAVORS = {
         activation_func_clamp_value=0.5,
         layernorm_zero_centered_gamma=True,
     ),
+    # Multi-latent attention with both latents and their norms, YaRN with mscale.
+    "deepseek": dict(
+        num_attention_heads=4,
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=12,
+        rotary_scaling_factor=4.0,
+        mscale_all_dim=0.7,
+        yarn_original_max_position_embeddings=8,
+    ),
+    # A full query projection, plain RoPE, no latent norms.
+    "mla-rope": dict(
+        num_attention_heads=4,
+        multi_latent_attention=True,
+        rope_type="rope",
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=8,
+    ),
 }
 
 

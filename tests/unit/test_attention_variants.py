@@ -178,3 +178,12 @@ def test_attention_variant_rules():
         parse_config(["--rope-type", "yarn"])
     with pytest.raises(GigatronError, match="gated MLPs"):
         parse_config(["--glu-linear-offset", "1.0"])
+
+
+@pytest.mark.parametrize("family", ["bert", "mamba"])
+def test_multi_latent_attention_is_refused_outside_gpt(family):
+    from gigatron.families import get_family
+
+    cfg = parse_config(["--multi-latent-attention", "--num-layers", "2"])
+    with pytest.raises(GigatronError, match=f"the {family} family does not build it"):
+        get_family(family).validate(cfg)

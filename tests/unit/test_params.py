@@ -37,6 +37,25 @@ SHAPES = {
         window_size="(7,0)",
         window_attn_skip_freq="2",
     ),
+    "mla": dict(
+        num_attention_heads=4,
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=12,
+    ),
+    "mla-no-q-latent": dict(
+        num_attention_heads=4,
+        multi_latent_attention=True,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=12,
+        add_bias_linear=False,
+    ),
 }
 LAYOUTS = [
     dict(tp=1, pp=1),

@@ -157,6 +157,16 @@ class ModelConfig:
     mamba_num_heads: Optional[int] = flag_field(
         None, "Mamba heads; default 2 * hidden / --mamba-head-dim"
     )
+    multi_latent_attention: bool = flag_field(
+        False, "multi-latent attention (DeepSeek-V2/V3): keys and values from a low-rank latent"
+    )
+    q_lora_rank: Optional[int] = flag_field(
+        None, "MLA: rank of the query latent (None: a full query projection)"
+    )
+    kv_lora_rank: int = flag_field(32, "MLA: rank of the key/value latent")
+    qk_head_dim: int = flag_field(128, "MLA: query/key channels per head without RoPE")
+    qk_pos_emb_head_dim: int = flag_field(64, "MLA: query/key channels per head with RoPE")
+    v_head_dim: int = flag_field(128, "MLA: value channels per head")
     hybrid_layer_pattern: Optional[str] = flag_field(
         None, "hybrid stack, one symbol per layer: M Mamba, * attention, - MLP (e.g. M-M*-M-)"
     )

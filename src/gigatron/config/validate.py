@@ -151,10 +151,15 @@ def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
         problems.append(
             f"--activation-func-clamp-value {m.activation_func_clamp_value} must be > 0"
         )
-    if m.rope_type == "yarn" and not getattr(m, "multi_latent_attention", False):
+    if m.rope_type == "yarn" and not m.multi_latent_attention:
         problems.append(
             "--rope-type yarn selects the RoPE of multi-latent attention; for other attention "
             "use --position-embedding-type yarn"
+        )
+    if m.multi_latent_attention and p.context_parallel_size > 1:
+        problems.append(
+            "--multi-latent-attention: the context-parallel attention assumes equal key and "
+            "value head sizes; use --context-parallel-size 1"
         )
     if m.rotary_scaling_factor <= 0:
         problems.append(f"--rotary-scaling-factor {m.rotary_scaling_factor} must be positive")

@@ -8,6 +8,8 @@ their global index. The model returns logits; the loss is the family's (families
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -137,6 +139,10 @@ def build_model(
 
     config = TransformerConfig.from_config(cfg)
     parts = layer_parts_for_run(cfg, pctx, moe_layer_parts(cfg, parts))
+    if config.multi_latent_attention and parts.self_attention is None:
+        from gigatron.models.mla import MLASelfAttention
+
+        parts = dataclasses.replace(parts, self_attention=MLASelfAttention)
 
     def make_chunk(padded, pre_process, post_process, layers, rng):
         return GPTModel(config, pctx, padded, pre_process, post_process, layers, rng, parts)

@@ -34,8 +34,27 @@ def _layer_counts(spec: TransformerConfig) -> tuple[int, int]:
     return split + mlp_split, replicated + mlp_replicated
 
 
+def _mla_counts(spec: TransformerConfig) -> tuple[int, int]:
+    """Multi-latent attention (without the layer norms): (tensor-parallel-split, replicated)."""
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    q_out = heads * (spec.qk_head_dim + spec.qk_pos_emb_head_dim)
+    kv_rank, q_rank = spec.kv_lora_rank, spec.q_lora_rank
+    split = kv_rank * heads * (spec.qk_head_dim + spec.v_head_dim) + heads * spec.v_head_dim * h
+    split += (q_rank or h) * q_out
+    replicated = h * (kv_rank + spec.qk_pos_emb_head_dim) + (h * q_rank if q_rank else 0)
+    if spec.qk_layernorm:
+        replicated += _norm_count(spec, kv_rank) + (_norm_count(spec, q_rank) if q_rank else 0)
+    return split, replicated
+
+
 def _attention_counts(spec: TransformerConfig) -> tuple[int, int]:
     """Attention and the two norms: (tensor-parallel-split, replicated)."""
+    if spec.multi_latent_attention:
+        split, replicated = _mla_counts(spec)
+        replicated += 2 * _norm_count(spec) + (spec.hidden_size if spec.add_bias_linear else 0)
+        return split + (
+            spec.num_attention_heads if spec.softmax_type == "learnable" else 0
+        ), replicated
     h, hn = spec.hidden_size, spec.kv_channels
     bias = spec.add_bias_linear
     qkv_out = (spec.num_attention_heads + 2 * spec.num_query_groups) * hn
