@@ -1,6 +1,7 @@
-"""Architectures of gpt-oss and DeepSeek at tensor parallel size 2 (with and without sequence
-parallelism) equal the single-process model: logits, per-token loss and every gradient
-(gathered to full tensors)."""
+"""Architectures of gpt-oss and DeepSeek (sliding windows, sinks, multi-latent attention,
+multi-token prediction) at tensor parallel size 2, with and without sequence parallelism, equal
+the single-process model: logits (every depth's with MTP), the loss with its MTP part, and every
+gradient (gathered to full tensors)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gigatron.config.root import GigatronConfig
-from gigatron.families.gpt import token_losses
+from gigatron.families.gpt import gpt_loss
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.grad_sync import finalize_model_grads
@@ -56,6 +57,8 @@ FLAVORS = {
         mscale_all_dim=0.7,
         yarn_original_max_position_embeddings=8,
     ),
+    # Two multi-token prediction depths after the decoder.
+    "mtp": dict(num_attention_heads=4, position_embedding_type="rope", mtp_num_layers=2),
     # A full query projection, plain RoPE, no latent norms.
     "mla-rope": dict(
         num_attention_heads=4,
@@ -91,18 +94,24 @@ def _gather(tensor: torch.Tensor, param: torch.nn.Parameter, pctx: ParallelConte
     return merge_partitions(parts, param.partition_dim, param.partition_stride)
 
 
+def _all_logits(output) -> list[torch.Tensor]:
+    """The main logits and, with multi-token prediction, each depth's."""
+    return [output[0], *output[1]] if isinstance(output, tuple) else [output]
+
+
 def _compare(rank: int, world_size: int) -> None:
     pctx = ParallelContext.from_sizes(tp=world_size)
     single = ParallelContext.single()
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    loss_mask = torch.ones(BATCH, SEQ)
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
     for flavor in FLAVORS:
         (reference,) = build_model(_config(flavor, 1, False), single)
-        ref_logits = reference(tokens, positions)
-        ref_loss = token_losses(ref_logits, labels, single)
-        ref_loss.sum().backward()
+        ref_output = reference(tokens, positions)
+        ref_loss, _, ref_reports = gpt_loss(labels, loss_mask, single, 0.3, ref_output)
+        ref_loss.backward()
         ref_params = dict(reference.named_parameters())
         for sequence_parallel in (False, True):
             case = f"{flavor} sp={sequence_parallel}"
@@ -110,13 +119,15 @@ def _compare(rank: int, world_size: int) -> None:
             for name, param in model.named_parameters():
                 full = _gather(param.detach(), param, pctx)
                 assert torch.equal(full, ref_params[name]), (case, name)
-            logits = model(tokens, positions)
-            parts = [torch.empty_like(logits.contiguous()) for _ in range(world_size)]
-            dist.all_gather(parts, logits.contiguous(), group=pctx.group("tp"))
-            torch.testing.assert_close(torch.cat(parts, -1), ref_logits, rtol=1e-4, atol=1e-5)
-            loss = token_losses(logits, labels, pctx)
+            output = model(tokens, positions)
+            for logits, expected in zip(_all_logits(output), _all_logits(ref_output), strict=True):
+                parts = [torch.empty_like(logits.contiguous()) for _ in range(world_size)]
+                dist.all_gather(parts, logits.contiguous(), group=pctx.group("tp"))
+                torch.testing.assert_close(torch.cat(parts, -1), expected, rtol=1e-4, atol=1e-5)
+            loss, _, reports = gpt_loss(labels, loss_mask, pctx, 0.3, output)
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=case)
-            loss.sum().backward()
+            assert reports.keys() == ref_reports.keys()
+            loss.backward()
             finalize_model_grads([model], pctx)
             for name, param in model.named_parameters():
                 grad = _gather(param.grad, param, pctx)

@@ -82,3 +82,18 @@ def test_multi_latent_attention_hand_count():
     dense = model_flops_per_iteration(cfg.model, 1, 100)
     mlp_and_logits = 2 * 2 * 64 * 256 + 2 * 64 * 100
     assert dense == 3 * (19712 + mlp_and_logits) * 8
+
+
+def test_multi_token_prediction_adds_its_layers_projections_and_logits():
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "8"]  # fmt: skip
+    plain = model_flops_per_iteration(parse_config(argv).model, 1, 100)
+    with_mtp = model_flops_per_iteration(
+        parse_config([*argv, "--mtp-num-layers", "1"]).model, 1, 100
+    )
+    three_layers = model_flops_per_iteration(
+        parse_config([*argv[:1], "3", *argv[2:]]).model, 1, 100
+    )
+    # One more layer, eh_proj 2 * 2h * h and logits 2 * h * V per token, x 3 (fwd + bwd) x s.
+    assert with_mtp == three_layers + 3 * 8 * (2 * 2 * 64 * 64 + 2 * 64 * 100)
+    assert with_mtp > plain

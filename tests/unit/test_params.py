@@ -47,6 +47,7 @@ SHAPES = {
         qk_pos_emb_head_dim=8,
         v_head_dim=12,
     ),
+    "mtp": dict(num_attention_heads=4, mtp_num_layers=2),
     "mla-no-q-latent": dict(
         num_attention_heads=4,
         multi_latent_attention=True,
@@ -164,3 +165,16 @@ def test_moe_counts_total_active_and_per_rank():
             chunks = build_model(cfg, pctx, vocab_size=vocab)
             held = sum(p.numel() for chunk in chunks for p in chunk.parameters())
             assert count_parameters(cfg, vocab, pctx).this_rank == held, (sizes, rank)
+
+
+def test_moe_with_multi_token_prediction_counts():
+    cfg = _config("llama-gqa", LAYOUTS[0])
+    e = cfg.moe
+    e.num_experts, e.moe_router_topk, e.moe_layer_freq, e.moe_ffn_hidden_size = 4, 2, "1", 32
+    cfg.model.mtp_num_layers = 1
+    (single,) = build_model(cfg, ParallelContext.single(), vocab_size=100)
+    counts = count_parameters(cfg, 100)
+    assert counts.total == sum(p.numel() for p in single.parameters())
+    # 4 decoder MoE layers and the MTP layer's, each 4 experts of 64 * 64 + 32 * 64; a token
+    # uses 2 of 4.
+    assert counts.active == counts.total - 5 * 4 * (64 * 64 + 32 * 64) // 2

@@ -167,6 +167,12 @@ class ModelConfig:
     qk_head_dim: int = flag_field(128, "MLA: query/key channels per head without RoPE")
     qk_pos_emb_head_dim: int = flag_field(64, "MLA: query/key channels per head with RoPE")
     v_head_dim: int = flag_field(128, "MLA: value channels per head")
+    mtp_num_layers: Optional[int] = flag_field(
+        None, "multi-token prediction: extra layers, each predicting one more token ahead"
+    )
+    mtp_loss_scaling_factor: float = flag_field(
+        0.1, "multi-token prediction: weight of the mean of the MTP losses"
+    )
     hybrid_layer_pattern: Optional[str] = flag_field(
         None, "hybrid stack, one symbol per layer: M Mamba, * attention, - MLP (e.g. M-M*-M-)"
     )

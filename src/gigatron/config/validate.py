@@ -161,6 +161,14 @@ def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
             "--multi-latent-attention: the context-parallel attention assumes equal key and "
             "value head sizes; use --context-parallel-size 1"
         )
+    if m.mtp_num_layers is not None:
+        if m.mtp_num_layers < 1:
+            problems.append(f"--mtp-num-layers {m.mtp_num_layers} must be at least 1")
+        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
+            problems.append(
+                "--mtp-num-layers: multi-token prediction runs with pipeline and context "
+                "parallel sizes 1 so far (its layers need the embedding and whole sequences)"
+            )
     if m.rotary_scaling_factor <= 0:
         problems.append(f"--rotary-scaling-factor {m.rotary_scaling_factor} must be positive")
 

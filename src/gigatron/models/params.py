@@ -131,7 +131,15 @@ def count_parameters(
     )
     embedding = vocab * h + positions
     layers_total = sum(layer(i, 1, 1, 1) for i in range(spec.num_layers))
+
+    def mtp(tp_size: int, ep_size: int, etp_size: int) -> int:
+        """Multi-token prediction layers (last stage): 3 norms, eh_proj [h, 2h], a layer."""
+        depths = range(spec.num_layers, spec.num_layers + (spec.mtp_num_layers or 0))
+        per_depth = 3 * _norm_count(spec) + 2 * h * h // tp_size
+        return sum(per_depth + layer(i, tp_size, ep_size, etp_size) for i in depths)
+
     total = embedding + layers_total + _norm_count(spec) + (0 if tied else vocab * h)
+    total += mtp(1, 1, 1)
     skipped = 0
     if moe is not None:
         experts = _moe_mlp_counts(spec, moe)[2]
@@ -151,7 +159,7 @@ def count_parameters(
         if stage == 0:
             count += vocab * h // tp + positions
         if stage == pp - 1:
-            count += _norm_count(spec)
+            count += _norm_count(spec) + mtp(tp, ep, etp)
             if not tied or pp > 1:
                 count += vocab * h // tp
         per_stage.append(count)

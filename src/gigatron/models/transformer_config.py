@@ -79,6 +79,7 @@ class TransformerConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    mtp_num_layers: int | None = None
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> TransformerConfig:

@@ -94,8 +94,9 @@ def model_flops_per_iteration(
     m = model_cfg
     moe_layers = len(moe.moe_layer_numbers) if moe is not None else 0
     active = moe.topk * moe.ffn_hidden_size + (moe.shared_expert_size or 0) if moe else 0
+    depths = m.mtp_num_layers or 0  # multi-token prediction: D more layers, projections, logits
     per_token = forward_flops_per_token(
-        num_layers=m.num_layers,
+        num_layers=m.num_layers + depths,
         hidden_size=m.hidden_size,
         seq_length=m.seq_length,
         vocab_size=vocab_size,
@@ -108,6 +109,7 @@ def model_flops_per_iteration(
         moe_active_ffn=active,
         attention_flops=mla_flops_per_token(m) if m.multi_latent_attention else None,
     )
+    per_token += depths * (2 * 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * vocab_size)
     return 3.0 * (per_token + head_flops_per_token) * global_batch_size * m.seq_length
 
 
