@@ -39,6 +39,18 @@ FLAVORS = {
         activation_func_clamp_value=0.5,
         layernorm_zero_centered_gamma=True,
     ),
+    # gpt-oss's MoE: router and expert biases, clamped quick-GeGLU experts (whole per rank).
+    "gpt-oss-moe": dict(
+        num_attention_heads=4,
+        normalization="RMSNorm",
+        softmax_type="learnable",
+        quick_geglu=True,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=0.5,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=16,
+    ),
     # Multi-latent attention with both latents and their norms, YaRN with mscale.
     "deepseek": dict(
         num_attention_heads=4,
@@ -80,7 +92,9 @@ def _config(flavor: str, tp: int, sequence_parallel: bool) -> GigatronConfig:
     m.attention_dropout = m.hidden_dropout = 0.0
     m.init_method_std = 0.2  # large enough that norms, clamps and sinks see varied values
     for key, value in FLAVORS[flavor].items():
-        setattr(m, key, value)
+        setattr(cfg.moe if key.startswith(("num_experts", "moe_")) else m, key, value)
+    if cfg.moe.num_experts:
+        cfg.parallel.expert_tensor_parallel_size = 1  # expert biases need whole experts
     cfg.parallel.tensor_model_parallel_size = tp
     cfg.parallel.sequence_parallel = sequence_parallel
     return cfg
@@ -89,6 +103,8 @@ def _config(flavor: str, tp: int, sequence_parallel: bool) -> GigatronConfig:
 def _gather(tensor: torch.Tensor, param: torch.nn.Parameter, pctx: ParallelContext):
     if not getattr(param, "tensor_model_parallel", False):
         return tensor
+    if getattr(param, "expert_parallel", False):
+        return tensor  # whole experts here (etp = 1, ep = 1)
     parts = [torch.empty_like(tensor) for _ in range(pctx.tp_size)]
     dist.all_gather(parts, tensor.contiguous(), group=pctx.group("tp"))
     return merge_partitions(parts, param.partition_dim, param.partition_stride)
@@ -100,7 +116,7 @@ def _all_logits(output) -> list[torch.Tensor]:
 
 
 def _compare(rank: int, world_size: int) -> None:
-    pctx = ParallelContext.from_sizes(tp=world_size)
+    pctx = ParallelContext.from_sizes(tp=world_size, etp=1)
     single = ParallelContext.single()
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
@@ -131,6 +147,10 @@ def _compare(rank: int, world_size: int) -> None:
             finalize_model_grads([model], pctx)
             for name, param in model.named_parameters():
                 grad = _gather(param.grad, param, pctx)
+                if getattr(param, "expert_parallel", False) and pctx.size("expert_dp") > 1:
+                    # Each tp rank routes its slice of the sequence: partial expert gradients
+                    # (DistributedDataParallel sums them over expert_dp).
+                    dist.all_reduce(grad, group=pctx.group("expert_dp"))
                 expected = ref_params[name].grad
                 torch.testing.assert_close(
                     grad, expected, rtol=1e-4, atol=2e-5, msg=f"{case} {name}"
@@ -139,3 +159,36 @@ def _compare(rank: int, world_size: int) -> None:
 
 def test_architectures_at_tp2_match_single_process() -> None:
     run_distributed(_compare, 2)
+
+
+def _compare_expert_parallel(rank: int, world_size: int) -> None:
+    """gpt-oss's MoE at ep = 2 (both ranks on the same batch): the same logits and loss; every
+    expert sees both ranks' copies of its tokens, so expert gradients are twice the single
+    model's, the others equal."""
+    pctx = ParallelContext.from_sizes(ep=world_size)
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    mask = torch.ones(BATCH, SEQ)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    (reference,) = build_model(_config("gpt-oss-moe", 1, False), ParallelContext.single())
+    ref_output = reference(tokens, positions)
+    ref_loss, _, _ = gpt_loss(labels, mask, ParallelContext.single(), 0.3, ref_output)
+    ref_loss.backward()
+    cfg = _config("gpt-oss-moe", 1, False)
+    cfg.parallel.expert_model_parallel_size = world_size
+    (model,) = build_model(cfg, pctx)
+    loss, _, _ = gpt_loss(labels, mask, pctx, 0.3, model(tokens, positions))
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    local = 4 // world_size
+    for name, param in model.named_parameters():
+        expected = dict(reference.named_parameters())[name].grad
+        if getattr(param, "expert_parallel", False):
+            expected = 2 * expected[rank * local : (rank + 1) * local]
+        torch.testing.assert_close(param.grad, expected, rtol=1e-4, atol=2e-5, msg=name)
+    assert model.decoder.layers["0"].mlp.experts.linear_fc2.bias.grad.abs().sum() > 0
+
+
+def test_gpt_oss_moe_at_ep2_matches_single_process() -> None:
+    run_distributed(_compare_expert_parallel, 2)

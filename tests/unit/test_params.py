@@ -178,3 +178,24 @@ def test_moe_with_multi_token_prediction_counts():
     # 4 decoder MoE layers and the MTP layer's, each 4 experts of 64 * 64 + 32 * 64; a token
     # uses 2 of 4.
     assert counts.active == counts.total - 5 * 4 * (64 * 64 + 32 * 64) // 2
+
+
+def test_moe_with_biases_counts_router_and_expert_biases():
+    from gigatron.checkpoint.convert import offline_context
+
+    def config(ep: int = 1) -> GigatronConfig:
+        cfg = _config("gpt2", LAYOUTS[0])
+        e = cfg.moe
+        e.num_experts, e.moe_router_topk, e.moe_ffn_hidden_size = 4, 2, 32
+        e.moe_shared_expert_intermediate_size = 16
+        cfg.parallel.expert_model_parallel_size = ep
+        return cfg
+
+    (single,) = build_model(config(), ParallelContext.single(), vocab_size=100)
+    assert count_parameters(config(), 100).total == sum(p.numel() for p in single.parameters())
+    grid = Grid(tp=1, pp=1, dp=2, ep=2)
+    for rank in range(2):
+        chunks = build_model(config(ep=2), offline_context(grid, rank), vocab_size=100)
+        held = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        pctx = offline_context(grid, rank)
+        assert count_parameters(config(ep=2), 100, pctx).this_rank == held

@@ -6,11 +6,12 @@ softmax sinks (`--softmax-type learnable`: `self_attn.sinks` <-> `core_attention
 sliding-window attention on the layers `layer_types` names "sliding_attention" (Hugging Face's
 window of W keys is `--window-size (W-1,0)`), YaRN RoPE, and the quick-GeGLU MLP with a linear
 offset of 1 and the clamp `swiglu_limit`.
+Every layer is an MoE layer: the router has a bias, top-k of the logits then a softmax over
+them (gigatron's default routing), and the experts have biases (`add_bias_linear`).
 Besides renaming: q, k, v are fused per query group (with their biases); the experts' fused
 `gate_up_proj` [E, h, 2F] interleaves gate and up columns (gate = even, up = odd), gigatron's
-linear_fc1 is [gate; up] rows; `down_proj` [E, F, h] is transposed.
-Only the one-expert configuration maps so far (its MLP is a dense MLP: top-1 of one expert has
-weight 1); models with several experts need router and expert biases in gigatron's MoE layer.
+`experts.linear_fc1.weight` [E, 2F, h] holds [gate; up] rows; `down_proj` [E, F, h] is
+transposed to [E, h, F].
 """
 
 from __future__ import annotations
@@ -40,14 +41,9 @@ class GptOssHFAdapter:
 
     hf_class_name = "GptOssForCausalLM"
 
-    def config_from_hf(self, hf_config: Any) -> dict[str, Any]:
-        """gigatron ModelConfig values (plus `vocab_size`) for a GptOssConfig."""
+    def config_from_hf(self, hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(ModelConfig values plus `vocab_size`, MoEConfig values) for a GptOssConfig."""
         c = _hf_dict(hf_config)
-        if c.get("num_local_experts", 1) != 1:
-            raise GigatronError(
-                f"gpt-oss with {c['num_local_experts']} experts: gigatron's MoE layer has no "
-                "router or expert biases yet; only the one-expert configuration converts"
-            )
         if abs(c.get("swiglu_alpha", QUICK_GELU_ALPHA) - QUICK_GELU_ALPHA) > 1e-9:
             raise GigatronError(
                 f"gpt-oss swiglu_alpha {c['swiglu_alpha']}: gigatron's quick GeLU uses 1.702"
@@ -90,7 +86,13 @@ class GptOssHFAdapter:
             )
         else:
             values["position_embedding_type"] = "rope"
-        return values
+        moe = {
+            "num_experts": c["num_local_experts"],
+            "moe_router_topk": c["num_experts_per_tok"],
+            "moe_ffn_hidden_size": c["intermediate_size"],
+            "moe_layer_freq": "1",
+        }
+        return values, moe
 
     def from_hf(self, hf: StateDict, hf_config: Any, padded_vocab_size: int) -> StateDict:
         """GptOssForCausalLM state dict -> gigatron GPT state dict."""
@@ -116,20 +118,22 @@ class GptOssHFAdapter:
                 if attn + f"o_proj.{kind}" in hf:
                     sd[dst + f"self_attention.linear_proj.{kind}"] = hf[attn + f"o_proj.{kind}"]
             sd[dst + "self_attention.core_attention.softmax_offset"] = hf[attn + "sinks"]
-            gate_up, gate_up_bias = hf[mlp + "gate_up_proj"][0], hf[mlp + "gate_up_proj_bias"][0]
-            sd[dst + "mlp.linear_fc1.weight"] = torch.cat(
-                [gate_up[:, 0::2], gate_up[:, 1::2]], 1
-            ).t()
-            sd[dst + "mlp.linear_fc1.bias"] = torch.cat([gate_up_bias[0::2], gate_up_bias[1::2]])
-            sd[dst + "mlp.linear_fc2.weight"] = hf[mlp + "down_proj"][0].t()
-            sd[dst + "mlp.linear_fc2.bias"] = hf[mlp + "down_proj_bias"][0]
+            gate_up, gate_up_bias = hf[mlp + "gate_up_proj"], hf[mlp + "gate_up_proj_bias"]
+            experts, router = dst + "mlp.experts.", src + "mlp.router."
+            sd[dst + "mlp.router.weight"] = hf[router + "weight"]
+            sd[dst + "mlp.router.bias"] = hf[router + "bias"]
+            halves = [gate_up[..., 0::2], gate_up[..., 1::2]]
+            sd[experts + "linear_fc1.weight"] = torch.cat(halves, dim=2).transpose(1, 2)
+            bias_halves = [gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]]
+            sd[experts + "linear_fc1.bias"] = torch.cat(bias_halves, dim=1)
+            sd[experts + "linear_fc2.weight"] = hf[mlp + "down_proj"].transpose(1, 2)
+            sd[experts + "linear_fc2.bias"] = hf[mlp + "down_proj_bias"]
         return {name: tensor.contiguous().clone() for name, tensor in sd.items()}
 
     def to_hf(self, sd: StateDict, hf_config: Any) -> StateDict:
-        """gigatron GPT state dict (shaped as `hf_config`) -> GptOssForCausalLM state dict (the
-        router of the single expert gets zero weights: its choice is forced)."""
+        """gigatron GPT state dict (shaped as `hf_config`) -> GptOssForCausalLM state dict."""
         c = _hf_dict(hf_config)
-        heads, hidden = c["num_attention_heads"], c["hidden_size"]
+        heads = c["num_attention_heads"]
         groups = c.get("num_key_value_heads") or heads
         vocab = c["vocab_size"]
         embed = sd["embedding.word_embeddings.weight"][:vocab]
@@ -154,12 +158,13 @@ class GptOssHFAdapter:
                 if proj is not None:
                     hf[attn + f"o_proj.{kind}"] = proj
             hf[attn + "sinks"] = sd[src + "self_attention.core_attention.softmax_offset"]
-            gate, up = sd[src + "mlp.linear_fc1.weight"].t().chunk(2, dim=1)
-            gate_b, up_b = sd[src + "mlp.linear_fc1.bias"].chunk(2)
-            hf[mlp + "experts.gate_up_proj"] = torch.stack([gate, up], dim=2).flatten(1)[None]
-            hf[mlp + "experts.gate_up_proj_bias"] = torch.stack([gate_b, up_b], 1).flatten()[None]
-            hf[mlp + "experts.down_proj"] = sd[src + "mlp.linear_fc2.weight"].t()[None]
-            hf[mlp + "experts.down_proj_bias"] = sd[src + "mlp.linear_fc2.bias"][None]
-            hf[mlp + "router.weight"] = embed.new_zeros(1, hidden)
-            hf[mlp + "router.bias"] = embed.new_zeros(1)
+            experts = src + "mlp.experts."
+            gate, up = sd[experts + "linear_fc1.weight"].transpose(1, 2).chunk(2, dim=2)
+            gate_b, up_b = sd[experts + "linear_fc1.bias"].chunk(2, dim=1)
+            hf[mlp + "experts.gate_up_proj"] = torch.stack([gate, up], dim=3).flatten(2)
+            hf[mlp + "experts.gate_up_proj_bias"] = torch.stack([gate_b, up_b], dim=2).flatten(1)
+            hf[mlp + "experts.down_proj"] = sd[experts + "linear_fc2.weight"].transpose(1, 2)
+            hf[mlp + "experts.down_proj_bias"] = sd[experts + "linear_fc2.bias"]
+            hf[mlp + "router.weight"] = sd[src + "mlp.router.weight"]
+            hf[mlp + "router.bias"] = sd[src + "mlp.router.bias"]
         return {name: tensor.contiguous().clone() for name, tensor in hf.items()}

@@ -390,8 +390,12 @@ def moe_problems(cfg: GigatronConfig, world_size: int | None = None) -> list[str
         problems.append(
             f"--expert-tensor-parallel-size {etp}: must be 1 or the tensor-parallel size {tp}"
         )
-    if m.add_bias_linear:
-        problems.append("MoE experts have no biases: add --disable-bias-linear")
+    if m.add_bias_linear and etp > 1:
+        problems.append(
+            f"MoE experts with biases (the default without --disable-bias-linear) and "
+            f"--expert-tensor-parallel-size {etp}: not supported; add --disable-bias-linear "
+            "or use --expert-tensor-parallel-size 1"
+        )
     if not 1 <= e.moe_router_topk <= experts:
         problems.append(f"--moe-router-topk {e.moe_router_topk} must lie in [1, {experts}]")
     softmax_after_topk = e.moe_router_score_function == "softmax" and not e.moe_router_pre_softmax

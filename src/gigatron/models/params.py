@@ -77,15 +77,17 @@ def _dense_mlp_counts(spec: TransformerConfig, ffn: int | None = None) -> tuple[
 
 
 def _moe_mlp_counts(spec: TransformerConfig, moe) -> tuple[int, int, int]:
-    """An MoE layer's MLP: (tp-split shared experts, replicated router and gate, all experts)."""
+    """An MoE layer's MLP: (tp-split shared experts, replicated router, gate and shared fc2 bias,
+    all experts). With `add_bias_linear` the router and every expert have biases."""
     h = spec.hidden_size
+    bias = spec.add_bias_linear
     shared_split = 0
-    replicated = moe.num_experts * h
+    replicated = moe.num_experts * h + (moe.num_experts if bias else 0)
     if moe.shared_expert_size:
-        shared_split = _dense_mlp_counts(spec, moe.shared_expert_size)[0]
-        replicated += h if moe.shared_expert_gate else 0
-    expert_split, _ = _dense_mlp_counts(spec, moe.ffn_hidden_size)
-    return shared_split, replicated, moe.num_experts * expert_split
+        shared_split, shared_replicated = _dense_mlp_counts(spec, moe.shared_expert_size)
+        replicated += shared_replicated + (h if moe.shared_expert_gate else 0)
+    expert_split, expert_fc2_bias = _dense_mlp_counts(spec, moe.ffn_hidden_size)
+    return shared_split, replicated, moe.num_experts * (expert_split + expert_fc2_bias)
 
 
 def _norm_count(spec: TransformerConfig, size: int | None = None) -> int:
