@@ -63,3 +63,38 @@ def test_deepseek_style_model_with_mtp_trains_and_logs_mtp_loss(tmp_path):
     assert train[-1]["mtp_loss"] < train[0]["mtp_loss"]
     evals = [r for r in records if r["type"] == "eval"]
     assert evals and all("mtp_loss" in r for r in evals)
+
+
+def test_checkpoint_at_tp2_converts_to_tp1_and_evaluates_alike(tmp_path):
+    """MLA, MoE, MTP, sliding windows and sinks at tp = 2 (torchrun, 2 processes), saved,
+    re-split to tp = 1 by `convert-checkpoint`: the test losses (main and MTP) are the same."""
+    flags = [*DEEPSEEK, "--window-size", "(5,0)", "--softmax-type", "learnable",
+             "--vocab-size", "64", "--make-vocab-size-divisible-by", "32",
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "2",
+             "--eval-interval", "2", "--deterministic-mode"]  # fmt: skip
+    source, target = tmp_path / "src", tmp_path / "tp1"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                "2", "-m", "gigatron.cli", "pretrain", "gpt", *TINY, *flags]  # fmt: skip
+    result = subprocess.run(
+        [*torchrun, "--tensor-model-parallel-size", "2", "--save", str(source)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    convert = [sys.executable, "-m", "gigatron.cli", "convert-checkpoint", "--load", str(source),
+               "--save", str(target), "--target-tensor-parallel-size", "1",
+               "--target-pipeline-parallel-size", "1"]  # fmt: skip
+    result = subprocess.run(convert, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    records = _pretrain(
+        tmp_path, *flags, "--load", str(target), "--no-load-optim", "--no-load-rng", "--skip-train"
+    )
+
+    def test_losses(rows):
+        (row,) = [r for r in rows if r["type"] == "eval" and r["split"] == "test"]
+        return row["lm_loss"], row["mtp_loss"]
+
+    source_rows = [json.loads(x) for x in (source / "metrics.jsonl").read_text().splitlines()]
+    expected = test_losses(source_rows)
+    for got, want in zip(test_losses(records), expected, strict=True):
+        assert abs(got - want) < 1e-5, (got, want)
