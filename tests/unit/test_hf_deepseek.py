@@ -117,3 +117,30 @@ def test_deepseek_v3_same_logits_as_hugging_face(q_lora_rank):
             )
     generated = torch.cat(steps, dim=1)[..., :VOCAB]
     torch.testing.assert_close(generated, logits, rtol=1e-4, atol=1e-5)
+
+
+def test_generation_equals_hugging_face_generate():
+    """The engine (MLA's KV cache, continuous batching over mixed prompt lengths) picks
+    Hugging Face's greedy tokens."""
+    from gigatron.inference import InferenceEngine, ModelRunner, SamplingParams
+
+    torch.manual_seed(4)
+    hf_config = _hf_config()
+    hf_model = DeepseekV3ForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model = _gigatron(hf_config)
+    model.load_state_dict(
+        DeepseekV3HFAdapter().from_hf(hf_model.state_dict(), hf_config, model.vocab_size)
+    )
+    runner = ModelRunner([model], ParallelContext.single(), VOCAB, 2, 48)
+    engine = InferenceEngine(runner, None)
+    prompts = [[5, 17, 42, 8, 99, 3, 61], [7], [11, 12, 13]]
+    completions = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    for prompt, completion in zip(prompts, completions, strict=True):
+        hf_out = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        assert completion.output_ids == hf_out[0, len(prompt) :].tolist()

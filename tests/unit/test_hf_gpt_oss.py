@@ -104,3 +104,31 @@ def test_gpt_oss_same_logits_as_hugging_face():
         other.load_state_dict(state, strict=False)
         changed = ((_logits(other, tokens) - expected).norm() / expected.norm()).item()
         assert changed > 1e-3, change
+
+
+def test_generation_equals_hugging_face_generate():
+    """The engine (KV cache with sliding windows, continuous batching over mixed prompt
+    lengths) picks Hugging Face's greedy tokens."""
+    from gigatron.inference import InferenceEngine, ModelRunner, SamplingParams
+
+    torch.manual_seed(3)
+    hf_config = _hf_config()
+    hf_model = GptOssForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0.0, 0.2)
+    model = _gigatron(hf_config)
+    model.load_state_dict(
+        GptOssHFAdapter().from_hf(hf_model.state_dict(), hf_config, model.vocab_size)
+    )
+    runner = ModelRunner([model], ParallelContext.single(), VOCAB, 2, 48)
+    engine = InferenceEngine(runner, None)
+    prompts = [[5, 17, 42, 8, 99, 3, 61], [7], [11, 12, 13]]
+    completions = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+    for prompt, completion in zip(prompts, completions, strict=True):
+        hf_out = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        assert completion.output_ids == hf_out[0, len(prompt) :].tolist()
