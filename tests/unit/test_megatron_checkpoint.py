@@ -212,7 +212,8 @@ def _without_shape(flags: list[str]) -> list[str]:
 
 def _run(tmp: Path, *flags: str, shape: bool = True):
     base = FLAGS if shape else _without_shape(FLAGS)
-    cfg = parse_pretrain_config([*base, *flags], world_size=1)
+    metrics = ["--metrics-file", str(tmp / "metrics.jsonl")]
+    cfg = parse_pretrain_config([*base, *flags, *metrics], world_size=1)
     result, _ = pretrain(cfg, stream=io.StringIO())
     return result
 

@@ -211,7 +211,7 @@ def _write_file(state: dict[str, Any], path: Path) -> None:
     torch.save(state, path)
 
 
-def _publish(save_dir: Path, iteration: int) -> None:
+def publish_iteration(save_dir: Path, iteration: int) -> None:
     """Rank 0: make the finished `.tmp` directory the checkpoint, then point the tracker at it."""
     final = save_dir / iteration_dir_name(iteration)
     tmp = save_dir / (final.name + TMP_SUFFIX)
@@ -288,7 +288,7 @@ def save_checkpoint(
         _write_file(state, rank_dir / CHECKPOINT_FILENAME)
     _barrier(pctx)
     if pctx.rank == 0:
-        _publish(save_dir, iteration)
+        publish_iteration(save_dir, iteration)
     _barrier(pctx)
     return final
 

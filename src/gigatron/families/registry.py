@@ -31,6 +31,7 @@ class ModelFamily:
       whole training iteration, not of one micro-batch (MoE auxiliary losses and routing
       statistics), also the place for per-iteration model updates (MoE expert biases); called
       by every rank after the gradients are final; names among `loss_names`. Or None.
+    - `generation`: the chunks take `inference_cache` (`gigatron generate` / `serve` load them).
     """
 
     name: str
@@ -43,6 +44,7 @@ class ModelFamily:
     validate: Callable[[Any], None] | None = None
     hf_adapter: Any = None
     iteration_reports: Callable[..., dict[str, Any]] | None = None
+    generation: bool = False
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
