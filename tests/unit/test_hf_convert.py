@@ -231,3 +231,27 @@ def test_flags_without_meaning_for_the_pair_are_refused(tmp_path):
               "--megatron-te-names"])  # fmt: skip
     with pytest.raises(GigatronError, match="--max-shard-size: no meaning"):
         main(["--from", "hf", "--to", "gigatron", *base, "--max-shard-size", "1GB"])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["t5-v1.1", "t5-tied-scaled"])
+def test_t5_through_tensor_parallel_and_back(tmp_path, tied):
+    torch.manual_seed(4)
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=tied, dropout_rate=0.0,
+    )  # fmt: skip
+    hf = transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    hf_to_gigatron(tmp_path / "hf", tmp_path / "ckpt", tp=2, log=lambda _: None)
+    state = safe_load(tmp_path / "ckpt" / "release" / "mp_rank_01" / "model_optim_rng.pt")
+    assert state["gigatron_family"] == "t5"
+    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
+    original, exported = _weights(tmp_path / "hf"), _weights(tmp_path / "back")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    reloaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "back").eval()
+    tokens, _ = _inputs()
+    with torch.no_grad():
+        expected = hf(input_ids=tokens, decoder_input_ids=tokens).logits
+        logits = reloaded(input_ids=tokens, decoder_input_ids=tokens).logits
+    assert torch.equal(logits, expected)

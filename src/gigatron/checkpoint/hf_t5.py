@@ -30,6 +30,14 @@ from gigatron.errors import GigatronError
 StateDict = dict[str, torch.Tensor]
 
 
+def _scales_outputs(hf_config: Any, default: bool) -> bool:
+    """Whether the config scales the decoder output (original T5), when a config is given."""
+    if hf_config is None:
+        return default
+    c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    return bool(c.get("scale_decoder_outputs", c.get("tie_word_embeddings", True)))
+
+
 def _count_blocks(hf: StateDict, stack: str) -> int:
     pattern = re.compile(rf"^{stack}\.block\.(\d+)\.")
     found = {int(m.group(1)) for key in hf if (m := pattern.match(key))}
@@ -46,6 +54,8 @@ class T5HFAdapter:
     """The T5 family's Hugging Face adapter (`T5ForConditionalGeneration`, gated-gelu)."""
 
     hf_class_name = "T5ForConditionalGeneration"
+    model_types = ("t5",)
+    auto_class = "AutoModelForSeq2SeqLM"
 
     def config_from_hf(self, hf_config: Any) -> dict[str, Any]:
         """gigatron ModelConfig values (plus `vocab_size`) for a Hugging Face T5Config."""
@@ -83,11 +93,14 @@ class T5HFAdapter:
         num_heads: int,
         padded_vocab: int,
         scale_decoder_outputs: bool = False,
+        hf_config: Any = None,
     ) -> StateDict:
         """T5ForConditionalGeneration state dict -> gigatron T5 state dict (tied output layer
         with a zero bias; untied when `lm_head.weight` differs from the embedding).
         `num_layers` is unused (each stack's count is read from the state dict);
-        `scale_decoder_outputs`: the Hugging Face config's (original T5, not v1.1)."""
+        `scale_decoder_outputs`: the Hugging Face config's (original T5, not v1.1); taken
+        from `hf_config` when given (`gigatron convert`)."""
+        scale_decoder_outputs = _scales_outputs(hf_config, scale_decoder_outputs)
         shared = hf["shared.weight"]
         sd: StateDict = {"embedding.word_embeddings.weight": _pad_rows(shared, padded_vocab)}
         head = hf.get("lm_head.weight")
@@ -136,8 +149,10 @@ class T5HFAdapter:
         num_heads: int,
         vocab_size: int,
         scale_decoder_outputs: bool = False,
+        hf_config: Any = None,
     ) -> StateDict:
         """gigatron T5 state dict (Hugging Face variant) -> T5ForConditionalGeneration."""
+        scale_decoder_outputs = _scales_outputs(hf_config, scale_decoder_outputs)
         word = sd["embedding.word_embeddings.weight"][:vocab_size]
         bias = sd.get("output_layer.bias")
         if bias is not None and bool(bias.any()):
