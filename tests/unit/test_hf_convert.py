@@ -255,3 +255,20 @@ def test_t5_through_tensor_parallel_and_back(tmp_path, tied):
         expected = hf(input_ids=tokens, decoder_input_ids=tokens).logits
         logits = reloaded(input_ids=tokens, decoder_input_ids=tokens).logits
     assert torch.equal(logits, expected)
+
+
+def test_mamba2_through_tensor_parallel_and_back(tmp_path):
+    torch.manual_seed(5)
+    config = transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_heads=4, head_dim=32, expand=2, state_size=16,
+        n_groups=2, num_hidden_layers=2, chunk_size=16,
+    )  # fmt: skip
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    hf_to_gigatron(tmp_path / "hf", tmp_path / "ckpt", tp=2, log=lambda _: None)
+    state = safe_load(tmp_path / "ckpt" / "release" / "mp_rank_01" / "model_optim_rng.pt")
+    assert state["gigatron_family"] == "mamba"
+    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
+    original, exported = _weights(tmp_path / "hf"), _weights(tmp_path / "back")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)

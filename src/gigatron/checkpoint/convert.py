@@ -186,6 +186,9 @@ def _check_target(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> No
         )
     m = cfg.model
     heads = m.num_attention_heads
+    pattern = getattr(m, "hybrid_layer_pattern", None)
+    if pattern and "*" not in pattern:
+        heads = None  # no attention layer (a pure Mamba stack): the head count sizes nothing
     if heads is not None and heads % tp:
         raise GigatronError(
             f"--target-tensor-parallel-size {tp} does not divide the {heads} attention heads; "

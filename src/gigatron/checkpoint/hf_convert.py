@@ -62,6 +62,22 @@ def copy_tokenizer_files(source: Path, target: Path) -> list[str]:
     return copied
 
 
+def decoded(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's values with transformers' JSON markers for non-finite floats
+    (`{"__float__": "Infinity"}`) turned into floats."""
+
+    def value(v: Any) -> Any:
+        if isinstance(v, dict):
+            if set(v) == {"__float__"}:
+                return float(v["__float__"])
+            return {k: value(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [value(x) for x in v]
+        return v
+
+    return value(raw)
+
+
 def read_hf_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG_FILE
     if not path.is_file():
@@ -102,7 +118,8 @@ def hf_to_gigatron(
     """Import a Hugging Face folder as a gigatron `release` checkpoint for the target layout."""
     from gigatron.config import config_from_dict
 
-    hf_config = read_hf_config(load)
+    raw_config = read_hf_config(load)  # kept as written, for the export
+    hf_config = decoded(raw_config)
     family, adapter = _family_adapter(hf_config.get("model_type"), family)
     values = adapter.config_from_hf(hf_config)
     cfg = config_from_dict(values, source=f"{load / CONFIG_FILE} (as gigatron flags)")
@@ -147,7 +164,7 @@ def hf_to_gigatron(
         extra = {
             "gigatron_family": family,
             "converted_from": str(load),
-            "hf_config": hf_config,
+            "hf_config": raw_config,
         }
         final = write_checkpoint(
             save, layout, mapping.outputs(), set(mapping.plan), extra, check=check_all_used
@@ -200,6 +217,7 @@ def gigatron_to_hf(
 
         vocab = _true_vocab_size(cfg) or source.meta(WORD_EMBEDDING).shape[0]
         hf_config = adapter.config_to_hf(cfg, vocab)
+    raw_config, hf_config = hf_config, decoded(hf_config)
     vocab = hf_config["vocab_size"]
     model = cfg.model
     to_files = getattr(adapter, "to_hf_files", None)
@@ -219,7 +237,7 @@ def gigatron_to_hf(
     save.mkdir(parents=True, exist_ok=True)
     log(f"exporting {iteration_dir} (family {family}) to {save}")
     files = write_safetensors(save, mapping.plan, mapping.outputs(), max_shard_bytes)
-    (save / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    (save / CONFIG_FILE).write_text(json.dumps(raw_config, indent=2) + "\n")
     copied = copy_tokenizer_files(load, save)
     log(f"wrote {', '.join(files)} and {CONFIG_FILE}; tokenizer files: {copied or 'none'}")
     return save
