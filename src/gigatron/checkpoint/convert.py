@@ -160,8 +160,10 @@ def _target_config(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> A
     target = copy.deepcopy(cfg)
     p = target.parallel
     # Experts stay split over expert-tp like the dense weights over tp, or stay whole.
-    if p.expert_tensor_parallel_size not in (None, p.tensor_model_parallel_size):
-        p.expert_tensor_parallel_size = 1
+    if p.expert_tensor_parallel_size not in (None, p.tensor_model_parallel_size) or (
+        cfg.moe.num_experts and getattr(cfg.model, "add_bias_linear", False)
+    ):
+        p.expert_tensor_parallel_size = 1  # (experts with biases are never split: gpt-oss)
     else:
         p.expert_tensor_parallel_size = tp if cfg.moe.num_experts else None
     p.tensor_model_parallel_size = tp

@@ -1,5 +1,5 @@
-"""The GPT family's Hugging Face adapter: GPT-2, Llama (1/2/3), Mistral, Qwen2, Mixtral and
-Qwen2-MoE (the adapter protocol: checkpoint/hf_adapter.py).
+"""The GPT family's Hugging Face adapter: GPT-2, Llama (1/2/3), Mistral, Qwen2, Mixtral,
+Qwen2-MoE, gpt-oss and DeepSeek-V3 (the adapter protocol: checkpoint/hf_adapter.py).
 
 GPT-2 uses the maps of hf_mapping.py; the Llama-like models those of hf_moe.py (a dense model is
 the MoE map with no MoE layer; Qwen2's q/k/v biases are fused like the weights). RoPE scaling as
@@ -14,10 +14,14 @@ import warnings
 from typing import Any
 
 from gigatron.checkpoint import hf_mapping, hf_moe
+from gigatron.checkpoint.hf_deepseek import DeepseekV3HFAdapter
+from gigatron.checkpoint.hf_gpt_oss import GptOssHFAdapter
 from gigatron.errors import GigatronError
 
 _LLAMA_LIKE = ("llama", "mistral", "qwen2")
 _MOE = ("mixtral", "qwen2_moe")
+# Models with adapters of their own (attention sinks and windows; multi-latent attention).
+_OWN = {"gpt_oss": GptOssHFAdapter, "deepseek_v3": DeepseekV3HFAdapter}
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
 _LLAMA3_POSITIONS = 8192
 
@@ -97,7 +101,7 @@ def _llama_values(c: dict[str, Any]) -> dict[str, Any]:
 class GPTHFAdapter:
     """Decoder-only language models (`AutoModelForCausalLM`)."""
 
-    model_types = ("gpt2", *_LLAMA_LIKE, *_MOE)
+    model_types = ("gpt2", *_LLAMA_LIKE, *_MOE, *_OWN)
     auto_class = "AutoModelForCausalLM"
 
     def config_from_hf(self, hf_config: Any) -> dict[str, Any]:
@@ -112,6 +116,9 @@ class GPTHFAdapter:
             model, moe = hf_moe.config_from_hf(c)
             model.update(rope_values(c))
             return {**model, **moe}
+        if kind in _OWN:
+            model, moe = _OWN[kind]().config_from_hf(c)
+            return {**model, **moe}
         raise GigatronError(
             f"config.json model_type {kind!r}: not a GPT-family model; supported: "
             f"{', '.join(self.model_types)}"
@@ -121,16 +128,24 @@ class GPTHFAdapter:
         self, hf: Any, num_layers: int, num_heads: int, padded_vocab: int, hf_config: Any = None
     ) -> dict[str, Any]:
         c = _dict(hf_config)
-        if c.get("model_type") == "gpt2":
+        kind = c.get("model_type")
+        if kind == "gpt2":
             return hf_mapping.gpt2_to_gigatron(hf, num_layers, num_heads, padded_vocab)
+        if kind == "deepseek_v3":
+            hf = hf_moe.ExpertFilesView(hf, c["n_routed_experts"])
+        if kind in _OWN:
+            return _OWN[kind]().from_hf(hf, c, padded_vocab)
         return hf_moe.hf_to_gigatron(hf, c, padded_vocab)
 
     def to_hf(
         self, sd: Any, num_layers: int, num_heads: int, vocab_size: int, hf_config: Any = None
     ) -> dict[str, Any]:
         c = _dict(hf_config)
-        if c.get("model_type") == "gpt2":
+        kind = c.get("model_type")
+        if kind == "gpt2":
             return hf_mapping.gigatron_to_gpt2(sd, num_layers, num_heads, vocab_size)
+        if kind in _OWN:
+            return _OWN[kind]().to_hf(sd, c)
         return hf_moe.gigatron_to_hf(sd, c)
 
     def config_to_hf(self, cfg: Any, vocab_size: int) -> dict[str, Any]:
