@@ -400,8 +400,8 @@ def convert_checkpoint(
     args = first.get("args")
     if isinstance(args, argparse.Namespace):
         raise GigatronError(
-            f"{iteration_dir}: was written by Megatron-LM (flat argparse arguments); only "
-            "gigatron checkpoints can be converted"
+            f"{iteration_dir}: was written by Megatron-LM (flat argparse arguments); convert it "
+            "with `gigatron convert --from megatron --to gigatron` (which also re-splits it)"
         )
     if not isinstance(args, dict) or not args:
         raise GigatronError(f"{iteration_dir}: holds no saved configuration ('args')")
