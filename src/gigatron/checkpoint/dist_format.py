@@ -343,21 +343,21 @@ def start_save(
     if with_rng:
         torch.save(get_rng_state(rng_tracker), tmp / RNG_DIR / f"rank_{pctx.rank:05d}.pt")
 
-    def write() -> None:
+    def write(to_write: list[Piece]) -> None:
         with quiet_single_process():
             dcp.save(
                 {},
                 storage_writer=dcp_io.make_writer(tmp),
-                planner=PieceSavePlanner(pieces),
+                planner=PieceSavePlanner(to_write),
                 process_group=process_group,
                 no_dist=pctx.world_size == 1,
             )
 
     if run_write is None:
-        write()
+        write(pieces)
         return PendingSave(save_dir, iteration, pctx, None)
-    pieces = _stage(pieces)
-    return PendingSave(save_dir, iteration, pctx, run_write(write))
+    staged = _stage(pieces)  # training may change the originals while the write runs
+    return PendingSave(save_dir, iteration, pctx, run_write(lambda: write(staged)))
 
 
 def save_checkpoint(

@@ -84,17 +84,15 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
 def load_for_inference(args: argparse.Namespace) -> LoadedModel:
     """Read the checkpoint's configuration, start the process groups for its tensor/pipeline
     layout (under torchrun), build the model and load the weights."""
+    from gigatron.checkpoint.formats import detect_format
     from gigatron.checkpoint.torch_format import (
         CHECKPOINT_FILENAME,
-        load_checkpoint,
         locate_iteration,
         mp_rank_dir_name,
         safe_load,
         saved_layout,
     )
     from gigatron.config import config_from_dict
-    from gigatron.families import get_family
-    from gigatron.training.pretrain import build_run_tokenizer
 
     load_dir = Path(args.load)
     located = locate_iteration(load_dir, args.ckpt_step) if load_dir.is_dir() else None
@@ -104,6 +102,9 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
             "point it at a directory written by `gigatron pretrain ... --save`"
         )
     iteration_dir, iteration, _ = located
+    if detect_format(iteration_dir) == "torch_dist":
+        cfg, family = _torch_dist_config(iteration_dir, load_dir)
+        return _build_and_load(cfg, family, args, load_dir, iteration)
     layout = saved_layout(iteration_dir)
     if layout is None:
         raise GigatronError(f"--load {load_dir}: {iteration_dir} holds no mp_rank_* directories")
@@ -138,10 +139,54 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
             f"start {tp * pp} process(es) (torchrun --nproc-per-node {tp * pp} ...), this run "
             f"has {world}, or convert it with gigatron convert-checkpoint"
         )
+    cfg.parallel.num_virtual_stages_per_pipeline_rank = (
+        cfg.parallel.num_virtual_stages_per_pipeline_rank or None
+    )
+    return _build_and_load(cfg, family, args, load_dir, iteration)
+
+
+def _torch_dist_config(iteration_dir: Path, load_dir: Path) -> tuple[Any, str]:
+    """(config, family) for a torch_dist checkpoint, set to tensor-parallel = the process count
+    (it loads at any layout): pp, cp, ep 1, the saved padded vocabulary."""
+    from gigatron.checkpoint.dist_format import COMMON_FILENAME, read_metadata
+    from gigatron.checkpoint.torch_format import safe_load
+    from gigatron.config import config_from_dict
+
+    common = safe_load(iteration_dir / COMMON_FILENAME)
+    saved = common.get("args")
+    if not isinstance(saved, dict) or not saved:
+        raise GigatronError(f"--load {load_dir}: the checkpoint holds no gigatron configuration")
+    family = common.get("gigatron_family", "gpt")
+    if family != "gpt":
+        raise GigatronError(f"--load {load_dir}: a '{family}' model; generation needs a GPT")
+    cfg = config_from_dict(saved, source=f"{iteration_dir / COMMON_FILENAME} args")
+    p = cfg.parallel
+    p.tensor_model_parallel_size = int(os.environ.get("WORLD_SIZE", "1"))
+    p.pipeline_model_parallel_size = p.context_parallel_size = 1
+    p.expert_model_parallel_size = 1
+    p.expert_tensor_parallel_size = None
+    p.num_virtual_stages_per_pipeline_rank = p.num_layers_per_virtual_pipeline_stage = None
+    p.decoder_first_pipeline_num_layers = p.decoder_last_pipeline_num_layers = None
+    p.use_distributed_optimizer = False
+    embedding = read_metadata(iteration_dir).state_dict_metadata.get(
+        "model.embedding.word_embeddings.weight"
+    )
+    if embedding is not None:  # the padded size depends on the saved tp: keep the saved one
+        cfg.model.padded_vocab_size = int(embedding.size[0])
+    cfg.checkpoint.ckpt_format = "torch_dist"
+    return cfg, family
+
+
+def _build_and_load(
+    cfg: Any, family: str, args: argparse.Namespace, load_dir: Path, iteration: int
+) -> LoadedModel:
+    from gigatron.checkpoint.formats import load_checkpoint
+    from gigatron.families import get_family
+    from gigatron.training.pretrain import build_run_tokenizer
+
     p = cfg.parallel
     p.sequence_parallel = False  # nothing to split in one-token steps; weights are the same
     p.device = args.device
-    p.num_virtual_stages_per_pipeline_rank = p.num_virtual_stages_per_pipeline_rank or None
     cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = True
     for name in ("tokenizer_model", "vocab_file", "merge_file"):
         if getattr(args, name, None):
