@@ -46,6 +46,12 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         apply_preset(cfg, m.model_preset)
     if m.recompute_activations:
         m.recompute_granularity = "selective"
+    if m.checkpoint_activations:
+        # Megatron's old flag: full recompute, uniform groups (of the old default of 1 layer).
+        m.recompute_granularity = "full"
+        m.recompute_method = "uniform"
+        if m.recompute_num_layers is None:
+            m.recompute_num_layers = 1
     pattern = m.hybrid_layer_pattern or m.hybrid_override_pattern
     if m.num_layers is None and pattern:
         m.num_layers = len(pattern)  # a hybrid stack's layer count is its pattern's (Megatron)

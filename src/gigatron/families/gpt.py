@@ -110,4 +110,5 @@ FAMILY = ModelFamily(
     hf_adapter=hf_mapping,
     generation=True,
     iteration_reports=iteration_reports,
+    default_tokenizer_type="GPT2BPETokenizer",
 )

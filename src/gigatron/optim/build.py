@@ -13,8 +13,8 @@ from gigatron.optim.optimizer import (
     FP32Optimizer,
     GigatronOptimizer,
     MixedPrecisionOptimizer,
-    get_param_groups,
     make_torch_optimizer,
+    param_groups_for,
 )
 from gigatron.parallel.context import ParallelContext
 
@@ -27,7 +27,7 @@ def build_optimizer(
     grad_scaler = build_grad_scaler(cfg)
     if cfg.parallel.use_distributed_optimizer:
         return DistributedOptimizer(cfg, model_chunks, pctx, grad_scaler=grad_scaler)
-    optimizer = make_torch_optimizer(cfg, get_param_groups(model_chunks))
+    optimizer = make_torch_optimizer(cfg, param_groups_for(cfg, model_chunks))
     if cfg.training.bf16 or cfg.training.fp16:
         return MixedPrecisionOptimizer(optimizer, cfg, model_chunks, pctx, grad_scaler)
     return FP32Optimizer(optimizer, cfg, model_chunks, pctx, grad_scaler=None)

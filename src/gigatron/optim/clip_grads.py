@@ -201,3 +201,20 @@ def unscale_and_check_overflow(
         for name in _stat_groups(pctx, sharded_group):
             pctx.all_reduce(found_inf, name, op=dist.ReduceOp.MAX)
     return bool(found_inf.item() > 0)
+
+
+def get_params_norm(
+    model_chunks: Iterable[torch.nn.Module], pctx: ParallelContext, sharded_group: str | None = None
+) -> float:
+    """L2 norm of every parameter of the model (--log-params-norm), each counted once like the
+    gradient norm; parameters sharded over `sharded_group` (FSDP) contribute their local shard."""
+    dense, expert = [], []
+    seen: set[int] = set()
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if id(param) in seen or not counts_in_norm(param, pctx):
+                continue
+            seen.add(id(param))
+            local = param.to_local() if hasattr(param, "to_local") else param
+            (expert if is_expert(param) else dense).append(local.detach())
+    return get_grad_norm(dense, pctx, 2.0, sharded_group=sharded_group, expert_grads=expert)

@@ -9,6 +9,7 @@ family's record in gigatron.families. Works alone and under `torchrun --nproc-pe
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from functools import partial
@@ -52,6 +53,9 @@ def parse_pretrain_config(
     world_size = _world_size() if world_size is None else world_size
     cfg = parse_config(list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size)
     validate_config(cfg, world_size=world_size, for_training=True)
+    tok = cfg.tokenizer
+    if tok.tokenizer_type is None and tok.vocab_file and family.default_tokenizer_type:
+        tok.tokenizer_type = family.default_tokenizer_type  # Megatron's entry-point default
     if family.validate is not None:
         family.validate(cfg)
     if cfg.data.mock_data is False and not (cfg.data.data_path or cfg.data.train_data_path):
@@ -81,6 +85,16 @@ def set_determinism(cfg: GigatronConfig) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
+
+
+def apply_process_settings(cfg: GigatronConfig) -> None:
+    """Process-wide switches some flags ask for: --logging-level (the root logger's level, as
+    in Megatron; gigatron's loggers are `gigatron.*`) and --disable-bf16-reduced-precision-matmul
+    (cuBLAS bf16 products then reduce in fp32)."""
+    if cfg.logging.logging_level is not None:
+        logging.getLogger().setLevel(cfg.logging.logging_level)
+    if cfg.model.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 def build_run_tokenizer(cfg: GigatronConfig) -> Any:
@@ -114,6 +128,8 @@ def _grad_dtype(cfg: GigatronConfig) -> torch.dtype:
     t = cfg.training
     if t.fp16 and not cfg.parallel.accumulate_allreduce_grads_in_fp32:
         return torch.float16
+    if t.bf16 and cfg.parallel.grad_reduce_in_bf16:
+        return torch.bfloat16  # --grad-reduce-in-bf16: halves the buffer and the reduction
     # bf16 gradients lose too much when summed over micro-batches: Megatron accumulates in fp32.
     return torch.float32
 
@@ -139,6 +155,7 @@ def pretrain(
 
     family = get_family(family) if isinstance(family, str) else family
     set_determinism(cfg)
+    apply_process_settings(cfg)
     pctx = ParallelContext.from_config(cfg)
     owns_process_group = dist.is_initialized() and pctx.world_size > 1
     metrics: MetricsLogger | None = None
@@ -208,6 +225,8 @@ def pretrain(
             loss_names=family.loss_names(cfg),
             log_throughput=cfg.logging.log_throughput,
             timing_log_level=cfg.logging.timing_log_level,
+            tensorboard_timers=cfg.logging.log_timers_to_tensorboard,
+            tensorboard_validation_ppl=cfg.logging.log_validation_ppl_to_tensorboard,
         )
         if ckpt.load and loaded["loaded"]:
             metrics.message(loaded_message(ckpt.load, loaded))
