@@ -138,10 +138,6 @@ def test_refusals_name_real_fields_and_are_enforced():
         "moe_flex_dispatcher_backend": ["--moe-flex-dispatcher-backend", "hybridep"],
         "init_model_with_meta_device": ["--init-model-with-meta-device"],
         "recompute_modules": ["--recompute-modules", "moe_act"],
-        "use_torch_fsdp2": ["--use-torch-fsdp2"],
-        "use_megatron_fsdp": ["--use-megatron-fsdp"],
-        "data_parallel_sharding_strategy": ["--data-parallel-sharding-strategy", "optim"],
-        "megatron_fsdp_grad_comm_dtype": ["--megatron-fsdp-grad-comm-dtype", "bf16"],
     }
     assert set(cases) == set(REFUSALS), "give every refusal a refused example here"
     for flags in cases.values():

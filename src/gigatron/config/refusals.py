@@ -95,20 +95,6 @@ REFUSALS: dict[str, Refusal] = {
         "only core_attn, mlp and layernorm can be recomputed so far (moe, moe_act, "
         "shared_experts and mla_up_proj cannot); drop the others",
     ),
-    "use_torch_fsdp2": Refusal(
-        bool, "fully sharded data parallelism is not available yet; use --use-distributed-optimizer"
-    ),
-    "use_megatron_fsdp": Refusal(
-        bool, "fully sharded data parallelism is not available yet; use --use-distributed-optimizer"
-    ),
-    "data_parallel_sharding_strategy": Refusal(
-        lambda value: value != "optim_grads_params",
-        "a setting of fully sharded data parallelism, which is not available yet",
-    ),
-    "megatron_fsdp_grad_comm_dtype": Refusal(
-        lambda value: value != "auto",
-        "a setting of fully sharded data parallelism, which is not available yet",
-    ),
     "timing_log_level": Refusal(
         lambda value: value is not None and value > 1,
         "level 2 (fine-grained timers inside the schedule) is not available; use 1 for the "

@@ -135,7 +135,15 @@ FUSED_ADAM_DEVICES = ("cpu", "cuda")
 
 def _fused_adam_supported(param_groups: list[dict[str, Any]]) -> bool:
     params = [p for group in param_groups for p in group["params"]]
-    return all(p.device.type in FUSED_ADAM_DEVICES and p.is_floating_point() for p in params)
+    return all(
+        p.device.type in FUSED_ADAM_DEVICES and p.is_floating_point() and not _is_dtensor(p)
+        for p in params
+    )
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    # FSDP2's sharded parameters: the foreach AdamW steps them (no fused kernel needed).
+    return hasattr(tensor, "device_mesh")
 
 
 class GigatronOptimizer:

@@ -134,6 +134,26 @@ def _grad_dtype(cfg: GigatronConfig) -> torch.dtype:
     return torch.float32
 
 
+def wrap_for_data_parallel(cfg: GigatronConfig, pctx: ParallelContext, chunk: Any) -> Any:
+    """A model chunk in its data-parallel wrapper: FSDP2 when asked (docs/data_parallel.md),
+    else DistributedDataParallel."""
+    from gigatron.parallel.data_parallel import DistributedDataParallel
+    from gigatron.parallel.fully_sharded import (
+        COMM_DTYPES,
+        FullyShardedDataParallel,
+        uses_fully_sharded,
+    )
+
+    p = cfg.parallel
+    if uses_fully_sharded(p, pctx.dp_size):
+        comm = p.megatron_fsdp_grad_comm_dtype
+        reduce_dtype = (
+            COMM_DTYPES[comm] if comm != "auto" else _grad_dtype(cfg)  # auto: as DDP would
+        )
+        return FullyShardedDataParallel(chunk, pctx, p, params_dtype(cfg), reduce_dtype)
+    return DistributedDataParallel(chunk, pctx, p, grad_dtype=_grad_dtype(cfg))
+
+
 def pretrain(
     cfg: GigatronConfig,
     stream: Any = None,
@@ -150,7 +170,6 @@ def pretrain(
     from gigatron.optim import build_optimizer
     from gigatron.optim.batch_schedule import build_num_microbatches_calculator
     from gigatron.optim.lr_schedule import build_lr_scheduler
-    from gigatron.parallel.data_parallel import DistributedDataParallel
     from gigatron.parallel.random import seed_everything
 
     family = get_family(family) if isinstance(family, str) else family
@@ -171,10 +190,7 @@ def pretrain(
         chunks = family.build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
         # The model-parallel random stream lives in the model; checkpoints carry its state.
         rng_tracker = getattr(chunks[0], "rng", None)
-        model = [
-            DistributedDataParallel(chunk, pctx, cfg.parallel, grad_dtype=_grad_dtype(cfg))
-            for chunk in chunks
-        ]
+        model = [wrap_for_data_parallel(cfg, pctx, chunk) for chunk in chunks]
         optimizer = build_optimizer(cfg, model, pctx)
         scheduler = build_lr_scheduler(cfg, optimizer)
         calculator = build_num_microbatches_calculator(cfg, pctx.dp_size)
@@ -265,6 +281,9 @@ def pretrain(
             }
 
         def save(current: TrainState) -> None:
+            for chunk in model:  # FSDP: every dp rank gathers the full weights
+                if hasattr(chunk, "gather_for_save"):
+                    chunk.gather_for_save()
             save_checkpoint(
                 ckpt.save, current.iteration, model, optimizer, scheduler, pctx, cfg,
                 extra={**_state_to_saved(current), "gigatron_family": family.name},
