@@ -24,6 +24,7 @@ summed over the dp shards. The wrapper is transparent like DistributedDataParall
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,7 +125,11 @@ class FullyShardedDataParallel(nn.Module):
             return getattr(self._modules["module"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with warnings.catch_warnings():
+            # The last stage returns its logits as a transposed view; nothing modifies them in
+            # place (the loss works on its own fp32 copy), which is what FSDP2 warns about.
+            warnings.filterwarnings("ignore", message=".*returned a view tensor")
+            return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
