@@ -136,6 +136,7 @@ def test_refusals_name_real_fields_and_are_enforced():
         "megatron_fsdp_main_grads_dtype": ["--megatron-fsdp-main-grads-dtype", "bf16"],
         "moe_router_force_load_balancing": ["--moe-router-force-load-balancing"],
         "moe_flex_dispatcher_backend": ["--moe-flex-dispatcher-backend", "hybridep"],
+        "moe_token_dispatcher_type": ["--moe-token-dispatcher-type", "flex"],
         "init_model_with_meta_device": ["--init-model-with-meta-device"],
         "recompute_modules": ["--recompute-modules", "moe_act"],
     }

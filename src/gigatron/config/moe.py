@@ -70,7 +70,7 @@ class MoEConfig:
     moe_token_dispatcher_type: str = flag_field(
         "allgather",
         "how tokens reach their experts over the expert-parallel group",
-        choices=["allgather", "alltoall"],
+        choices=["allgather", "alltoall", "flex"],
     )
     moe_grouped_gemm: bool = flag_field(
         False, "compute all local experts with one grouped GEMM (torch._grouped_mm) when available"

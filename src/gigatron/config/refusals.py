@@ -80,6 +80,11 @@ REFUSALS: dict[str, Refusal] = {
         bool,
         "forced load balancing (a benchmarking mode) is not available; drop it",
     ),
+    "moe_token_dispatcher_type": Refusal(
+        lambda value: value == "flex",
+        "the flex token dispatcher (DeepEP / HybridEP kernels) is not available; use "
+        "--moe-token-dispatcher-type alltoall",
+    ),
     "moe_flex_dispatcher_backend": Refusal(
         lambda value: value is not None,
         "the flex token dispatcher (DeepEP / HybridEP kernels) is not available; use "
