@@ -31,6 +31,10 @@ class ModelFamily:
       whole training iteration, not of one micro-batch (MoE auxiliary losses and routing
       statistics), also the place for per-iteration model updates (MoE expert biases); called
       by every rank after the gradients are final; names among `loss_names`. Or None.
+    - `generation`: the chunks take `inference_cache` (`gigatron generate` / `serve` load them).
+    - `default_tokenizer_type`: the --tokenizer-type used when a run gives a --vocab-file but no
+      type (Megatron's entry points set it: pretrain_gpt.py GPT2BPETokenizer, pretrain_bert.py
+      BertWordPieceLowerCase), or None.
     """
 
     name: str
@@ -43,6 +47,8 @@ class ModelFamily:
     validate: Callable[[Any], None] | None = None
     hf_adapter: Any = None
     iteration_reports: Callable[..., dict[str, Any]] | None = None
+    generation: bool = False
+    default_tokenizer_type: str | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

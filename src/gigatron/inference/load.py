@@ -81,9 +81,10 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
 
 
-def load_for_inference(args: argparse.Namespace) -> LoadedModel:
+def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) -> LoadedModel:
     """Read the checkpoint's configuration, start the process groups for its tensor/pipeline
-    layout (under torchrun), build the model and load the weights."""
+    layout (under torchrun), build the model and load the weights. With `data_parallel`
+    (evaluation) the world may hold several copies of that layout (dp = world / (tp x pp))."""
     from gigatron.checkpoint.formats import detect_format
     from gigatron.checkpoint.torch_format import (
         CHECKPOINT_FILENAME,
@@ -103,7 +104,7 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
         )
     iteration_dir, iteration, _ = located
     if detect_format(iteration_dir) == "torch_dist":
-        cfg, family = _torch_dist_config(iteration_dir, load_dir)
+        cfg, family = _torch_dist_config(iteration_dir, load_dir, data_parallel)
         return _build_and_load(cfg, family, args, load_dir, iteration)
     layout = saved_layout(iteration_dir)
     if layout is None:
@@ -130,10 +131,11 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
             "1: convert it first with gigatron convert-checkpoint --target-expert-parallel-size 1"
         )
     family = first.get("gigatron_family", "gpt")
-    if family != "gpt":
-        raise GigatronError(f"--load {load_dir}: a '{family}' model; generation needs a GPT")
+    _check_generates(family, load_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != tp * pp:
+    if data_parallel and world % (tp * pp) == 0:
+        pass
+    elif world != tp * pp:
         raise GigatronError(
             f"--load {load_dir}: saved with tensor-parallel {tp} x pipeline-parallel {pp}; "
             f"start {tp * pp} process(es) (torchrun --nproc-per-node {tp * pp} ...), this run "
@@ -145,9 +147,20 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
     return _build_and_load(cfg, family, args, load_dir, iteration)
 
 
-def _torch_dist_config(iteration_dir: Path, load_dir: Path) -> tuple[Any, str]:
-    """(config, family) for a torch_dist checkpoint, set to tensor-parallel = the process count
-    (it loads at any layout): pp, cp, ep 1, the saved padded vocabulary."""
+def _check_generates(family: str, load_dir: Path) -> None:
+    from gigatron.families import get_family
+
+    if not get_family(family).generation:
+        raise GigatronError(
+            f"--load {load_dir}: a '{family}' model, which does not generate text; generation "
+            "needs a GPT or hybrid Mamba (family 'mamba') checkpoint"
+        )
+
+
+def _torch_dist_config(iteration_dir: Path, load_dir: Path, data_parallel: bool) -> tuple[Any, str]:
+    """(config, family) for a torch_dist checkpoint, which loads at any layout: tensor-parallel
+    = the process count (1 with `data_parallel`: one copy per process), pipeline, context and
+    expert parallel 1, and the saved padded vocabulary."""
     from gigatron.checkpoint.dist_format import COMMON_FILENAME, read_metadata
     from gigatron.checkpoint.torch_format import safe_load
     from gigatron.config import config_from_dict
@@ -157,11 +170,11 @@ def _torch_dist_config(iteration_dir: Path, load_dir: Path) -> tuple[Any, str]:
     if not isinstance(saved, dict) or not saved:
         raise GigatronError(f"--load {load_dir}: the checkpoint holds no gigatron configuration")
     family = common.get("gigatron_family", "gpt")
-    if family != "gpt":
-        raise GigatronError(f"--load {load_dir}: a '{family}' model; generation needs a GPT")
+    _check_generates(family, load_dir)
     cfg = config_from_dict(saved, source=f"{iteration_dir / COMMON_FILENAME} args")
     p = cfg.parallel
-    p.tensor_model_parallel_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    p.tensor_model_parallel_size = 1 if data_parallel else world
     p.pipeline_model_parallel_size = p.context_parallel_size = 1
     p.expert_model_parallel_size = 1
     p.expert_tensor_parallel_size = None
@@ -186,6 +199,7 @@ def _build_and_load(
 
     p = cfg.parallel
     p.sequence_parallel = False  # nothing to split in one-token steps; weights are the same
+    p.context_parallel_size = 1  # whole sequences on every rank; the weights do not depend on it
     p.device = args.device
     cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = True
     for name in ("tokenizer_model", "vocab_file", "merge_file"):
