@@ -210,3 +210,42 @@ def test_tensorboard_switches(tmp_path, enabled):
     assert ("mem/max_rss_bytes" in writer.scalars) is enabled
     assert writer.scalars["valid lm loss"] == 2.0
     logger.close()
+
+
+# ---- fully sharded data parallelism: flags and rules ---------------------------------------
+def test_megatron_fsdp_strategies_map_to_the_wrappers():
+    from gigatron.parallel.fully_sharded import fsdp_strategy, uses_fully_sharded
+
+    def parallel(*flags):
+        return parse_config(list(flags), world_size=4).parallel
+
+    zero1 = parallel("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim")
+    assert zero1.use_distributed_optimizer and not uses_fully_sharded(zero1, 4)
+    plain = parallel("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard")
+    assert not plain.use_distributed_optimizer and not uses_fully_sharded(plain, 4)
+    zero2 = parallel("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads")
+    assert fsdp_strategy(zero2) == "optim_grads" and uses_fully_sharded(zero2, 4)
+    zero3 = parallel("--use-torch-fsdp2")
+    assert fsdp_strategy(zero3) == "optim_grads_params" and uses_fully_sharded(zero3, 4)
+    assert not uses_fully_sharded(zero3, 1)  # nothing to shard at dp = 1
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--use-torch-fsdp2", "--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
+        (["--use-torch-fsdp2", "--use-megatron-fsdp"], "give one"),
+        (["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2"], "not available yet"),
+        (["--use-torch-fsdp2", "--fp16"], "--fp16 \\(use --bf16\\)"),
+        (["--data-parallel-sharding-strategy", "optim"], "needs --use-megatron-fsdp"),
+        (["--megatron-fsdp-grad-comm-dtype", "bf16"], "needs --use-megatron-fsdp"),
+    ],
+)
+def test_fsdp_rules(flags, message):
+    with pytest.raises(GigatronError, match=message):
+        parse_config(flags, world_size=4)
+
+
+def test_fsdp_at_dp1_warns_that_nothing_is_sharded():
+    with pytest.warns(UserWarning, match="nothing to shard"):
+        parse_config(["--use-torch-fsdp2"], world_size=1)
