@@ -249,3 +249,43 @@ def test_fsdp_rules(flags, message):
 def test_fsdp_at_dp1_warns_that_nothing_is_sharded():
     with pytest.warns(UserWarning, match="nothing to shard"):
         parse_config(["--use-torch-fsdp2"], world_size=1)
+
+
+# ---- process settings and memory ------------------------------------------------------------
+def test_logging_level_and_reduced_precision_matmul(monkeypatch):
+    import logging
+
+    from gigatron.training.pretrain import apply_process_settings
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # restored after the test
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    try:
+        apply_process_settings(
+            parse_config(["--logging-level", "40", "--disable-bf16-reduced-precision-matmul"])
+        )
+        assert root.level == logging.ERROR
+        assert matmul.allow_bf16_reduced_precision_reduction is False
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+
+
+@pytest.mark.parametrize("level, calls", [(0, 0), (1, 1), (2, 2)])
+def test_empty_unused_memory_levels(monkeypatch, level, calls):
+    from gigatron.training import profiling
+
+    emptied: list[int] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    cuda = torch.device("cuda")
+    profiling.empty_unused_memory(level, 2, cuda)  # after forward-backward
+    profiling.empty_unused_memory(level, 1, cuda)  # after the optimizer step
+    profiling.empty_unused_memory(level, 1, torch.device("cpu"))  # no cache on a CPU
+    assert len(emptied) == calls
+
+
+def test_memory_scalars_on_cpu():
+    from gigatron.training.profiling import memory_scalars
+
+    (value,) = memory_scalars(torch.device("cpu")).values()
+    assert value > 10 * 2**20  # this process holds torch: more than 10 MiB resident
