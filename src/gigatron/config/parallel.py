@@ -37,6 +37,11 @@ class ParallelConfig:
         "micro-batches run per virtual stage before switching (default pp)",
         flag="--microbatch-group-size-per-virtual-pipeline-stage",
     )
+    pipeline_model_parallel_split_rank: Optional[int] = flag_field(
+        None,
+        "encoder-decoder models (T5): pipeline stages below this rank hold the encoder, the "
+        "others the decoder; default half of the stages",
+    )
     decoder_first_pipeline_num_layers: Optional[int] = flag_field(
         None, "layers on the first pipeline stage (uneven split)"
     )

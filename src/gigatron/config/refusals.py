@@ -26,12 +26,6 @@ class Refusal:
 
 
 REFUSALS: dict[str, Refusal] = {
-    "ckpt_format": Refusal(
-        lambda value: value != "torch",
-        "only Megatron's per-rank torch format is written and read so far (torch_dist, the "
-        "resharding format, is not available yet); use --ckpt-format torch and "
-        "`gigatron convert-checkpoint` to change the parallel layout",
-    ),
     "transformer_impl": Refusal(
         lambda value: value == "inference_optimized",
         "the inference-optimized layers are not available; use --transformer-impl local (or "
