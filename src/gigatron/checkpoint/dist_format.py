@@ -383,6 +383,39 @@ def save_checkpoint(
 
 
 # ---- load ------------------------------------------------------------------------------------
+def apply_strictness(
+    pieces: list[Piece], metadata: Metadata, strictness: str, iteration_dir: Path
+) -> list[Piece]:
+    """--dist-ckpt-strictness (Megatron's names) on the model's tensors: `missing` are this
+    model's tensors the checkpoint lacks, `unexpected` the checkpoint's model tensors this model
+    lacks. raise_*: an error; log_* and return_* (the CLI has no caller to return them to): a
+    warning; *_all and ignore_all: missing tensors keep their initial values; otherwise a missing
+    tensor stays an error and unexpected ones are not read (assume_ok_unexpected: unchecked)."""
+    if strictness == "assume_ok_unexpected":
+        return pieces
+    requested = {piece.key for piece in pieces}
+    stored = {key for key in metadata.state_dict_metadata if key.startswith("model.")}
+    missing, unexpected = sorted(requested - stored), sorted(stored - requested)
+    reported = {"unexpected": unexpected}
+    if strictness.endswith("_all"):
+        reported["missing"] = missing
+    found = {kind: keys for kind, keys in reported.items() if keys}
+    if found:
+        text = "; ".join(f"{kind}: {', '.join(keys)}" for kind, keys in found.items())
+        if strictness.startswith("raise"):
+            raise GigatronError(
+                f"{iteration_dir}: the checkpoint does not match the model ({text}); "
+                f"--dist-ckpt-strictness {strictness} refuses it"
+            )
+        if not strictness.startswith("ignore"):
+            warnings.warn(
+                f"{iteration_dir}: model tensors that do not match ({text})", stacklevel=2
+            )
+    if strictness in ("log_all", "return_all", "ignore_all"):
+        return [piece for piece in pieces if piece.key in stored]
+    return pieces
+
+
 def _check_requests(
     pieces: list[Piece], metadata: Metadata, iteration_dir: Path, hint: str
 ) -> None:
@@ -500,6 +533,8 @@ def load_iteration(
             "--no-load-optim or --finetune"
         )
     pieces = model_pieces(model_chunks, pctx, for_load=True)
+    strictness = getattr(ckpt_cfg, "dist_ckpt_strictness", "assume_ok_unexpected")
+    pieces = apply_strictness(pieces, metadata, strictness, iteration_dir)
     _check_requests(pieces, metadata, iteration_dir, "check the model flags against the "
                     "checkpoint's (--num-layers, --num-experts, ...)")  # fmt: skip
     _load_pieces(pieces, iteration_dir, pctx)
