@@ -224,10 +224,15 @@ def build_classifier(cfg, pctx: ParallelContext, vocab_size: int, task: Finetune
         weights_only = dataclasses.replace(
             cfg.checkpoint, finetune=True, load=task.pretrained_checkpoint, save=None
         )
-        load_checkpoint(
-            task.pretrained_checkpoint, [bert], None, None, pctx,
-            dataclasses.replace(cfg, checkpoint=weights_only),
-        )  # fmt: skip
+        try:
+            load_checkpoint(
+                task.pretrained_checkpoint, [bert], None, None, pctx,
+                dataclasses.replace(cfg, checkpoint=weights_only),
+            )  # fmt: skip
+        except GigatronError as error:  # name the flag the user gave
+            raise GigatronError(
+                str(error).replace("--load ", "--pretrained-checkpoint ", 1)
+            ) from None
     outputs = 1 if task.task == "RACE" else NUM_CLASSES[task.task]
     return BertClassifier(bert, outputs, cfg.model.hidden_dropout, cfg.training.seed)
 
