@@ -103,6 +103,11 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
 def validate(cfg) -> None:
     refuse_hybrid_flags(cfg, "bert")
     refuse_t5_flags(cfg, "bert")
+    if cfg.data.sft:
+        raise GigatronError(
+            "--sft: supervised fine-tuning is built for GPT (gigatron pretrain gpt --sft); drop "
+            "it for gigatron pretrain bert"
+        )
     if cfg.parallel.calculate_per_token_loss:
         raise GigatronError(
             "--calculate-per-token-loss: BERT's losses are per-micro-batch means (mlm + sop); "

@@ -79,6 +79,11 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
 def validate(cfg) -> None:
     """What the T5 model and its data need, and what it cannot do yet."""
     refuse_hybrid_flags(cfg, "t5")
+    if cfg.data.sft:
+        raise GigatronError(
+            "--sft: supervised fine-tuning is built for GPT (gigatron pretrain gpt --sft); drop "
+            "it for gigatron pretrain t5"
+        )
     m, p = cfg.model, cfg.parallel
     if m.decoder_seq_length is None:
         raise GigatronError(

@@ -58,6 +58,7 @@ _REFUSED = {
     "train_samples": "--epochs sets the samples",
     "save_interval": "the best checkpoint is saved after each epoch",
     "rampup_batch_size": "fine-tuning keeps one batch size",
+    "sft": "supervised fine-tuning of GPT is gigatron pretrain gpt --sft",
 }
 
 
