@@ -169,6 +169,13 @@ def test_pretrained_weights_are_loaded_and_the_head_is_new(pretrained, tmp_path)
     [
         (["--data-path", "x"], "--data-path: not a gigatron finetune flag"),
         (["--train-iters", "5"], "--train-iters: not a gigatron finetune flag"),
+        (["--num-workers", "0"], "--num-workers: not a gigatron finetune flag"),
+        (["--sft"], "--sft: not a gigatron finetune flag"),
+        (
+            ["--no-create-attention-mask-in-dataloader"],
+            "--no-create-attention-mask-in-dataloader: not a gigatron finetune flag",
+        ),
+        (["--eval-iters", "3"], "--eval-iters: not a gigatron finetune flag"),
         (["--pipeline-model-parallel-size", "2"], "tensor and data parallelism only"),
     ],
 )
@@ -268,3 +275,22 @@ def test_a_separable_task_is_learned_from_its_labels(tmp_path):
     assert _separable_run(tmp_path / "real", shuffle_labels=False) >= 0.9
     # The same sentences with the training labels shuffled: nothing to learn.
     assert _separable_run(tmp_path / "shuffled", shuffle_labels=True) <= 0.6
+
+
+def test_a_checkpoint_without_pooler_gets_a_new_one(tmp_path):
+    save_pretrained(tmp_path / "no-pooler", "--bert-no-binary-head")
+    cfg, task = ft.parse_finetune_args(
+        finetune_flags("QQP", tmp_path / "no-pooler", tmp_path / "out", epochs="0",
+                       valid_data=str(QQP)) + ["--bert-no-binary-head"],
+        world_size=1,
+    )  # fmt: skip
+    model = ft.build_classifier(cfg, ParallelContext.single(), 30522, task)
+    names = set(model.state_dict())
+    assert {"pooler.weight", "classification_head.weight"} <= names
+    assert not any(name.startswith("bert.pooler") for name in names)
+    assert model.classification_head.weight.shape == (2, 64)
+    logits = ft.classify(
+        model,
+        ft.collate(ft.read_samples("QQP", str(QQP), build_tokenizer(cfg.tokenizer), 64), [0, 1]),
+    )
+    assert logits.shape == (2, 2) and torch.isfinite(logits).all()

@@ -46,31 +46,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# What a fine-tuning run does not do (a flag -> why); each is refused when set.
+# What a fine-tuning run does not do (a flag -> why); each is refused when set. Every flag of the
+# data section is refused too: the samples come from --train-data and --valid-data.
 _REFUSED = {
     "load": "resuming a fine-tuning run is not supported; start from --pretrained-checkpoint",
-    "data_path": "the data are --train-data and --valid-data",
-    "train_data_path": "the data are --train-data",
-    "valid_data_path": "the data are --valid-data",
-    "test_data_path": "there is no test split; give the files as --valid-data",
-    "mock_data": "the data are --train-data and --valid-data",
     "train_iters": "--epochs sets the iterations",
     "train_samples": "--epochs sets the samples",
     "save_interval": "the best checkpoint is saved after each epoch",
     "rampup_batch_size": "fine-tuning keeps one batch size",
-    "sft": "supervised fine-tuning of GPT is gigatron pretrain gpt --sft",
+    "eval_interval": "the accuracy is measured after each epoch",
+    "eval_iters": "every validation sample is scored after each epoch",
+    "eval_at_start": "--epochs 0 evaluates the pretrained checkpoint",
+    "full_validation": "every validation sample is scored after each epoch",
+    "skip_train": "--epochs 0 evaluates the pretrained checkpoint",
 }
 
 
 def _refuse(cfg, task: FinetuneTaskConfig) -> None:
-    from gigatron.config.root import field_section
+    from gigatron.config.fields import flag_name
+    from gigatron.config.root import SECTIONS, field_section
 
+    fields = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
     defaults = type(cfg)()
-    for name, why in _REFUSED.items():
+    refused = dict(_REFUSED)
+    for data_field in dataclasses.fields(type(cfg.data)):
+        refused[data_field.name] = "the data are --train-data and --valid-data"
+    if cfg.data.sft:
+        refused["sft"] = "supervised fine-tuning of GPT is gigatron pretrain gpt --sft"
+    for name, why in refused.items():
         section = field_section(name)
         if getattr(getattr(cfg, section), name) != getattr(getattr(defaults, section), name):
-            flag = "--" + name.replace("_", "-")
-            raise GigatronError(f"{flag}: not a gigatron finetune flag; {why}")
+            raise GigatronError(f"{flag_name(fields[name])}: not a gigatron finetune flag; {why}")
     p = cfg.parallel
     if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
         raise GigatronError(
