@@ -294,3 +294,50 @@ def test_a_checkpoint_without_pooler_gets_a_new_one(tmp_path):
         ft.collate(ft.read_samples("QQP", str(QQP), build_tokenizer(cfg.tokenizer), 64), [0, 1]),
     )
     assert logits.shape == (2, 2) and torch.isfinite(logits).all()
+
+
+def _synthetic_race(directory: Path, questions: list[tuple[list[str], int]]) -> None:
+    """RACE articles of 4 questions each; the options and the answer letter are given."""
+    directory.mkdir(parents=True)
+    for number in range(0, len(questions), 4):
+        part = questions[number : number + 4]
+        article = {
+            "article": "a short story about things .",
+            "questions": ["which one is right ?"] * len(part),
+            "options": [options for options, _ in part],
+            "answers": ["ABCD"[answer] for _, answer in part],
+            "id": f"{number}.txt",
+        }
+        (directory / f"{number}.txt").write_text(json.dumps(article))
+
+
+def _separable_race_run(tmp_path: Path, shuffle_labels: bool) -> float:
+    """The right option says 'yes', the others 'no': learnable from the labels only."""
+    rng = random.Random(1)
+    questions = []
+    for _ in range(52):
+        answer = rng.randrange(4)
+        nouns = rng.sample(NOUNS, 4)
+        options = [("yes " if c == answer else "no ") + nouns[c] for c in range(4)]
+        questions.append((options, answer))
+    train, valid = questions[:40], questions[40:]
+    if shuffle_labels:
+        train = [(options, rng.randrange(4)) for options, _ in train]
+    _synthetic_race(tmp_path / "train", train)
+    _synthetic_race(tmp_path / "dev", valid)
+    flags = finetune_flags(
+        "RACE", None, tmp_path / "out", 16, train_data=str(tmp_path / "train"),
+        valid_data=str(tmp_path / "dev"), epochs="6", micro_batch_size="4",
+        global_batch_size="4",
+    )  # fmt: skip
+    flags += ["--lr", "2e-3", "--metrics-file", str(tmp_path / "m.jsonl")]
+    cfg, task = ft.parse_finetune_args(flags, world_size=1)
+    with open(tmp_path / "log.txt", "w") as log:
+        result = ft.finetune(cfg, task, stream=log)
+    return result["epochs"][-1]["mean_accuracy"]
+
+
+def test_a_separable_multiple_choice_task_is_learned_from_its_labels(tmp_path):
+    torch.set_num_threads(1)
+    assert _separable_race_run(tmp_path / "real", shuffle_labels=False) >= 0.9
+    assert _separable_race_run(tmp_path / "shuffled", shuffle_labels=True) <= 0.6
