@@ -121,3 +121,37 @@ def test_sft_is_refused_where_it_does_not_apply(tmp_path):
     bert = [f for f in flags if f != "--sft"]
     with pytest.raises(GigatronError, match="--sft: supervised fine-tuning is built for GPT"):
         parse_pretrain_config(["--sft", *bert], world_size=1, family="bert")
+
+
+def test_data_parallel_sft_matches_one_process(tmp_path):
+    """Two data-parallel ranks, each with half of every global batch, log the one-process loss."""
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in PAIRS * 2))
+    losses = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"run{nproc}"
+        flags = _flags(data, out) + [
+            "--train-iters",
+            "2",
+            "--micro-batch-size",
+            "2",
+            "--log-interval",
+            "1",
+        ]
+        launcher = [sys.executable, "-m", "gigatron.cli"]
+        if nproc > 1:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node", str(nproc), "-m", "gigatron.cli"]  # fmt: skip
+        result = subprocess.run(
+            [*launcher, "pretrain", "gpt", *flags], capture_output=True, text=True, timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[nproc] = [r["lm_loss"] for r in records if r["type"] == "train"]
+    assert len(losses[1]) == 2
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5)
