@@ -248,7 +248,6 @@ def build_classifier(cfg, pctx: ParallelContext, vocab_size: int, task: Finetune
 def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any]:
     """Fine-tune (or, with --epochs 0, evaluate); returns the accuracies of every epoch and the
     best one (every rank)."""
-    from gigatron.checkpoint.torch_format import iteration_dir_name
     from gigatron.optim import build_optimizer
     from gigatron.optim.batch_schedule import build_num_microbatches_calculator
     from gigatron.optim.lr_schedule import build_lr_scheduler
@@ -320,29 +319,17 @@ def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any
         )  # fmt: skip
         eval_micro = task.eval_micro_batch_size or t.micro_batch_size
 
-        def evaluate_epoch(epoch: int) -> dict[str, Any]:
-            record: dict[str, Any] = {"epoch": epoch, "iteration": run.state.iteration}
-            scores = {}
-            for path, samples in valid_sets:
-                correct, total = accuracy(classifier, samples, eval_micro, pctx)
-                scores[path] = correct / max(total, 1)
-                metrics.write(
-                    {"type": "eval", "split": "valid", "task": task.task, "valid_data": path,
-                     "epoch": epoch, "iteration": run.state.iteration, "correct": correct,
-                     "total": total, "accuracy": scores[path]}
-                )  # fmt: skip
-                metrics.message(
-                    f" > |epoch: {epoch}| metrics for {path}: correct / total = {correct} / "
-                    f"{total} = {100 * scores[path]:.4f} %"
-                )
-            record["accuracy"] = scores
-            record["mean_accuracy"] = sum(scores.values()) / len(scores)
-            return record
-
         history: list[dict[str, Any]] = []
         best: dict[str, Any] | None = None
+
+        def evaluate_now(epoch: int) -> dict[str, Any]:
+            return evaluate_epoch(
+                classifier, valid_sets, epoch, run.state.iteration, eval_micro, pctx, metrics,
+                task.task,
+            )  # fmt: skip
+
         if task.epochs == 0:
-            history.append(evaluate_epoch(0))
+            history.append(evaluate_now(0))
         for epoch in range(1, task.epochs + 1):
             run.train_iterator = epoch_batches(
                 train_samples, epoch, t.seed, global_batch, t.micro_batch_size, pctx,
@@ -350,25 +337,12 @@ def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any
             )  # fmt: skip
             run.train_iters = epoch * per_epoch
             result = train(run)
-            record = evaluate_epoch(epoch)
+            record = evaluate_now(epoch)
             history.append(record)
             if best is None or record["mean_accuracy"] > best["mean_accuracy"]:
                 previous, best = best, record
                 if ckpt.save:
-                    _save_best(run, model, optimizer, scheduler, pctx, cfg, task, record)
-                    if (
-                        previous is not None
-                        and pctx.rank == 0
-                        and previous["iteration"] != record["iteration"]
-                    ):
-                        shutil.rmtree(
-                            Path(ckpt.save) / iteration_dir_name(previous["iteration"]),
-                            ignore_errors=True,
-                        )
-                    metrics.message(
-                        f"saved the best checkpoint (epoch {epoch}, mean accuracy "
-                        f"{record['mean_accuracy']:.4f}) to {ckpt.save}"
-                    )
+                    _save_best(run, task, record, previous)
             if result.exit_reason != "finished":
                 break
         return {"task": task.task, "epochs": history, "best": best}
@@ -379,9 +353,44 @@ def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any
             dist.destroy_process_group()
 
 
-def _save_best(run, model, optimizer, scheduler, pctx, cfg, task, record) -> None:
-    from gigatron.checkpoint.formats import save_checkpoint
+def evaluate_epoch(
+    classifier: nn.Module,
+    valid_sets: list[tuple[str, list[dict[str, Any]]]],
+    epoch: int,
+    iteration: int,
+    micro_batch: int,
+    pctx: ParallelContext,
+    metrics: Any,
+    task_name: str,
+) -> dict[str, Any]:
+    """The accuracy on every validation set, logged and written to metrics.jsonl."""
+    scores = {}
+    for path, samples in valid_sets:
+        correct, total = accuracy(classifier, samples, micro_batch, pctx)
+        scores[path] = correct / max(total, 1)
+        metrics.write(
+            {"type": "eval", "split": "valid", "task": task_name, "valid_data": path,
+             "epoch": epoch, "iteration": iteration, "correct": correct, "total": total,
+             "accuracy": scores[path]}
+        )  # fmt: skip
+        metrics.message(
+            f" > |epoch: {epoch}| metrics for {path}: correct / total = {correct} / {total} = "
+            f"{100 * scores[path]:.4f} %"
+        )
+    return {
+        "epoch": epoch,
+        "iteration": iteration,
+        "accuracy": scores,
+        "mean_accuracy": sum(scores.values()) / len(scores),
+    }
 
+
+def _save_best(run: Any, task: FinetuneTaskConfig, record: dict, previous: dict | None) -> None:
+    """Save the new best checkpoint, then remove the previous best (rank 0)."""
+    from gigatron.checkpoint.formats import save_checkpoint
+    from gigatron.checkpoint.torch_format import iteration_dir_name
+
+    cfg, save_dir = run.cfg, run.cfg.checkpoint.save
     extra = {
         "consumed_train_samples": run.state.consumed_train_samples,
         "consumed_valid_samples": 0,
@@ -392,9 +401,17 @@ def _save_best(run, model, optimizer, scheduler, pctx, cfg, task, record) -> Non
         },
     }
     save_checkpoint(
-        cfg.checkpoint.save, run.state.iteration, model, optimizer, scheduler, pctx, cfg,
-        extra=extra, rng_tracker=model[0].module.rng,
+        save_dir, run.state.iteration, run.model, run.optimizer, run.scheduler, run.pctx, cfg,
+        extra=extra, rng_tracker=run.model[0].module.rng,
     )  # fmt: skip
+    if previous is not None and run.pctx.rank == 0 and previous["iteration"] != record["iteration"]:
+        shutil.rmtree(
+            Path(save_dir) / iteration_dir_name(previous["iteration"]), ignore_errors=True
+        )
+    run.metrics.message(
+        f"saved the best checkpoint (epoch {record['epoch']}, mean accuracy "
+        f"{record['mean_accuracy']:.4f}) to {save_dir}"
+    )
 
 
 def main(argv: Sequence[str]) -> int:
