@@ -177,6 +177,7 @@ def test_pretrained_weights_are_loaded_and_the_head_is_new(pretrained, tmp_path)
         ),
         (["--eval-iters", "3"], "--eval-iters: not a gigatron finetune flag"),
         (["--pipeline-model-parallel-size", "2"], "tensor and data parallelism only"),
+        (["--use-torch-fsdp2"], "--use-torch-fsdp2/--use-megatron-fsdp: gigatron finetune"),
     ],
 )
 def test_refused_flags(extra, message, tmp_path):

@@ -201,3 +201,25 @@ def test_checkpoint_flag_rules():
     with pytest.raises(GigatronError, match="--ckpt-convert-save needs --ckpt-convert-format"):
         parse_config(["--ckpt-convert-save", "out"])
     parse_config(["--async-save", "--ckpt-format", "torch_dist"])
+
+
+def test_finetune_and_missing_optimizer_state(tmp_path: Path):
+    cfg, pctx, model, optimizer, scheduler = _run()
+    for i in range(2):
+        _step(model, optimizer, scheduler, i)
+    cfg.checkpoint.no_save_optim = True
+    save_checkpoint(tmp_path, 2, [model], optimizer, scheduler, pctx, cfg)
+    assert not any(k.startswith("optimizer.") for k in dist_format.read_full_tensors(
+        tmp_path / "iter_0000002"))  # fmt: skip
+
+    cfg2, pctx2, model2, optimizer2, scheduler2 = _run(seed=5)
+    with pytest.raises(GigatronError, match="has no optimizer state .* --no-load-optim"):
+        load_checkpoint(tmp_path, [model2], optimizer2, scheduler2, pctx2, cfg2)
+    cfg2.checkpoint.finetune = True
+    info = load_checkpoint(tmp_path, [model2], optimizer2, scheduler2, pctx2, cfg2)
+    assert info["loaded"] and info["iteration"] == 0
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    # the fp32 main copies start from the loaded bf16 weights
+    for param, main in optimizer2.param_pairs:
+        assert torch.equal(main, param.float())

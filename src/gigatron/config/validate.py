@@ -46,6 +46,15 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         apply_preset(cfg, m.model_preset)
     if m.recompute_activations:
         m.recompute_granularity = "selective"
+    if p.use_megatron_fsdp and p.data_parallel_sharding_strategy == "optim":
+        # Megatron-FSDP's ZeRO-1: the distributed optimizer's sharding.
+        p.use_distributed_optimizer = True
+    if m.checkpoint_activations:
+        # Megatron's old flag: full recompute, uniform groups (of the old default of 1 layer).
+        m.recompute_granularity = "full"
+        m.recompute_method = "uniform"
+        if m.recompute_num_layers is None:
+            m.recompute_num_layers = 1
     pattern = m.hybrid_layer_pattern or m.hybrid_override_pattern
     if m.num_layers is None and pattern:
         m.num_layers = len(pattern)  # a hybrid stack's layer count is its pattern's (Megatron)
@@ -77,6 +86,8 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         )
     if m.max_position_embeddings is None and m.seq_length is not None:
         m.max_position_embeddings = max(m.seq_length, m.decoder_seq_length or 0)
+    if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
+        m.position_embedding_type = "none"  # --no-position-embedding's older meaning
     if cfg.moe.num_experts and cfg.moe.moe_ffn_hidden_size is None:
         cfg.moe.moe_ffn_hidden_size = m.ffn_hidden_size
     if cfg.moe.num_experts and p.expert_tensor_parallel_size is None:
@@ -138,6 +149,99 @@ def _checkpoint_rules(cfg: GigatronConfig, problems: list[str]) -> None:
         problems.append(
             f"--async-save works with --ckpt-format torch_dist (not {c.ckpt_format}); add "
             "--ckpt-format torch_dist or leave --async-save out"
+        )
+
+
+def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
+    """Sliding windows, softmax sinks, gated activations, YaRN and multi-latent attention."""
+    from gigatron.config.model import parse_window_size, parse_window_skip_freq
+
+    m, p = cfg.model, cfg.parallel
+    try:
+        parse_window_size(m.window_size)
+        parse_window_skip_freq(m.window_attn_skip_freq, m.num_layers or 0)
+    except GigatronError as error:
+        problems.append(str(error))
+    if m.window_attn_skip_freq is not None and m.window_size is None:
+        problems.append("--window-attn-skip-freq needs --window-size")
+    if p.context_parallel_size > 1 and (m.window_size or m.softmax_type != "vanilla"):
+        problems.append(
+            "--window-size / --softmax-type: the context-parallel attention has no sliding "
+            "window or softmax sinks; use --context-parallel-size 1"
+        )
+    if m.swiglu + m.quick_geglu + m.geglu > 1:
+        problems.append(
+            "--swiglu, --quick-geglu and --geglu: more than one given; choose one gated activation"
+        )
+    gated = m.swiglu or m.quick_geglu or m.geglu
+    if not gated and (m.glu_linear_offset or m.activation_func_clamp_value is not None):
+        problems.append(
+            "--glu-linear-offset / --activation-func-clamp-value act on gated MLPs; add "
+            "--swiglu or --quick-geglu"
+        )
+    if m.activation_func_clamp_value is not None and m.activation_func_clamp_value <= 0:
+        problems.append(
+            f"--activation-func-clamp-value {m.activation_func_clamp_value} must be > 0"
+        )
+    if m.rope_type == "yarn" and not m.multi_latent_attention:
+        problems.append(
+            "--rope-type yarn selects the RoPE of multi-latent attention; for other attention "
+            "use --position-embedding-type yarn"
+        )
+    if m.multi_latent_attention and p.context_parallel_size > 1:
+        problems.append(
+            "--multi-latent-attention: the context-parallel attention assumes equal key and "
+            "value head sizes; use --context-parallel-size 1"
+        )
+    if m.mtp_num_layers is not None:
+        if m.mtp_num_layers < 1:
+            problems.append(f"--mtp-num-layers {m.mtp_num_layers} must be at least 1")
+        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
+            problems.append(
+                "--mtp-num-layers: multi-token prediction runs with pipeline and context "
+                "parallel sizes 1 so far (its layers need the embedding and whole sequences)"
+            )
+    if m.rotary_scaling_factor <= 0:
+        problems.append(f"--rotary-scaling-factor {m.rotary_scaling_factor} must be positive")
+
+
+def _fsdp_rules(cfg: GigatronConfig, problems: list[str], world_size: int | None) -> None:
+    """Fully sharded data parallelism (parallel/fully_sharded.py): what it composes with."""
+    p, t = cfg.parallel, cfg.training
+    if p.use_torch_fsdp2 and p.use_megatron_fsdp:
+        problems.append("--use-torch-fsdp2 and --use-megatron-fsdp: give one")
+    if p.use_torch_fsdp2 and p.use_distributed_optimizer:
+        problems.append(
+            "--use-torch-fsdp2 shards the optimizer state itself; drop --use-distributed-optimizer"
+        )
+    fsdp = p.use_torch_fsdp2 or p.use_megatron_fsdp
+    if not fsdp and p.megatron_fsdp_grad_comm_dtype != "auto":
+        problems.append("--megatron-fsdp-grad-comm-dtype needs --use-megatron-fsdp")
+    if not p.use_megatron_fsdp and p.data_parallel_sharding_strategy != "optim_grads_params":
+        problems.append("--data-parallel-sharding-strategy needs --use-megatron-fsdp")
+    sharded = p.use_torch_fsdp2 or (
+        p.use_megatron_fsdp
+        and p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+    )
+    if not sharded:
+        return
+    for enabled, what in (
+        (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
+        (p.context_parallel_size > 1, "--context-parallel-size > 1"),
+        (bool(cfg.moe.num_experts), "--num-experts (expert parallelism)"),
+        (t.fp16, "--fp16 (use --bf16)"),
+        (cfg.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist (use torch)"),
+    ):
+        if enabled:
+            problems.append(
+                f"fully sharded data parallelism (--use-torch-fsdp2 / --use-megatron-fsdp) with "
+                f"{what} is not available yet; use --use-distributed-optimizer instead"
+            )
+    if world_size is not None and data_parallel_size(cfg, world_size) == 1:
+        warnings.warn(
+            "fully sharded data parallelism at data-parallel size 1 has nothing to shard; the "
+            "model is trained unsharded",
+            stacklevel=2,
         )
 
 
@@ -245,7 +349,17 @@ def validate_config(
             "--no-create-attention-mask-in-dataloader"
         )
     problems.extend(refused_settings(cfg))
+    _attention_variant_rules(cfg, problems)
     _context_parallel_rules(cfg, problems)
+    _fsdp_rules(cfg, problems, world_size)
+    if p.grad_reduce_in_bf16 and not t.bf16:
+        problems.append("--grad-reduce-in-bf16 needs --bf16")
+    if p.grad_reduce_in_bf16 and p.accumulate_allreduce_grads_in_fp32:
+        problems.append(
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict; give one"
+        )
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
+        problems.append("--decoupled-min-lr needs --decoupled-lr")
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         problems.append(
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
@@ -362,8 +476,12 @@ def moe_problems(cfg: GigatronConfig, world_size: int | None = None) -> list[str
         problems.append(
             f"--expert-tensor-parallel-size {etp}: must be 1 or the tensor-parallel size {tp}"
         )
-    if m.add_bias_linear:
-        problems.append("MoE experts have no biases: add --disable-bias-linear")
+    if m.add_bias_linear and etp > 1:
+        problems.append(
+            f"MoE experts with biases (the default without --disable-bias-linear) and "
+            f"--expert-tensor-parallel-size {etp}: not supported; add --disable-bias-linear "
+            "or use --expert-tensor-parallel-size 1"
+        )
     if not 1 <= e.moe_router_topk <= experts:
         problems.append(f"--moe-router-topk {e.moe_router_topk} must lie in [1, {experts}]")
     softmax_after_topk = e.moe_router_score_function == "softmax" and not e.moe_router_pre_softmax

@@ -83,6 +83,11 @@ def _refuse(cfg, task: FinetuneTaskConfig) -> None:
             "--pipeline-model-parallel-size/--context-parallel-size: gigatron finetune runs "
             "tensor and data parallelism only; set both to 1"
         )
+    if p.use_torch_fsdp2 or p.use_megatron_fsdp:
+        raise GigatronError(
+            "--use-torch-fsdp2/--use-megatron-fsdp: gigatron finetune wraps the model in "
+            "DistributedDataParallel (use --use-distributed-optimizer to shard optimizer state)"
+        )
     if task.task is None:
         raise GigatronError("--task: missing; give --task MNLI, QQP or RACE")
     if task.epochs is None or task.epochs < 0:
@@ -257,8 +262,15 @@ def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any
     from gigatron.training.flops import model_flops_per_iteration
     from gigatron.training.loop import Run, TrainState, train
     from gigatron.training.metrics import MetricsLogger, default_metrics_path
-    from gigatron.training.pretrain import _grad_dtype, build_run_tokenizer
+    from gigatron.training.pretrain import (
+        _grad_dtype,
+        apply_process_settings,
+        build_run_tokenizer,
+        set_determinism,
+    )
 
+    set_determinism(cfg)
+    apply_process_settings(cfg)
     pctx = ParallelContext.from_config(cfg)
     owns_process_group = dist.is_initialized() and pctx.world_size > 1
     metrics = None
@@ -297,6 +309,8 @@ def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any
             progress_bar=False if cfg.logging.no_progress_bar else None, stream=stream,
             loss_names=LOSS_NAMES, log_throughput=cfg.logging.log_throughput,
             timing_log_level=cfg.logging.timing_log_level,
+            tensorboard_timers=cfg.logging.log_timers_to_tensorboard,
+            tensorboard_validation_ppl=cfg.logging.log_validation_ppl_to_tensorboard,
         )  # fmt: skip
         metrics.message(
             f"finetune {task.task}: {len(train_samples)} training samples, {per_epoch} "
