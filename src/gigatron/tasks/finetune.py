@@ -59,6 +59,12 @@ _REFUSED = {
     "eval_at_start": "--epochs 0 evaluates the pretrained checkpoint",
     "full_validation": "every validation sample is scored after each epoch",
     "skip_train": "--epochs 0 evaluates the pretrained checkpoint",
+    "finetune": "--pretrained-checkpoint is always loaded as weights only",
+    "no_load_optim": "--pretrained-checkpoint is always loaded as weights only",
+    "no_load_rng": "--pretrained-checkpoint is always loaded as weights only",
+    "ckpt_convert_format": "convert checkpoints with gigatron pretrain or convert-checkpoint",
+    "ckpt_convert_save": "convert checkpoints with gigatron pretrain or convert-checkpoint",
+    "async_save": "the best checkpoint is saved synchronously after its epoch",
 }
 
 
