@@ -18,6 +18,11 @@ class DataConfig:
     valid_data_path: Optional[list[str]] = flag_field(None, "validation prefixes", nargs="*")
     test_data_path: Optional[list[str]] = flag_field(None, "test prefixes", nargs="*")
     mock_data: bool = flag_field(False, "synthetic tokens instead of files")
+    sft: bool = flag_field(
+        False,
+        "supervised fine-tuning (GPT): --data-path names JSON-lines files of prompt/response "
+        "pairs or messages; the loss counts the response tokens only",
+    )
     data_cache_path: Optional[str] = flag_field(None, "where dataset indices are cached")
     mid_level_dataset_surplus: float = flag_field(0.005, "extra samples asked of blended members")
     mask_prob: float = flag_field(0.15, "BERT: share of the tokens masked for the masked-LM loss")
@@ -25,6 +30,9 @@ class DataConfig:
         0.1, "BERT: probability that a sample is given a random shorter target length"
     )
     num_workers: int = flag_field(2, "data-loader worker processes")
+    mmap_bin_files: bool = flag_field(
+        True, "read .bin files without memory-mapping", flag="--no-mmap-bin-files", store_false=True
+    )
     eod_mask_loss: bool = flag_field(False, "no loss on end-of-document tokens")
     reset_position_ids: bool = flag_field(False, "restart position ids after each end of document")
     reset_attention_mask: bool = flag_field(False, "no attention across end of document")
