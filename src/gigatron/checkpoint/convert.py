@@ -251,6 +251,8 @@ def _merge_source(
         sample = next(state for (t, p, e), state in sorted(states.items()) if p == pp_rank)
         for key in _chunk_keys(sample):
             for name in sample[key]:
+                if name == WORD_EMBEDDING and name in full:
+                    continue  # the multi-token prediction stage's copy (kept equal in training)
                 if name in full:
                     raise GigatronError(f"{where}: parameter {name} appears twice")
                 dim, stride, expert = attributes.get(name, (-1, 1, False))
