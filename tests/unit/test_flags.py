@@ -15,6 +15,7 @@ import pytest
 
 from gigatron.cli import COMMANDS
 from gigatron.config import GigatronConfig, parse_config
+from gigatron.config.equivalents import EQUIVALENTS
 from gigatron.config.fields import flag_name
 from gigatron.config.refusals import REFUSALS, refused_settings
 from gigatron.config.root import SECTIONS, add_config_arguments, field_section
@@ -30,9 +31,10 @@ def _pretrain_parser() -> argparse.ArgumentParser:
 
 
 def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
-    from gigatron.checkpoint import convert
+    from gigatron.checkpoint import convert, hf_convert
     from gigatron.data import merge, preprocess, train_tokenizer
     from gigatron.inference import generate, server
+    from gigatron.tasks import evaluate
     from gigatron.training import quickstart
 
     return {
@@ -42,13 +44,16 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "train-tokenizer": train_tokenizer.build_parser,
         "pretrain": _pretrain_parser,
         "convert-checkpoint": convert._parser,
+        "convert": hf_convert._parser,
         "generate": generate.build_parser,
         "serve": server.build_parser,
+        "evaluate": evaluate.build_parser,
     }
 
 
-# `gigatron presets` takes no flags; `text-generation-cli` only HOST:PORT.
-NO_FLAGS = {"presets", "text-generation-cli"}
+# `gigatron presets` takes no flags; `text-generation-cli` only HOST:PORT; `lm-eval` passes its
+# flags to the lm-evaluation-harness command line.
+NO_FLAGS = {"presets", "text-generation-cli", "lm-eval"}
 
 
 def _long_option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -121,13 +126,40 @@ def test_refusals_name_real_fields_and_are_enforced():
         field_section(name)  # a KeyError here: the table names a field that does not exist
     assert refused_settings(GigatronConfig()) == [], "the defaults must be accepted"
     cases = {
-        "ckpt_format": ["--ckpt-format", "torch_dist"],
         "timing_log_level": ["--timing-log-level", "2"],
+        "transformer_impl": ["--transformer-impl", "inference_optimized"],
+        "spec": ["--spec", "megatron.core.models.retro"],
+        "fp8": ["--fp8-format", "hybrid"],
+        "fp8_amax_history_len": ["--fp8-amax-history-len", "1024"],
+        "fp8_amax_compute_algo": ["--fp8-amax-compute-algo", "max"],
+        "fp8_param_gather": ["--fp8-param-gather"],
+        "nccl_ub": ["--use-nccl-ub"],
+        "fsdp_double_buffer": ["--fsdp-double-buffer"],
+        "fsdp_manual_registration": ["--fsdp-manual-registration"],
+        "megatron_fsdp_main_grads_dtype": ["--megatron-fsdp-main-grads-dtype", "bf16"],
+        "moe_router_force_load_balancing": ["--moe-router-force-load-balancing"],
+        "moe_flex_dispatcher_backend": ["--moe-flex-dispatcher-backend", "hybridep"],
+        "moe_token_dispatcher_type": ["--moe-token-dispatcher-type", "flex"],
+        "init_model_with_meta_device": ["--init-model-with-meta-device"],
+        "recompute_modules": ["--recompute-modules", "moe_act"],
     }
     assert set(cases) == set(REFUSALS), "give every refusal a refused example here"
     for flags in cases.values():
-        with pytest.raises(GigatronError, match=re.escape(f"{flags[0]} {flags[1]}: ")):
+        # "--flag value", or a switch alone
+        shown = flags[0] if len(flags) == 1 or flags[1].startswith("--") else " ".join(flags[:2])
+        with pytest.raises(GigatronError, match=re.escape(f"{shown}: ")):
             parse_config(flags)
+
+
+def test_equivalents_name_real_fields_and_are_documented():
+    """Each implementation selector (config/equivalents.py) is a real flag, and
+    docs/training.md says what it maps to."""
+    docs = (SRC.parents[1] / "docs" / "training.md").read_text()
+    for name, equivalent in EQUIVALENTS.items():
+        field_section(name)
+        flag = equivalent.flag.split()[0]
+        assert f"`{flag}" in docs, f"docs/training.md does not explain {flag}"
+        assert name not in REFUSALS or name in ("transformer_impl", "spec")
 
 
 def test_expert_parallel_without_experts_is_refused_on_several_processes():

@@ -11,6 +11,12 @@ from gigatron.config.fields import flag_field
 @dataclass
 class ModelConfig:
     num_layers: Optional[int] = flag_field(None, "number of transformer layers")
+    encoder_num_layers: Optional[int] = flag_field(
+        None, "encoder layers of an encoder-decoder model (T5); default --num-layers"
+    )
+    decoder_num_layers: Optional[int] = flag_field(
+        None, "decoder layers of an encoder-decoder model (T5); default --num-layers"
+    )
     hidden_size: Optional[int] = flag_field(None, "transformer hidden size")
     ffn_hidden_size: Optional[int] = flag_field(
         None, "MLP hidden size; default 4*hidden, or the SwiGLU size with --swiglu"
@@ -20,13 +26,26 @@ class ModelConfig:
     num_query_groups: int = flag_field(1, "number of key/value groups with --group-query-attention")
     kv_channels: Optional[int] = flag_field(None, "projection size per head; default hidden/heads")
     seq_length: Optional[int] = flag_field(None, "sequence length of a training sample")
+    encoder_seq_length: Optional[int] = flag_field(
+        None, "encoder sequence length of an encoder-decoder model (T5); sets --seq-length"
+    )
+    decoder_seq_length: Optional[int] = flag_field(
+        None, "decoder sequence length of an encoder-decoder model (T5)"
+    )
     max_position_embeddings: Optional[int] = flag_field(
         None, "size of the position table; default --seq-length"
     )
     position_embedding_type: str = flag_field(
         "learned_absolute",
-        "position encoding (yarn: RoPE with YaRN frequency scaling)",
-        choices=["learned_absolute", "rope", "yarn", "none"],
+        "position encoding (yarn: RoPE with YaRN frequency scaling; relative: T5's bucketed "
+        "attention bias, the t5 family only)",
+        choices=["learned_absolute", "rope", "yarn", "relative", "none"],
+    )
+    relative_attention_num_buckets: int = flag_field(
+        32, "buckets of the relative position bias (--position-embedding-type relative)"
+    )
+    relative_attention_max_distance: int = flag_field(
+        128, "distance from which relative positions share the last bucket (relative)"
     )
     add_position_embedding: bool = flag_field(
         True,
@@ -63,9 +82,22 @@ class ModelConfig:
     )
     rotary_percent: float = flag_field(1.0, "fraction of each head's channels that RoPE rotates")
     rotary_base: int = flag_field(10000, "RoPE base period")
+    rotary_seq_len_interpolation_factor: Optional[float] = flag_field(
+        None, "divide RoPE positions by this factor (linear position interpolation)"
+    )
+    use_rope_scaling: bool = flag_field(
+        False,
+        "Llama 3.1 RoPE frequency scaling (low/high frequency factors 1 and 4, 8192 positions)",
+    )
+    rope_scaling_factor: float = flag_field(8.0, "the scaling factor of --use-rope-scaling")
     normalization: str = flag_field("LayerNorm", "norm layer", choices=["LayerNorm", "RMSNorm"])
     layernorm_epsilon: float = flag_field(1e-5, "epsilon of the norm layers", flag="--norm-epsilon")
     swiglu: bool = flag_field(False, "gated SiLU MLP (Llama style)")
+    geglu: bool = flag_field(
+        False,
+        "gated GeLU MLP (T5 v1.1's gated-gelu; with --openai-gelu the tanh GeLU it uses); "
+        "a gigatron flag",
+    )
     quick_geglu: bool = flag_field(
         False, "gated MLP with quick GeLU, x * sigmoid(1.702 x) (gpt-oss style)"
     )
@@ -136,6 +168,57 @@ class ModelConfig:
     )
     padded_vocab_size: Optional[int] = flag_field(None, "use exactly this padded vocabulary size")
     use_flash_attn: bool = flag_field(False, "use the flash-attn package when it is installed")
+    # Implementation selectors: gigatron has one implementation of each (config/equivalents.py
+    # says which one, docs/training.md explains).
+    transformer_impl: str = flag_field(
+        "transformer_engine",
+        "layer implementation; gigatron's PyTorch layers compute what both Megatron choices do",
+        choices=["local", "transformer_engine", "inference_optimized"],
+    )
+    attention_backend: str = flag_field(
+        "auto",
+        "attention kernel; gigatron uses PyTorch's scaled_dot_product_attention, which picks a "
+        "flash, memory-efficient or math kernel by itself",
+        choices=["flash", "fused", "unfused", "local", "auto"],
+    )
+    masked_softmax_fusion: bool = flag_field(
+        True, "no fused masked softmax kernel", flag="--no-masked-softmax-fusion", store_false=True
+    )
+    bias_gelu_fusion: bool = flag_field(
+        True, "no fused bias + GeLU kernel", flag="--no-bias-gelu-fusion", store_false=True
+    )
+    bias_dropout_fusion: bool = flag_field(
+        True,
+        "no fused bias + dropout + add kernel",
+        flag="--no-bias-dropout-fusion",
+        store_false=True,
+    )
+    apply_rope_fusion: bool = flag_field(
+        True, "no fused RoPE kernel", flag="--no-rope-fusion", store_false=True
+    )
+    cross_entropy_loss_fusion: bool = flag_field(
+        False, "fused cross-entropy kernel (gigatron's vocab-parallel loss is always one pass)"
+    )
+    disable_bf16_reduced_precision_matmul: bool = flag_field(
+        False, "bf16 matrix products reduce in fp32 (cuBLAS reduced-precision reduction off)"
+    )
+    init_model_with_meta_device: bool = flag_field(
+        False, "build the model on the meta device, then materialise only this rank's shards"
+    )
+    spec: Optional[list[str]] = flag_field(
+        None, "Megatron layer-spec module [function]; only the specs gigatron builds", nargs="*"
+    )
+    fp8: Optional[str] = flag_field(
+        None,
+        "fp8 training recipe (Transformer Engine)",
+        flag="--fp8-format",
+        choices=["e4m3", "hybrid"],
+    )
+    fp8_amax_history_len: int = flag_field(1, "fp8 amax history length (Transformer Engine)")
+    fp8_amax_compute_algo: str = flag_field(
+        "most_recent", "fp8 amax algorithm (Transformer Engine)", choices=["most_recent", "max"]
+    )
+    fp8_param_gather: bool = flag_field(False, "gather parameters in fp8 (Transformer Engine)")
     model_preset: Optional[str] = flag_field(
         None,
         "named model shape (see `gigatron presets`), overridden by explicit flags",
@@ -150,6 +233,23 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = flag_field(None, "layers per recompute unit or block")
     recompute_activations: bool = flag_field(
         False, "shorthand for --recompute-granularity selective"
+    )
+    checkpoint_activations: bool = flag_field(
+        False, "old name of --recompute-granularity full (--recompute-method uniform, 1 layer)"
+    )
+    recompute_modules: Optional[list[str]] = flag_field(
+        None,
+        "with --recompute-granularity selective: the modules to recompute",
+        choices=[
+            "core_attn",
+            "mlp",
+            "layernorm",
+            "moe",
+            "moe_act",
+            "shared_experts",
+            "mla_up_proj",
+        ],
+        default_help="core_attn",
     )
     mamba_state_dim: int = flag_field(128, "state size of each Mamba head (N)")
     mamba_head_dim: int = flag_field(64, "channels per Mamba head (P)")

@@ -46,9 +46,23 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         apply_preset(cfg, m.model_preset)
     if m.recompute_activations:
         m.recompute_granularity = "selective"
+    if p.use_megatron_fsdp and p.data_parallel_sharding_strategy == "optim":
+        # Megatron-FSDP's ZeRO-1: the distributed optimizer's sharding.
+        p.use_distributed_optimizer = True
+    if m.checkpoint_activations:
+        # Megatron's old flag: full recompute, uniform groups (of the old default of 1 layer).
+        m.recompute_granularity = "full"
+        m.recompute_method = "uniform"
+        if m.recompute_num_layers is None:
+            m.recompute_num_layers = 1
     pattern = m.hybrid_layer_pattern or m.hybrid_override_pattern
     if m.num_layers is None and pattern:
         m.num_layers = len(pattern)  # a hybrid stack's layer count is its pattern's (Megatron)
+    # Encoder-decoder models (T5), as Megatron: the encoder's values stand in for the shared ones.
+    if m.num_layers is None and m.encoder_num_layers is not None:
+        m.num_layers = m.encoder_num_layers
+    if m.seq_length is None and m.encoder_seq_length is not None:
+        m.seq_length = m.encoder_seq_length
     if m.hidden_size is not None and m.ffn_hidden_size is None:
         if m.swiglu:
             # Keeps the parameter count of a 4h GeLU MLP, rounded down to a multiple of 64.
@@ -71,7 +85,7 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
             "--sequence-parallel needs --tensor-model-parallel-size > 1; turned off", stacklevel=2
         )
     if m.max_position_embeddings is None and m.seq_length is not None:
-        m.max_position_embeddings = m.seq_length
+        m.max_position_embeddings = max(m.seq_length, m.decoder_seq_length or 0)
     if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
         m.position_embedding_type = "none"  # --no-position-embedding's older meaning
     if cfg.moe.num_experts and cfg.moe.moe_ffn_hidden_size is None:
@@ -122,6 +136,22 @@ def _context_parallel_rules(cfg: GigatronConfig, problems: list[str]) -> None:
         )
 
 
+def _checkpoint_rules(cfg: GigatronConfig, problems: list[str]) -> None:
+    c = cfg.checkpoint
+    if c.ckpt_convert_format is not None and (c.ckpt_convert_save is None or c.load is None):
+        problems.append(
+            f"--ckpt-convert-format {c.ckpt_convert_format} converts the --load checkpoint into "
+            "--ckpt-convert-save DIR; give both"
+        )
+    if c.ckpt_convert_save is not None and c.ckpt_convert_format is None:
+        problems.append("--ckpt-convert-save needs --ckpt-convert-format torch or torch_dist")
+    if c.async_save and c.ckpt_format != "torch_dist":
+        problems.append(
+            f"--async-save works with --ckpt-format torch_dist (not {c.ckpt_format}); add "
+            "--ckpt-format torch_dist or leave --async-save out"
+        )
+
+
 def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
     """Sliding windows, softmax sinks, gated activations, YaRN and multi-latent attention."""
     from gigatron.config.model import parse_window_size, parse_window_skip_freq
@@ -139,9 +169,11 @@ def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
             "--window-size / --softmax-type: the context-parallel attention has no sliding "
             "window or softmax sinks; use --context-parallel-size 1"
         )
-    if m.swiglu and m.quick_geglu:
-        problems.append("--swiglu and --quick-geglu both given; choose one gated activation")
-    gated = m.swiglu or m.quick_geglu
+    if m.swiglu + m.quick_geglu + m.geglu > 1:
+        problems.append(
+            "--swiglu, --quick-geglu and --geglu: more than one given; choose one gated activation"
+        )
+    gated = m.swiglu or m.quick_geglu or m.geglu
     if not gated and (m.glu_linear_offset or m.activation_func_clamp_value is not None):
         problems.append(
             "--glu-linear-offset / --activation-func-clamp-value act on gated MLPs; add "
@@ -177,6 +209,46 @@ def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
             )
     if m.rotary_scaling_factor <= 0:
         problems.append(f"--rotary-scaling-factor {m.rotary_scaling_factor} must be positive")
+
+
+def _fsdp_rules(cfg: GigatronConfig, problems: list[str], world_size: int | None) -> None:
+    """Fully sharded data parallelism (parallel/fully_sharded.py): what it composes with."""
+    p, t = cfg.parallel, cfg.training
+    if p.use_torch_fsdp2 and p.use_megatron_fsdp:
+        problems.append("--use-torch-fsdp2 and --use-megatron-fsdp: give one")
+    if p.use_torch_fsdp2 and p.use_distributed_optimizer:
+        problems.append(
+            "--use-torch-fsdp2 shards the optimizer state itself; drop --use-distributed-optimizer"
+        )
+    fsdp = p.use_torch_fsdp2 or p.use_megatron_fsdp
+    if not fsdp and p.megatron_fsdp_grad_comm_dtype != "auto":
+        problems.append("--megatron-fsdp-grad-comm-dtype needs --use-megatron-fsdp")
+    if not p.use_megatron_fsdp and p.data_parallel_sharding_strategy != "optim_grads_params":
+        problems.append("--data-parallel-sharding-strategy needs --use-megatron-fsdp")
+    sharded = p.use_torch_fsdp2 or (
+        p.use_megatron_fsdp
+        and p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+    )
+    if not sharded:
+        return
+    for enabled, what in (
+        (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
+        (p.context_parallel_size > 1, "--context-parallel-size > 1"),
+        (bool(cfg.moe.num_experts), "--num-experts (expert parallelism)"),
+        (t.fp16, "--fp16 (use --bf16)"),
+        (cfg.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist (use torch)"),
+    ):
+        if enabled:
+            problems.append(
+                f"fully sharded data parallelism (--use-torch-fsdp2 / --use-megatron-fsdp) with "
+                f"{what} is not available yet; use --use-distributed-optimizer instead"
+            )
+    if world_size is not None and data_parallel_size(cfg, world_size) == 1:
+        warnings.warn(
+            "fully sharded data parallelism at data-parallel size 1 has nothing to shard; the "
+            "model is trained unsharded",
+            stacklevel=2,
+        )
 
 
 def validate_config(
@@ -285,6 +357,15 @@ def validate_config(
     problems.extend(refused_settings(cfg))
     _attention_variant_rules(cfg, problems)
     _context_parallel_rules(cfg, problems)
+    _fsdp_rules(cfg, problems, world_size)
+    if p.grad_reduce_in_bf16 and not t.bf16:
+        problems.append("--grad-reduce-in-bf16 needs --bf16")
+    if p.grad_reduce_in_bf16 and p.accumulate_allreduce_grads_in_fp32:
+        problems.append(
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict; give one"
+        )
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
+        problems.append("--decoupled-min-lr needs --decoupled-lr")
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         problems.append(
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
@@ -357,6 +438,7 @@ def validate_config(
                     problems.append(str(error))
 
     problems.extend(moe_problems(cfg, world_size))
+    _checkpoint_rules(cfg, problems)
 
     if problems:
         raise GigatronError("invalid configuration:\n  - " + "\n  - ".join(problems))
@@ -383,6 +465,10 @@ def moe_problems(cfg: GigatronConfig, world_size: int | None = None) -> list[str
                 f"--expert-model-parallel-size {p.expert_model_parallel_size} needs --num-experts"
             )
         return problems
+    if m.geglu:
+        problems.append(
+            "--geglu: MoE experts have SwiGLU or GeLU MLPs only; use --swiglu or drop --geglu"
+        )
     experts, ep, tp = e.num_experts, p.expert_model_parallel_size, p.tensor_model_parallel_size
     if experts < 1:
         return [f"--num-experts {experts} must be positive (leave it out for a dense model)"]

@@ -127,11 +127,26 @@ class BertDataset:
                 f"{self.numel_low_level_dataset(low_level)}) but samples are asked of it; change "
                 f"--split to give {index_split} a larger share, or give --{index_split}-data-path"
             )
-        self.unique_identifiers = {
+        self.unique_identifiers = self._identifiers()
+        self.description = describe(self.unique_identifiers)
+        # Megatron-Core's BERT file names carry no split name (the description has it).
+        cache = IndexCache(cache_dir, self.cache_name, self.description)
+        self.unique_description_hash = cache.hash
+        loaded = cache.load(INDEX_NAMES)
+        self.loaded_from_cache = loaded is not None
+        if loaded is None:
+            loaded = [self._build_sample_index(where)]
+            cache.save(dict(zip(INDEX_NAMES, loaded)))
+        (self.sample_index,) = loaded
+
+    def _identifiers(self) -> dict[str, Any]:
+        """What the cached indices depend on (Megatron-Core's description of the dataset)."""
+        options = self.options
+        return {
             "class": self.cache_name,
-            "dataset_path": dataset_path,
-            "num_samples": num_samples,
-            "index_split": index_split,
+            "dataset_path": self.path,
+            "num_samples": self.num_samples,
+            "index_split": self.index_split,
             "random_seed": options.seed,
             "sequence_length": options.seq_length,
             "split": options.split,
@@ -146,16 +161,6 @@ class BertDataset:
             "masking_use_geometric_distribution": False,
             "classification_head": options.binary_head,
         }
-        self.description = describe(self.unique_identifiers)
-        # Megatron-Core's BERT file names carry no split name (the description has it).
-        cache = IndexCache(cache_dir, self.cache_name, self.description)
-        self.unique_description_hash = cache.hash
-        loaded = cache.load(INDEX_NAMES)
-        self.loaded_from_cache = loaded is not None
-        if loaded is None:
-            loaded = [self._build_sample_index(where)]
-            cache.save(dict(zip(INDEX_NAMES, loaded)))
-        (self.sample_index,) = loaded
 
     def _build_sample_index(self, where: str) -> np.ndarray:
         bounds = np.asarray(self.dataset.document_indices)[

@@ -4,9 +4,11 @@ Candidates are words: a WordPiece token starting with "##" continues the word be
 ([CLS] and [SEP] are never candidates). Up to `min(p * target_length,
 max(1, round(p * len(tokens))))` tokens are masked: the candidates are visited in a random
 order; each draws an n-gram size n in 1..max_ngram with P(n) proportional to 1/n (the n words
-starting at it), shrunk while it would overshoot the budget, and is skipped if any of its tokens
-is already masked. Each chosen token becomes [MASK] with probability 0.8, a uniformly random
-vocabulary id with probability 0.1, and stays unchanged with probability 0.1.
+starting at it), or with `geometric` (SpanBERT, T5) n = min(Geometric(0.2), max_ngram), shrunk
+while it would overshoot the budget, and is skipped if any of its tokens is already masked.
+BERT (`replacement="bert"`): each chosen token becomes [MASK] with probability 0.8, a uniformly
+random vocabulary id with probability 0.1, and stays unchanged with probability 0.1. T5
+(`replacement="mask"`): always [MASK], with no random draw.
 
 The random draws, their order and the arithmetic follow Megatron-Core's MaskedWordPieceDataset
 with numpy's RandomState, so a sample seeded alike is masked alike.
@@ -30,6 +32,8 @@ class MaskingOptions:
     vocab_ids: np.ndarray  # ids a random replacement is drawn from
     max_ngram: int = 3
     whole_word: bool = True
+    geometric: bool = False  # span sizes from a geometric distribution (p = 0.2)
+    replacement: str = "bert"  # "bert" (80/10/10) or "mask" (always [MASK])
 
 
 def word_candidates(tokens: list[int], options: MaskingOptions) -> list[list[int]]:
@@ -61,6 +65,18 @@ def create_masked_lm_predictions(
     options: MaskingOptions,
 ) -> tuple[list[int], list[int], list[int]]:
     """(masked tokens, masked positions (sorted), their original ids)."""
+    masked, positions, originals, _ = create_masked_spans(tokens, target_length, rng, options)
+    return masked, positions, originals
+
+
+def create_masked_spans(
+    tokens: list[int],
+    target_length: int,
+    rng: np.random.RandomState,
+    options: MaskingOptions,
+) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """(masked tokens, masked positions (sorted), their original ids, the masked spans: each
+    the positions of one chosen n-gram, spans ordered by their first position)."""
     words = word_candidates(tokens, options)
     budget = min(
         options.probability * target_length,
@@ -72,10 +88,14 @@ def create_masked_lm_predictions(
 
     masked = list(tokens)
     chosen: dict[int, int] = {}  # position -> original id
+    spans: list[list[int]] = []
     for start in order:
         if len(chosen) >= budget:
             break
-        n = int(rng.choice(sizes, p=probabilities))
+        if options.geometric:
+            n = min(int(rng.geometric(0.2)), options.max_ngram)
+        else:
+            n = int(rng.choice(sizes, p=probabilities))
         while True:
             span = [p for word in words[start : start + n] for p in word]
             n -= 1
@@ -89,12 +109,16 @@ def create_masked_lm_predictions(
         for position in span:
             chosen[position] = tokens[position]
             masked[position] = _replacement(tokens[position], rng, options)
+        spans.append(span)
     positions = sorted(chosen)
-    return masked, positions, [chosen[p] for p in positions]
+    spans.sort(key=lambda span: span[0])
+    return masked, positions, [chosen[p] for p in positions], spans
 
 
 def _replacement(token: int, rng: np.random.RandomState, options: MaskingOptions) -> int:
-    """[MASK] (80%), a random vocabulary id (10%), or the token itself (10%)."""
+    """[MASK] (80%), a random vocabulary id (10%), or the token itself (10%); T5: [MASK]."""
+    if options.replacement == "mask":
+        return options.mask_id
     if rng.random_sample() < 0.8:
         return options.mask_id
     if rng.random_sample() >= 0.5:

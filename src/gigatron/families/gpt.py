@@ -12,12 +12,13 @@ from functools import partial
 import torch
 from torch import nn
 
-from gigatron.checkpoint import hf_mapping
+from gigatron.checkpoint.hf_gpt import GPTHFAdapter
 from gigatron.families.registry import ModelFamily
 from gigatron.models.gpt import build_model
 from gigatron.models.hybrid_layout import refuse_hybrid_flags
 from gigatron.models.moe import MoESpec, collect_moe_reports, update_expert_bias
 from gigatron.models.moe import report_names as moe_report_names
+from gigatron.models.t5 import refuse_t5_flags
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
 from gigatron.training.batch import get_batch
@@ -146,6 +147,7 @@ def iteration_reports(cfg, pctx: ParallelContext, model_chunks: list[nn.Module])
 
 def validate(cfg) -> None:
     refuse_hybrid_flags(cfg, "gpt")
+    refuse_t5_flags(cfg, "gpt")
 
 
 FAMILY = ModelFamily(
@@ -157,7 +159,8 @@ FAMILY = ModelFamily(
     build_datasets=build_datasets,
     flops_per_iteration=flops_per_iteration,
     validate=validate,
-    hf_adapter=hf_mapping,
+    hf_adapter=GPTHFAdapter(),
     generation=True,
     iteration_reports=iteration_reports,
+    default_tokenizer_type="GPT2BPETokenizer",
 )

@@ -32,6 +32,9 @@ class ModelFamily:
       statistics), also the place for per-iteration model updates (MoE expert biases); called
       by every rank after the gradients are final; names among `loss_names`. Or None.
     - `generation`: the chunks take `inference_cache` (`gigatron generate` / `serve` load them).
+    - `default_tokenizer_type`: the --tokenizer-type used when a run gives a --vocab-file but no
+      type (Megatron's entry points set it: pretrain_gpt.py GPT2BPETokenizer, pretrain_bert.py
+      BertWordPieceLowerCase), or None.
     """
 
     name: str
@@ -45,6 +48,7 @@ class ModelFamily:
     hf_adapter: Any = None
     iteration_reports: Callable[..., dict[str, Any]] | None = None
     generation: bool = False
+    default_tokenizer_type: str | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -1,6 +1,6 @@
 """The MLP activation chosen by the model options, shared by dense MLPs and MoE experts.
 
-Gated MLPs (`--swiglu`, `--quick-geglu`) compute fc1 = [gate; up] and return
+Gated MLPs (`--swiglu`, `--geglu` (T5 v1.1), `--quick-geglu`) compute fc1 = [gate; up] and return
 act(gate) * (up + `--glu-linear-offset`), with the gate clamped to <= v and the linear half to
 [-v, v] under `--activation-func-clamp-value v` (gpt-oss: quick GeLU, offset 1, clamp 7).
 Ungated MLPs apply GeLU (tanh approximation with `--openai-gelu`).
@@ -33,12 +33,15 @@ def _glu(h: torch.Tensor, act: Activation, offset: float, clamp: float | None) -
 
 
 def mlp_activation(config) -> Activation:
-    """`h [..., fc1_out] -> [..., ffn]` for a config with `swiglu`, `quick_geglu`, `openai_gelu`,
+    """`h [..., fc1_out] -> [..., ffn]` for a config with `swiglu`, `geglu`, `quick_geglu`, `openai_gelu`,
     `glu_linear_offset` and `activation_func_clamp_value` (a TransformerConfig)."""
     offset = getattr(config, "glu_linear_offset", 0.0)
     clamp = getattr(config, "activation_func_clamp_value", None)
     if getattr(config, "quick_geglu", False):
         return partial(_glu, act=quick_gelu, offset=offset, clamp=clamp)
+    gelu = partial(F.gelu, approximate="tanh" if config.openai_gelu else "none")
     if config.swiglu:
         return partial(_glu, act=F.silu, offset=offset, clamp=clamp)
-    return partial(F.gelu, approximate="tanh" if config.openai_gelu else "none")
+    if getattr(config, "geglu", False):
+        return partial(_glu, act=gelu, offset=offset, clamp=clamp)
+    return gelu

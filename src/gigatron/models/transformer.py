@@ -84,19 +84,53 @@ class Norm(nn.Module):
         return weight * normed.to(x.dtype)
 
 
+def llama3_scaled_frequencies(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_positions: int = 8192,
+) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (Megatron's --use-rope-scaling): wavelengths longer than
+    original_positions / low_freq_factor are stretched by `factor`, those shorter than
+    original_positions / high_freq_factor kept, and the band between interpolated smoothly."""
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original_positions / wavelength - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    low = wavelength > original_positions / low_freq_factor
+    high = wavelength < original_positions / high_freq_factor
+    return torch.where(low, inv_freq / factor, torch.where(high, inv_freq, blended))
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE tables: cos/sin [seq, batch, 1, rotary_dim] for given positions (no parameters)."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float, rotary_base: int) -> None:
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float,
+        rotary_base: int,
+        seq_len_interpolation_factor: float | None = None,
+        rope_scaling_factor: float | None = None,
+    ) -> None:
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         self.dim -= self.dim % 2
         exponents = torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim
-        self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents), persistent=False)
+        inv_freq = 1.0 / (rotary_base**exponents)
+        if rope_scaling_factor is not None:
+            inv_freq = llama3_scaled_frequencies(inv_freq, rope_scaling_factor)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interpolation = seq_len_interpolation_factor
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids: [batch, seq]
-        freqs = position_ids.t().float().unsqueeze(-1) * self.inv_freq.to(position_ids.device)
+        positions = position_ids.t().float()
+        if self.interpolation:
+            positions = positions / self.interpolation
+        freqs = positions.unsqueeze(-1) * self.inv_freq.to(position_ids.device)
         angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
         return angles.cos(), angles.sin()
 
@@ -127,7 +161,8 @@ class CoreAttention(nn.Module):
     """softmax(q k^T * scale + mask) v on this rank's heads; q [s, b, np, hk], k [s, b, ng, hk],
     v [s, b, ng, hv] -> [s, b, np * hv]. With no mask, attention is causal unless
     `config.causal_attention` is False (then every position sees every other). The scale is
-    `config.softmax_scale`, default 1 / sqrt(kv_channels).
+    `config.softmax_scale`, default 1 / sqrt(kv_channels). The mask is bool (True = masked) or a
+    float bias [b or 1, np, sq, sk] added to the scores (T5's relative positions).
 
     Sliding windows (`--window-size (left,right)` on the layers `is_window_layer` picks): query i
     sees keys i-left .. i+right, as a band added to the causal or data mask (a mask whose query
@@ -205,9 +240,7 @@ class CoreAttention(nn.Module):
                     qb,
                     kb,
                     vb,
-                    # Data masks are True where attention is forbidden; SDPA's bool mask is
-                    # True where it is allowed.
-                    attn_mask=None if attention_mask is None else ~attention_mask,
+                    attn_mask=_sdpa_mask(attention_mask, qb.dtype),
                     dropout_p=dropout_p,
                     is_causal=attention_mask is None and self.causal,
                     scale=self.scale,
@@ -242,7 +275,9 @@ class CoreAttention(nn.Module):
         if attention_mask is None and self.causal:
             s_q, s_k = scores.shape[-2:]
             attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
-        if attention_mask is not None:
+        if attention_mask is not None and attention_mask.is_floating_point():
+            scores = scores + attention_mask.to(scores.dtype)
+        elif attention_mask is not None:
             scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
         if self.softmax_offset is None:
             probs = scores.softmax(dim=-1)
@@ -252,6 +287,16 @@ class CoreAttention(nn.Module):
             probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
         probs = F.dropout(probs.to(v.dtype), dropout_p, training=dropout_p > 0)
         return torch.matmul(probs, v)
+
+
+def _sdpa_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Data masks are bool, True where attention is forbidden (SDPA's bool mask is True where it
+    is allowed), or a float bias added to the scores (T5's relative positions)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.is_floating_point():
+        return attention_mask.to(dtype)
+    return ~attention_mask
 
 
 def window_band(queries: torch.Tensor, keys: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
@@ -331,7 +376,7 @@ class SelfAttention(nn.Module):
             init_std=config.output_init_std,
             dtype=config.params_dtype,
         )
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = "core_attn" in selective_recompute_modules(config)
         self.rng = rng
 
     def forward(
@@ -369,7 +414,7 @@ class SelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """linear_fc1 -> activation (GeLU, or a gated unit on the fused [gate; up] output: SwiGLU,
-    quick GeGLU; see models/activations.py) -> linear_fc2."""
+    GeGLU (T5 v1.1), quick GeGLU; see models/activations.py) -> linear_fc2."""
 
     def __init__(
         self,
@@ -426,6 +471,14 @@ class LayerParts:
     self_attention: Callable[..., nn.Module] | None = None
 
 
+def selective_recompute_modules(config: TransformerConfig) -> tuple[str, ...]:
+    """The parts recomputed in backward under --recompute-granularity selective (none otherwise):
+    --recompute-modules, by default the core attention (Megatron's default)."""
+    if config.recompute_granularity != "selective":
+        return ()
+    return tuple(config.recompute_modules or ("core_attn",))
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). Post-norm (BERT's original
     layout): norm(x + drop(attn(x))), then norm(h + drop(mlp(h))).
@@ -460,6 +513,10 @@ class TransformerLayer(nn.Module):
         )
         setattr(self, second_norm, parts.norm(config, pctx))
         self.mlp = parts.mlp(config, pctx, layer_number, rng)
+        modules = selective_recompute_modules(config)
+        # "mlp" names the dense MLP; an MoE layer (it has a router) is Megatron's "moe" module.
+        self.recompute_mlp = "mlp" in modules and not hasattr(self.mlp, "router")
+        self.recompute_norm = "layernorm" in modules
 
     def _dropout_context(self):
         # Sequence-parallel slices differ between tp ranks, so their dropout masks must too.
@@ -476,18 +533,25 @@ class TransformerLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_cache=None,
     ) -> torch.Tensor:
-        first = getattr(self, self.first_norm_name)
-        second = getattr(self, self.second_norm_name)
+        first = self._maybe_recompute(getattr(self, self.first_norm_name), self.recompute_norm)
+        second = self._maybe_recompute(getattr(self, self.second_norm_name), self.recompute_norm)
+        mlp = self._maybe_recompute(self.mlp, self.recompute_mlp)
         cache = {} if inference_cache is None else {"inference_cache": inference_cache}
         if self.post_norm:
             attn = self.self_attention(x, attention_mask, rotary, **cache)
             x = first(self._residual_add(x, attn))
-            return second(self._residual_add(x, self.mlp(x)))
+            return second(self._residual_add(x, mlp(x)))
         normed = first(x)
         attn = self.self_attention(normed, attention_mask, rotary, **cache)
         x = self._residual_add(normed if self.residual_from_norm else x, attn)
         normed = second(x)
-        return self._residual_add(normed if self.residual_from_norm else x, self.mlp(normed))
+        return self._residual_add(normed if self.residual_from_norm else x, mlp(normed))
+
+    def _maybe_recompute(self, module: nn.Module, enabled: bool) -> Callable[..., torch.Tensor]:
+        """`module`, or a call that recomputes it in backward (selective --recompute-modules)."""
+        if not (enabled and self.training):
+            return module
+        return lambda x: recompute(module, x, rng=self.rng)
 
 
 class TransformerBlock(nn.Module):

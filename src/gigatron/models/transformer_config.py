@@ -31,9 +31,15 @@ class TransformerConfig:
     position_embedding_type: str = "learned_absolute"
     rotary_percent: float = 1.0
     rotary_base: int = 10000
+    rotary_seq_len_interpolation_factor: float | None = None
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     swiglu: bool = False
+    geglu: bool = False
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
     openai_gelu: bool = False
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
@@ -48,6 +54,8 @@ class TransformerConfig:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # With selective recompute: which parts (Megatron's --recompute-modules; None = core_attn).
+    recompute_modules: list[str] | None = None
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
@@ -134,8 +142,8 @@ class TransformerConfig:
 
     @property
     def gated_linear_unit(self) -> bool:
-        """Whether MLPs are gated (fc1 holds [gate; up]): SwiGLU or quick GeGLU."""
-        return self.swiglu or self.quick_geglu
+        """Whether MLPs are gated (fc1 holds [gate; up]): SwiGLU, GeGLU or quick GeGLU."""
+        return self.swiglu or self.geglu or self.quick_geglu
 
     def is_window_layer(self, layer_number: int) -> bool:
         """Whether layer `layer_number` (1-based) uses sliding-window attention (Megatron's

@@ -94,7 +94,13 @@ def rotary_embedding(config: TransformerConfig) -> nn.Module | None:
             return YarnRotaryEmbedding(config.qk_pos_emb_head_dim, config)
         return RotaryEmbedding(config.qk_pos_emb_head_dim, 1.0, config.rotary_base)
     if config.position_embedding_type == "rope":
-        return RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
+        return RotaryEmbedding(
+            config.kv_channels,
+            config.rotary_percent,
+            config.rotary_base,
+            seq_len_interpolation_factor=config.rotary_seq_len_interpolation_factor,
+            rope_scaling_factor=config.rope_scaling_factor if config.use_rope_scaling else None,
+        )
     if config.position_embedding_type == "yarn":
         dim = int(config.kv_channels * config.rotary_percent)
         return YarnRotaryEmbedding(dim - dim % 2, config)

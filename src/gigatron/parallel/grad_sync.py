@@ -9,6 +9,9 @@ Three reductions, each in the group where a weight is replicated:
    the last are the same weight held twice; both are marked `param.shared_embedding = True` and
    their gradients are summed over the embedding group.
 The reductions are linear, so their order does not change the result.
+With `--calculate-per-token-loss` the losses are sums over tokens (not means) and nothing is
+averaged over data-parallel replicas; the gradients are then divided once by the global token
+count of the iteration (`num_tokens`), which gives the mean over every token of the global batch.
 """
 
 from __future__ import annotations
@@ -23,8 +26,12 @@ from gigatron.parallel.context import ParallelContext
 
 
 def gradient_of(param: nn.Parameter) -> torch.Tensor | None:
-    """The gradient the optimizer will read: the DDP buffer view when there is one."""
-    return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+    """The gradient the optimizer will read: the DDP buffer view when there is one; this rank's
+    shard of a sharded (FSDP2, DTensor) gradient."""
+    if hasattr(param, "main_grad"):
+        return param.main_grad
+    grad = param.grad
+    return grad.to_local() if grad is not None and hasattr(grad, "to_local") else grad
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
@@ -47,8 +54,11 @@ def _marked_grads(model_chunks: Iterable[nn.Module], attribute: str) -> list[tor
     return grads
 
 
-def finalize_model_grads(model_chunks: list[nn.Module], pctx: ParallelContext) -> None:
-    """Make every gradient the full-model, full-batch gradient (see the module docstring)."""
+def finalize_model_grads(
+    model_chunks: list[nn.Module], pctx: ParallelContext, num_tokens: float | None = None
+) -> None:
+    """Make every gradient the full-model, full-batch gradient (see the module docstring);
+    `num_tokens`: the global token count to divide by (per-token loss), else None."""
     for chunk in model_chunks:
         finish = getattr(chunk, "finish_grad_sync", None)
         if finish is not None:
@@ -59,3 +69,14 @@ def finalize_model_grads(model_chunks: list[nn.Module], pctx: ParallelContext) -
         _all_reduce_coalesced(
             _marked_grads(model_chunks, "shared_embedding"), pctx.group("embedding")
         )
+    if num_tokens is not None:
+        scale_gradients(model_chunks, 1.0 / max(num_tokens, 1.0))
+
+
+def scale_gradients(model_chunks: Iterable[nn.Module], factor: float) -> None:
+    """Multiply every gradient the optimizer will read by `factor`."""
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            grad = gradient_of(param) if param.requires_grad else None
+            if grad is not None:
+                grad.mul_(factor)

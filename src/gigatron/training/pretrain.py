@@ -9,7 +9,9 @@ family's record in gigatron.families. Works alone and under `torchrun --nproc-pe
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -17,7 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gigatron.config import GigatronConfig, parse_config, validate_config
+from gigatron.checkpoint.megatron_args import parse_config_with_checkpoint_args
+from gigatron.config import GigatronConfig, validate_config
 from gigatron.config.validate import params_dtype
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
@@ -50,8 +53,14 @@ def parse_pretrain_config(
     """Flags of `gigatron pretrain <family>`, validated for a training run."""
     family = get_family(family) if isinstance(family, str) else family
     world_size = _world_size() if world_size is None else world_size
-    cfg = parse_config(list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size)
+    # A Megatron-LM checkpoint under --load gives the model shape the flags leave out.
+    cfg = parse_config_with_checkpoint_args(
+        list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size
+    )
     validate_config(cfg, world_size=world_size, for_training=True)
+    tok = cfg.tokenizer
+    if tok.tokenizer_type is None and tok.vocab_file and family.default_tokenizer_type:
+        tok.tokenizer_type = family.default_tokenizer_type  # Megatron's entry-point default
     if family.validate is not None:
         family.validate(cfg)
     if cfg.data.mock_data is False and not (cfg.data.data_path or cfg.data.train_data_path):
@@ -81,6 +90,16 @@ def set_determinism(cfg: GigatronConfig) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
+
+
+def apply_process_settings(cfg: GigatronConfig) -> None:
+    """Process-wide switches some flags ask for: --logging-level (the root logger's level, as
+    in Megatron; gigatron's loggers are `gigatron.*`) and --disable-bf16-reduced-precision-matmul
+    (cuBLAS bf16 products then reduce in fp32)."""
+    if cfg.logging.logging_level is not None:
+        logging.getLogger().setLevel(cfg.logging.logging_level)
+    if cfg.model.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 def build_run_tokenizer(cfg: GigatronConfig) -> Any:
@@ -114,8 +133,30 @@ def _grad_dtype(cfg: GigatronConfig) -> torch.dtype:
     t = cfg.training
     if t.fp16 and not cfg.parallel.accumulate_allreduce_grads_in_fp32:
         return torch.float16
+    if t.bf16 and cfg.parallel.grad_reduce_in_bf16:
+        return torch.bfloat16  # --grad-reduce-in-bf16: halves the buffer and the reduction
     # bf16 gradients lose too much when summed over micro-batches: Megatron accumulates in fp32.
     return torch.float32
+
+
+def wrap_for_data_parallel(cfg: GigatronConfig, pctx: ParallelContext, chunk: Any) -> Any:
+    """A model chunk in its data-parallel wrapper: FSDP2 when asked (docs/data_parallel.md),
+    else DistributedDataParallel."""
+    from gigatron.parallel.data_parallel import DistributedDataParallel
+    from gigatron.parallel.fully_sharded import (
+        COMM_DTYPES,
+        FullyShardedDataParallel,
+        uses_fully_sharded,
+    )
+
+    p = cfg.parallel
+    if uses_fully_sharded(p, pctx.dp_size):
+        comm = p.megatron_fsdp_grad_comm_dtype
+        reduce_dtype = (
+            COMM_DTYPES[comm] if comm != "auto" else _grad_dtype(cfg)  # auto: as DDP would
+        )
+        return FullyShardedDataParallel(chunk, pctx, p, params_dtype(cfg), reduce_dtype)
+    return DistributedDataParallel(chunk, pctx, p, grad_dtype=_grad_dtype(cfg))
 
 
 def pretrain(
@@ -129,19 +170,21 @@ def pretrain(
     """Run pretraining for a validated config. Returns the result and, with `keep_model`, the
     unwrapped model chunks (quickstart samples from them); otherwise None.
     `evaluate_on_early_exit` validates once more when an exit condition stops the run."""
-    from gigatron.checkpoint.torch_format import load_checkpoint, loaded_message, save_checkpoint
+    from gigatron.checkpoint.formats import load_checkpoint, save_checkpoint
+    from gigatron.checkpoint.torch_format import loaded_message
     from gigatron.data.loader import build_data_iterator
     from gigatron.optim import build_optimizer
     from gigatron.optim.batch_schedule import build_num_microbatches_calculator
     from gigatron.optim.lr_schedule import build_lr_scheduler
-    from gigatron.parallel.data_parallel import DistributedDataParallel
     from gigatron.parallel.random import seed_everything
 
     family = get_family(family) if isinstance(family, str) else family
     set_determinism(cfg)
+    apply_process_settings(cfg)
     pctx = ParallelContext.from_config(cfg)
     owns_process_group = dist.is_initialized() and pctx.world_size > 1
     metrics: MetricsLogger | None = None
+    saver = None
     try:
         t, ckpt = cfg.training, cfg.checkpoint
         seed_everything(t.seed, pctx)
@@ -154,10 +197,7 @@ def pretrain(
         chunks = family.build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
         # The model-parallel random stream lives in the model; checkpoints carry its state.
         rng_tracker = getattr(chunks[0], "rng", None)
-        model = [
-            DistributedDataParallel(chunk, pctx, cfg.parallel, grad_dtype=_grad_dtype(cfg))
-            for chunk in chunks
-        ]
+        model = [wrap_for_data_parallel(cfg, pctx, chunk) for chunk in chunks]
         optimizer = build_optimizer(cfg, model, pctx)
         scheduler = build_lr_scheduler(cfg, optimizer)
         calculator = build_num_microbatches_calculator(cfg, pctx.dp_size)
@@ -175,6 +215,21 @@ def pretrain(
             # The checkpoint holds the consumed train and validation samples, so both data
             # streams continue where they stopped.
             state = _state_from_loaded(loaded, cfg)
+            if ckpt.ckpt_convert_format is not None:
+                # Megatron's convert-on-load: write the loaded state in the other format, stop.
+                save_checkpoint(
+                    ckpt.ckpt_convert_save, state.iteration, model, optimizer, scheduler, pctx,
+                    cfg, extra={**_state_to_saved(state), "gigatron_family": family.name},
+                    rng_tracker=rng_tracker, ckpt_format=ckpt.ckpt_convert_format,
+                )  # fmt: skip
+                if pctx.rank == 0:
+                    print(
+                        f"converted checkpoint {ckpt.load} (iteration {state.iteration}) to "
+                        f"{ckpt.ckpt_convert_format} in {ckpt.ckpt_convert_save}",
+                        file=stream or sys.stdout,
+                        flush=True,
+                    )
+                return TrainResult(iteration=state.iteration, exit_reason="converted"), None
 
         train_n, valid_n, test_n = dataset_sample_counts(cfg, train_iters, global_batch)
         train_ds, valid_ds, test_ds = family.build_datasets(
@@ -208,6 +263,8 @@ def pretrain(
             loss_names=family.loss_names(cfg),
             log_throughput=cfg.logging.log_throughput,
             timing_log_level=cfg.logging.timing_log_level,
+            tensorboard_timers=cfg.logging.log_timers_to_tensorboard,
+            tensorboard_validation_ppl=cfg.logging.log_validation_ppl_to_tensorboard,
         )
         if ckpt.load and loaded["loaded"]:
             metrics.message(loaded_message(ckpt.load, loaded))
@@ -245,12 +302,32 @@ def pretrain(
                 "bytes_per_rank": per_rank,
             }
 
-        def save(current: TrainState) -> None:
+        if ckpt.async_save and ckpt.save:
+            from gigatron.checkpoint.async_save import AsyncCheckpointSaver
+
+            saver = AsyncCheckpointSaver(
+                pctx,
+                on_complete=lambda iteration: metrics.message(
+                    f"saved checkpoint at iteration {iteration} to {ckpt.save} (async save done)"
+                ),
+            )
+
+        def save(current: TrainState) -> str | None:
+            for chunk in model:  # FSDP: every dp rank gathers the full weights
+                if hasattr(chunk, "gather_for_save"):
+                    chunk.gather_for_save()
+            extra = {**_state_to_saved(current), "gigatron_family": family.name}
+            if saver is not None:
+                saver.save(
+                    ckpt.save, current.iteration, model, optimizer, scheduler, cfg, extra,
+                    rng_tracker,
+                )  # fmt: skip
+                return f"saving checkpoint at iteration {current.iteration} in the background"
             save_checkpoint(
                 ckpt.save, current.iteration, model, optimizer, scheduler, pctx, cfg,
-                extra={**_state_to_saved(current), "gigatron_family": family.name},
-                rng_tracker=rng_tracker,
+                extra=extra, rng_tracker=rng_tracker,
             )  # fmt: skip
+            return None
 
         schedule_config = ScheduleConfig(
             seq_length=cfg.model.seq_length,
@@ -290,14 +367,20 @@ def pretrain(
             test_iterator=iterator(test_ds, 0, cycle=True),
             state=state,
             save_checkpoint=save if ckpt.save else None,
+            after_iteration=saver.poll if saver is not None else None,
             peak_flops=device_peak_flops(pctx.device, precision),
             startup_record=startup_record,
             evaluate_on_early_exit=evaluate_on_early_exit,
         )
         # A collective that times out or loses its peer is named while the groups still exist.
         result = name_distributed_failures(train, run)
+        if saver is not None:
+            saver.close()  # the last checkpoint is complete before the run ends
+            saver = None
         return result, ([m.module for m in model] if keep_model else None)
     finally:
+        if saver is not None:
+            saver.abandon()  # an error: the save in flight stays unpublished
         if metrics is not None:
             metrics.close()
         if owns_process_group:

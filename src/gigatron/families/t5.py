@@ -1,0 +1,177 @@
+"""The T5 family: an encoder-decoder trained on span corruption (Megatron's pretrain_t5), on
+samples from sentence-split data with `--vocab-extra-ids` sentinel tokens.
+
+Loss (Megatron's, GPT's loss function): `lm_loss`, the mean cross entropy over the decoder's
+real positions of a micro-batch (the labels: per masked span its sentinel and tokens, then
+[EOS]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+
+from torch import nn
+
+from gigatron.checkpoint.hf_t5 import T5HFAdapter
+from gigatron.errors import GigatronError
+from gigatron.families.gpt import language_model_loss
+from gigatron.families.registry import ModelFamily
+from gigatron.models.hybrid_layout import refuse_gpt_only_flags, refuse_hybrid_flags
+from gigatron.models.t5 import build_t5_model
+from gigatron.parallel.context import ParallelContext
+from gigatron.training.batch import get_batch
+from gigatron.training.flops import forward_flops_per_token
+
+BATCH_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask")
+
+
+def forward_step(
+    pctx: ParallelContext, data_iterator: Iterator | None, model: nn.Module
+) -> tuple[object, Callable]:
+    """One micro-batch through one T5 chunk (schedule contract)."""
+    batch = get_batch(data_iterator, pctx, BATCH_KEYS)
+    output = model(batch["text_enc"], batch["text_dec"], batch["enc_mask"], batch["dec_mask"])
+    # Padded labels are -1 (Megatron's); the loss mask is 0 there.
+    labels = batch["labels"].clamp(min=0)
+    return output, partial(language_model_loss, labels, batch["loss_mask"], pctx)
+
+
+def make_forward_step(cfg, pctx: ParallelContext):
+    return partial(forward_step, pctx)
+
+
+def loss_names(cfg) -> tuple[str, ...]:
+    return ("lm_loss",)
+
+
+def build_datasets(cfg, tokenizer, num_samples, pctx=None):
+    from gigatron.data.t5_dataset import build_t5_datasets
+
+    return build_t5_datasets(cfg, tokenizer, num_samples, pctx)
+
+
+def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> float:
+    """Encoder tokens through the encoder, decoder tokens through the decoder (self-attention,
+    cross-attention over the encoder tokens, MLP, logits), times 3 for the backward pass."""
+    m = cfg.model
+    s_enc, s_dec = m.encoder_seq_length or m.seq_length, m.decoder_seq_length
+    encoder_layers = m.encoder_num_layers or m.num_layers
+    decoder_layers = m.decoder_num_layers or m.num_layers
+    shape = dict(
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        swiglu=m.swiglu or m.geglu,
+    )
+    encoder = forward_flops_per_token(encoder_layers, seq_length=s_enc, vocab_size=0, **shape)
+    decoder = forward_flops_per_token(
+        decoder_layers, seq_length=s_dec, vocab_size=padded_vocab_size, **shape
+    )
+    h, q = m.hidden_size, m.num_attention_heads * m.kv_channels
+    kv = 2 * m.num_query_groups * m.kv_channels
+    cross = decoder_layers * (s_dec * (2 * h * q + 4 * s_enc * q + 2 * q * h) + s_enc * 2 * h * kv)
+    return 3.0 * (encoder * s_enc + decoder * s_dec + cross) * global_batch_size
+
+
+def validate(cfg) -> None:
+    """What the T5 model and its data need, and what it cannot do yet."""
+    refuse_hybrid_flags(cfg, "t5")
+    refuse_gpt_only_flags(cfg, "t5")
+    m, p = cfg.model, cfg.parallel
+    # The cross-attention is T5's own: these would reach the self-attention layers only.
+    unsupported = [
+        flag
+        for value, flag in (
+            (m.window_size is not None, "--window-size"),
+            (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type}"),
+            (m.qk_layernorm, "--qk-layernorm"),
+        )
+        if value
+    ]
+    if unsupported:
+        raise GigatronError(
+            f"{', '.join(unsupported)}: not built for T5's attention; drop the flag(s) for "
+            "gigatron pretrain t5"
+        )
+    if m.decoder_seq_length is None:
+        raise GigatronError(
+            "--decoder-seq-length is not set; T5 needs it with --encoder-seq-length "
+            "(e.g. 512 and 128)"
+        )
+    if m.encoder_seq_length is not None and m.seq_length != m.encoder_seq_length:
+        raise GigatronError(
+            f"--seq-length {m.seq_length} and --encoder-seq-length {m.encoder_seq_length} "
+            "differ; give one of them (T5's --seq-length is the encoder's)"
+        )
+    if m.num_layers is None and m.decoder_num_layers is None:
+        raise GigatronError("--decoder-num-layers (or --num-layers) is not set")
+    if m.position_embedding_type not in ("learned_absolute", "relative"):
+        raise GigatronError(
+            f"--position-embedding-type {m.position_embedding_type}: T5 has learned_absolute "
+            "(Megatron's) or relative (Hugging Face T5) positions"
+        )
+    longest = max(m.seq_length or 0, m.decoder_seq_length)
+    if (
+        m.position_embedding_type == "learned_absolute"
+        and m.max_position_embeddings is not None
+        and m.max_position_embeddings < longest
+    ):
+        raise GigatronError(
+            f"--max-position-embeddings {m.max_position_embeddings} is shorter than the "
+            f"longest sequence ({longest}); raise it or leave it out"
+        )
+    for given, flag in (
+        (m.post_layernorm, "--post-layernorm"),
+        (m.apply_residual_connection_post_layernorm, "--apply-residual-connection-post-layernorm"),
+        (cfg.moe.num_experts is not None, "--num-experts"),
+        (p.context_parallel_size > 1, "--context-parallel-size > 1"),
+        (bool(p.num_virtual_stages_per_pipeline_rank), "virtual pipeline stages"),
+        (p.num_layers_per_virtual_pipeline_stage is not None, "virtual pipeline stages"),
+        (p.decoder_first_pipeline_num_layers is not None, "--decoder-first-pipeline-num-layers"),
+        (p.decoder_last_pipeline_num_layers is not None, "--decoder-last-pipeline-num-layers"),
+    ):
+        if given:
+            raise GigatronError(
+                f"{flag}: not available for T5 (pre-norm dense layers, no context parallelism, "
+                "one pipeline chunk per stage); drop it for gigatron pretrain t5"
+            )
+    tp = p.tensor_model_parallel_size
+    if p.sequence_parallel and tp > 1:
+        for length, flag in ((m.seq_length, "--encoder-seq-length"), (m.decoder_seq_length, "--decoder-seq-length")):  # fmt: skip
+            if length % tp:
+                raise GigatronError(
+                    f"{flag} {length} is not divisible by --tensor-model-parallel-size {tp}; "
+                    "sequence parallelism splits both sequences over tp"
+                )
+    _validate_pipeline(cfg)
+
+
+def _validate_pipeline(cfg) -> None:
+    p = cfg.parallel
+    pp, split = p.pipeline_model_parallel_size, p.pipeline_model_parallel_split_rank
+    if split is not None and not 0 < split < pp:
+        raise GigatronError(
+            f"--pipeline-model-parallel-split-rank {split}: must lie in 1..{pp - 1} "
+            f"(stages below it hold the encoder) with --pipeline-model-parallel-size {pp}"
+        )
+    if pp > 1:
+        raise GigatronError(
+            f"--pipeline-model-parallel-size {pp}: T5 pipelines are not available yet; "
+            "use tensor and data parallelism"
+        )
+
+
+FAMILY = ModelFamily(
+    name="t5",
+    description="encoder-decoder, span-corruption pre-training (T5)",
+    build_model=build_t5_model,
+    make_forward_step=make_forward_step,
+    loss_names=loss_names,
+    build_datasets=build_datasets,
+    flops_per_iteration=flops_per_iteration,
+    validate=validate,
+    hf_adapter=T5HFAdapter(),
+)

@@ -1,0 +1,506 @@
+"""T5: an encoder and a decoder with cross-attention, one shared word embedding, and the output
+layer tied to it (Megatron-Core's T5Model); split into pipeline chunks.
+
+Two variants, chosen by flags:
+- Megatron's T5: learned absolute positions (one table for both streams), LayerNorm with bias,
+  GeLU MLP, an output layer tied to the embedding with its own bias.
+- The Hugging Face T5 v1.1 layout: `--position-embedding-type relative` (bucketed relative
+  position biases, one table per stack shared by its layers, added to the attention scores),
+  `--normalization RMSNorm --disable-bias-linear --geglu --openai-gelu` (gated-gelu), so that
+  `T5ForConditionalGeneration` weights can be used (checkpoint/hf_t5.py).
+
+Layers are pre-norm. Encoder layers are `TransformerLayer`s; a decoder layer adds, between its
+self-attention and its MLP, a cross-attention over the encoder output
+(`pre_cross_attn_layernorm`, `cross_attention.linear_q`, `cross_attention.linear_kv` with rows
+[k; v] per key/value group, `cross_attention.linear_proj`).
+
+Masks are built here from the padding masks (1 = real token): encoder self-attention masks the
+padded keys; decoder self-attention is causal and masks padded keys; cross-attention masks the
+padded encoder keys. With relative positions the masks become float biases.
+
+A chunk on a pipeline stage holds encoder layers or decoder layers (families/t5.py places them);
+with both, it runs the whole model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from gigatron.errors import GigatronError
+from gigatron.models.embedding import LanguageModelEmbedding
+from gigatron.models.transformer import (
+    LayerParts,
+    TransformerBlock,
+    TransformerLayer,
+)
+from gigatron.models.transformer_config import TransformerConfig
+from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.random import ModelParallelRNG, recompute
+from gigatron.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    divide,
+    set_tensor_parallel_attributes,
+)
+
+
+def relative_position_buckets(
+    query_length: int,
+    key_length: int,
+    bidirectional: bool,
+    num_buckets: int,
+    max_distance: int,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """T5's bucket of every (query, key) pair, [query_length, key_length] int64: exact buckets
+    for short distances, logarithmic ones up to `max_distance`; keys after the query get their
+    own half of the buckets when `bidirectional`, else share bucket 0."""
+    distance = (
+        torch.arange(key_length, device=device)[None, :]
+        - torch.arange(query_length, device=device)[:, None]
+    )
+    buckets = torch.zeros_like(distance)
+    if bidirectional:
+        num_buckets //= 2
+        buckets = buckets + (distance > 0).long() * num_buckets
+        distance = distance.abs()
+    else:
+        distance = (-distance).clamp(min=0)
+    exact = num_buckets // 2
+    log_ratio = torch.log(distance.clamp(min=1).float() / exact) / math.log(max_distance / exact)
+    far = exact + (log_ratio * (num_buckets - exact)).long()
+    far = far.clamp(max=num_buckets - 1)
+    return buckets + torch.where(distance < exact, distance, far)
+
+
+class RelativePositionBias(nn.Module):
+    """One stack's relative position bias: `relative_attention_bias.weight` [buckets, heads],
+    split over tensor-parallel ranks by heads (dim 1)."""
+
+    def __init__(
+        self, config: TransformerConfig, pctx: ParallelContext, bidirectional: bool
+    ) -> None:
+        super().__init__()
+        self.bidirectional = bidirectional
+        self.num_buckets = config.relative_attention_num_buckets
+        self.max_distance = config.relative_attention_max_distance
+        heads = divide(config.num_attention_heads, pctx.tp_size, "--num-attention-heads")
+        self.relative_attention_bias = nn.Embedding(
+            self.num_buckets, heads, dtype=config.params_dtype, device=pctx.device
+        )
+        set_tensor_parallel_attributes(
+            self.relative_attention_bias.weight,
+            True,
+            partition_dim=1,
+            init="normal",
+            init_std=config.init_method_std,
+        )
+
+    def forward(self, query_length: int, key_length: int) -> torch.Tensor:
+        """[1, heads/tp, query_length, key_length]."""
+        weight = self.relative_attention_bias.weight
+        buckets = relative_position_buckets(
+            query_length,
+            key_length,
+            self.bidirectional,
+            self.num_buckets,
+            self.max_distance,
+            weight.device,
+        )
+        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+
+
+class CrossAttention(nn.Module):
+    """Queries from the decoder, keys and values from the encoder output."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pctx: ParallelContext,
+        layer_number: int,
+        rng: ModelParallelRNG,
+        core_attention=None,
+    ) -> None:
+        super().__init__()
+        tp = pctx.tp_size
+        self.heads = divide(config.num_attention_heads, tp, "--num-attention-heads")
+        self.groups = divide(config.num_query_groups, tp, "--num-query-groups")
+        self.kv_channels = config.kv_channels
+        common = dict(
+            sequence_parallel=config.sequence_parallel,
+            init_std=config.init_method_std,
+            dtype=config.params_dtype,
+        )
+        bias = config.add_bias_linear
+        self.linear_q = ColumnParallelLinear(
+            config.hidden_size, config.num_attention_heads * config.kv_channels, pctx,
+            bias=bias, **common,
+        )  # fmt: skip
+        self.linear_kv = ColumnParallelLinear(
+            config.hidden_size, 2 * config.num_query_groups * config.kv_channels, pctx,
+            bias=bias, **common,
+        )  # fmt: skip
+        factory = core_attention
+        if factory is None:
+            from gigatron.models.transformer import CoreAttention as factory
+        not_causal = dataclasses.replace(config, causal_attention=False)
+        self.core_attention = factory(not_causal, pctx, layer_number, rng)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * config.kv_channels,
+            config.hidden_size,
+            pctx,
+            bias=bias,
+            sequence_parallel=config.sequence_parallel,
+            init_std=config.output_init_std,
+            dtype=config.params_dtype,
+        )
+        self.recompute_core = config.recompute_granularity == "selective"
+        self.rng = rng
+
+    def forward(
+        self, x: torch.Tensor, memory: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        q = self.linear_q(x)
+        q = q.view(q.shape[0], q.shape[1], self.heads, self.kv_channels)
+        kv = self.linear_kv(memory)
+        kv = kv.view(kv.shape[0], kv.shape[1], self.groups, 2, self.kv_channels)
+        k, v = (t.squeeze(3) for t in torch.split(kv, [1, 1], dim=3))
+        if self.recompute_core and self.training:
+            context = recompute(self.core_attention, q, k, v, attention_mask, rng=self.rng)
+        else:
+            context = self.core_attention(q, k, v, attention_mask)
+        return self.linear_proj(context)
+
+
+class T5DecoderLayer(TransformerLayer):
+    """Pre-norm: self-attention, cross-attention, MLP, each x + drop(part(norm(x)))."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pctx: ParallelContext,
+        layer_number: int,
+        rng: ModelParallelRNG,
+        parts: LayerParts,
+    ) -> None:
+        super().__init__(config, pctx, layer_number, rng, parts)
+        self.pre_cross_attn_layernorm = parts.norm(config, pctx)
+        self.cross_attention = CrossAttention(config, pctx, layer_number, rng, parts.core_attention)
+
+    def forward(self, x, self_mask, memory, cross_mask):  # type: ignore[override]
+        x = self._residual_add(x, self.self_attention(self.input_layernorm(x), self_mask))
+        normed = self.pre_cross_attn_layernorm(x)
+        x = self._residual_add(x, self.cross_attention(normed, memory, cross_mask))
+        return self._residual_add(x, self.mlp(self.pre_mlp_layernorm(x)))
+
+
+class T5DecoderBlock(nn.Module):
+    """The decoder layers of one chunk and, where the decoder ends, its final norm; full
+    recomputation as `TransformerBlock` (uniform groups or the first layers of the block)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pctx: ParallelContext,
+        layer_numbers: range,
+        final_norm: bool,
+        rng: ModelParallelRNG,
+        parts: LayerParts,
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict(
+            {str(i): T5DecoderLayer(config, pctx, i + 1, rng, parts) for i in layer_numbers}
+        )
+        self.final_layernorm = parts.norm(config, pctx) if final_norm else None
+        self.rng = rng
+        self.recompute_full = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method or "uniform"
+        self.recompute_num_layers = config.recompute_num_layers or 1
+
+    def forward(self, x, self_mask, memory, cross_mask) -> torch.Tensor:
+        layers = list(self.layers.values())
+        if self.recompute_full and self.training:
+            n = self.recompute_num_layers
+            if self.recompute_method == "uniform":
+                groups = [layers[i : i + n] for i in range(0, len(layers), n)]
+                recomputed = [True] * len(groups)
+            else:
+                groups = [[layer] for layer in layers]
+                recomputed = [i < n for i in range(len(groups))]
+            for group, again in zip(groups, recomputed):
+                run = _run_decoder_layers(group)
+                if again:
+                    x = recompute(run, x, self_mask, memory, cross_mask, rng=self.rng)
+                else:
+                    x = run(x, self_mask, memory, cross_mask)
+        else:
+            for layer in layers:
+                x = layer(x, self_mask, memory, cross_mask)
+        if self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x
+
+
+def _run_decoder_layers(layers: list[nn.Module]):
+    def run(x, self_mask, memory, cross_mask):
+        for layer in layers:
+            x = layer(x, self_mask, memory, cross_mask)
+        return x
+
+    return run
+
+
+class T5Model(nn.Module):
+    """One pipeline chunk of a T5 (see the module docstring and docs/architecture.md).
+
+    `encoder_layers` / `decoder_layers`: the global layer numbers of each stack on this chunk
+    (None: the chunk has none of that stack). `pre_process`: the chunk embeds the tokens of the
+    stack it starts (the encoder's first stage, the decoder's first stage). `encoder_final`: the
+    chunk ends the encoder (holds its final norm). `post_process`: the chunk ends the decoder
+    (final norm and output layer).
+    """
+
+    def __init__(
+        self,
+        encoder_config: TransformerConfig,
+        decoder_config: TransformerConfig,
+        pctx: ParallelContext,
+        vocab_size: int,
+        pre_process: bool,
+        post_process: bool,
+        encoder_layers: range | None,
+        decoder_layers: range | None,
+        encoder_final: bool,
+        rng: ModelParallelRNG,
+        parts: LayerParts | None = None,
+    ) -> None:
+        super().__init__()
+        parts = parts or LayerParts()
+        self.config = decoder_config
+        self.encoder_config = encoder_config
+        self.pctx = pctx
+        self.vocab_size = vocab_size
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.rng = rng
+        self.relative = decoder_config.position_embedding_type == "relative"
+        self.input_tensor: list[torch.Tensor] | None = None
+        self.layer_numbers = {"encoder": encoder_layers, "decoder": decoder_layers}
+        self.add_encoder = encoder_layers is not None
+        self.add_decoder = decoder_layers is not None
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(decoder_config, pctx, vocab_size, rng)
+        if self.add_encoder:
+            if self.relative:
+                self.encoder_relative_pos_emb = RelativePositionBias(
+                    encoder_config, pctx, bidirectional=True
+                )
+            self.encoder = TransformerBlock(
+                encoder_config, pctx, encoder_layers, encoder_final, rng, parts
+            )
+        if self.add_decoder:
+            if self.relative:
+                self.decoder_relative_pos_emb = RelativePositionBias(
+                    decoder_config, pctx, bidirectional=False
+                )
+            self.decoder = T5DecoderBlock(
+                decoder_config, pctx, decoder_layers, post_process, rng, parts
+            )
+        self.tied = not decoder_config.untie_embeddings_and_output_weights
+        if post_process:
+            # Megatron's T5 head: tied to the embedding with a bias of its own, or untied
+            # without one.
+            self.output_layer = ColumnParallelLinear(
+                decoder_config.hidden_size,
+                vocab_size,
+                pctx,
+                bias=self.tied,
+                sequence_parallel=decoder_config.sequence_parallel,
+                init_std=decoder_config.init_method_std,
+                skip_weight=self.tied and pre_process,
+                dtype=decoder_config.params_dtype,
+            )
+            if self.tied and not pre_process:
+                self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
+                self.output_layer.weight.shared_embedding = True
+        if pre_process and pctx.pp_size > 1 and self.tied:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """What the previous pipeline stage sent: [encoder hidden] on an encoder stage,
+        [encoder output] on the decoder's first stage, [decoder hidden, encoder output] after."""
+        if input_tensor is None:
+            self.input_tensor = None
+        elif isinstance(input_tensor, (list, tuple)):
+            self.input_tensor = list(input_tensor)
+        else:
+            self.input_tensor = [input_tensor]
+
+    def output_weight(self) -> torch.Tensor:
+        if self.output_layer.weight is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def _received(self, index: int) -> torch.Tensor:
+        if not self.input_tensor or len(self.input_tensor) <= index:
+            raise RuntimeError("this pipeline chunk needs set_input_tensor() first")
+        return self.input_tensor[index]
+
+    def _bias_or_mask(self, mask: torch.Tensor, table: str, sq: int, sk: int) -> torch.Tensor:
+        """The bool mask, or with relative positions the float bias with masked keys at the
+        dtype's minimum."""
+        if not self.relative:
+            return mask
+        bias = getattr(self, table)(sq, sk)
+        return bias.masked_fill(mask, torch.finfo(bias.dtype).min)
+
+    def forward(
+        self,
+        encoder_input_ids: torch.Tensor | None,
+        decoder_input_ids: torch.Tensor | None,
+        encoder_padding_mask: torch.Tensor,
+        decoder_padding_mask: torch.Tensor,
+    ):
+        """Ids and padding masks (1 = real token) are [b, s_enc] and [b, s_dec].
+
+        Returns: on the decoder's last stage, logits [b, s_dec, vocab/tp] (a transposed view);
+        on an encoder stage, encoder hidden states [s_enc(/tp with SP), b, h]; on a decoder
+        stage before the last, [decoder hidden, encoder output]."""
+        enc_keys = (encoder_padding_mask == 0)[:, None, None, :]
+        if self.add_encoder:
+            if self.pre_process:
+                hidden = self.embedding(encoder_input_ids, _positions(encoder_input_ids))
+            else:
+                hidden = self._received(0)
+            s_enc = enc_keys.shape[-1]
+            mask = self._bias_or_mask(enc_keys, "encoder_relative_pos_emb", s_enc, s_enc)
+            encoder_output = self.encoder(hidden, mask)
+            if not self.add_decoder:
+                return encoder_output
+            decoder_hidden = None
+        elif self.pre_process:
+            encoder_output, decoder_hidden = self._received(0), None
+        else:
+            decoder_hidden, encoder_output = self._received(0), self._received(1)
+
+        if decoder_hidden is None:
+            decoder_hidden = self.embedding(decoder_input_ids, _positions(decoder_input_ids))
+        s_dec = decoder_padding_mask.shape[-1]
+        causal = torch.ones(s_dec, s_dec, dtype=torch.bool, device=enc_keys.device).triu(1)
+        self_mask = causal | (decoder_padding_mask == 0)[:, None, None, :]
+        self_mask = self._bias_or_mask(self_mask, "decoder_relative_pos_emb", s_dec, s_dec)
+        decoder_hidden = self.decoder(decoder_hidden, self_mask, encoder_output, enc_keys)
+        if not self.post_process:
+            return [decoder_hidden, encoder_output]
+        logits = self.output_layer(decoder_hidden, self.output_weight())
+        return logits.transpose(0, 1)
+
+
+def _positions(ids: torch.Tensor) -> torch.Tensor:
+    batch, seq = ids.shape
+    return torch.arange(seq, device=ids.device).expand(batch, seq)
+
+
+def t5_stage_layout(
+    pp_size: int, split_rank: int | None, encoder_layers: int, decoder_layers: int
+) -> list[tuple[range | None, range | None, bool]]:
+    """Per pipeline stage: (encoder layers, decoder layers, ends the encoder). Stages below the
+    split rank (default pp / 2) hold the encoder, the others the decoder, each stack split
+    evenly (earlier stages take the remainder); with one stage, both stacks."""
+    if pp_size == 1:
+        return [(range(encoder_layers), range(decoder_layers), True)]
+    split = pp_size // 2 if split_rank is None else split_rank
+    layout: list[tuple[range | None, range | None, bool]] = []
+    for stage, ranges in enumerate(_even_split(encoder_layers, split)):
+        layout.append((ranges, None, stage == split - 1))
+    for ranges in _even_split(decoder_layers, pp_size - split):
+        layout.append((None, ranges, False))
+    return layout
+
+
+def _even_split(num_layers: int, parts: int) -> list[range]:
+    base, extra = divmod(num_layers, parts)
+    ranges, start = [], 0
+    for index in range(parts):
+        size = base + (1 if index < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def t5_configs(cfg) -> tuple[TransformerConfig, TransformerConfig]:
+    """The encoder's and the decoder's TransformerConfig (layer counts, causality)."""
+    m = cfg.model
+    encoder_layers = m.encoder_num_layers or m.num_layers
+    decoder_layers = m.decoder_num_layers or m.num_layers
+    encoder = TransformerConfig.from_config(cfg, num_layers=encoder_layers, causal_attention=False)
+    decoder = TransformerConfig.from_config(cfg, num_layers=decoder_layers)
+    return encoder, decoder
+
+
+def build_t5_model(
+    cfg, pctx: ParallelContext, vocab_size: int | None = None, parts: LayerParts | None = None
+) -> list[T5Model]:
+    """This rank's T5 chunk (one per pipeline stage), initialised identically to the
+    one-process model."""
+    from gigatron.models.embedding import resolve_vocab_size
+    from gigatron.parallel.tensor_parallel import initialize_parameters
+
+    encoder_config, decoder_config = t5_configs(cfg)
+    padded = resolve_vocab_size(cfg, pctx.tp_size, vocab_size)
+    layout = t5_stage_layout(
+        pctx.pp_size,
+        cfg.parallel.pipeline_model_parallel_split_rank,
+        encoder_config.num_layers,
+        decoder_config.num_layers,
+    )
+    encoder_layers, decoder_layers, encoder_final = layout[pctx.pp_rank]
+    previous = layout[pctx.pp_rank - 1] if pctx.pp_rank > 0 else None
+    # The encoder's first stage and the decoder's first stage embed.
+    pre_process = previous is None or (decoder_layers is not None and previous[1] is None)
+    rng = ModelParallelRNG.for_rank(cfg.training.seed, pctx)
+    chunk = T5Model(
+        encoder_config,
+        decoder_config,
+        pctx,
+        padded,
+        pre_process,
+        pctx.is_pipeline_last_stage(),
+        encoder_layers,
+        decoder_layers,
+        encoder_final,
+        rng,
+        parts,
+    )
+    initialize_parameters(chunk, cfg.training.seed, pctx.tp_rank, pctx.tp_size)
+    return [chunk]
+
+
+def refuse_t5_flags(cfg, family: str) -> None:
+    """For families without an encoder-decoder stack: these flags would be silently ignored."""
+    m, p = cfg.model, cfg.parallel
+    given = [
+        flag
+        for value, flag in (
+            (m.encoder_num_layers is not None, "--encoder-num-layers"),
+            (m.decoder_num_layers is not None, "--decoder-num-layers"),
+            (m.encoder_seq_length is not None, "--encoder-seq-length"),
+            (m.decoder_seq_length is not None, "--decoder-seq-length"),
+            (m.position_embedding_type == "relative", "--position-embedding-type relative"),
+            (
+                p.pipeline_model_parallel_split_rank is not None,
+                "--pipeline-model-parallel-split-rank",
+            ),
+        )
+        if value
+    ]
+    if given:
+        raise GigatronError(
+            f"{', '.join(given)}: the {family} family has no encoder-decoder stack; "
+            "use `gigatron pretrain t5`"
+        )
