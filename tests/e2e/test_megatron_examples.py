@@ -71,7 +71,6 @@ CUDA_ONLY = "records CUDA allocations: an error on a CPU"
 REAL_DATA_BRANCH = "the script's real-data branch; the test runs its --mock-data branch"
 WANDB = "Weights & Biases needs an account and the network"
 # Flags other helpers of issue 19 are adding on their branches: delete these drops once merged.
-PENDING_ARCH = "architecture flag of the 'arch' branch (not merged here yet)"
 PENDING_DCP = "torch_dist checkpoints of the 'dcp' branch (not merged here yet)"
 FP8_FLAGS = {
     "--fp8-format": FP8,
@@ -147,7 +146,6 @@ EXAMPLES = {
         drop={
             **FP8_FLAGS,
             **MOCK_BRANCH,
-            "--apply-layernorm-1p": PENDING_ARCH,
             "--ckpt-format": PENDING_DCP,
         },
         choose={"--tokenizer-type": "NullTokenizer"},
@@ -159,7 +157,6 @@ EXAMPLES = {
         drop={
             **FP8_FLAGS,
             **MOCK_BRANCH,
-            "--apply-layernorm-1p": PENDING_ARCH,
             "--ckpt-format": "fsdp_dtensor: Megatron-FSDP's own format, not available",
             "--use-nccl-ub": FSDP_TUNING,
             "--fsdp-double-buffer": FSDP_TUNING,
@@ -180,7 +177,6 @@ EXAMPLES = {
         },
         drop={
             "--data-path": "replaced by --mock-data",
-            "--no-position-embedding": PENDING_ARCH,
             "--wandb-project": WANDB,
             "--wandb-exp-name": WANDB,
         },
