@@ -182,6 +182,17 @@ EXAMPLES = {
         },
         add=("--mock-data",),
     ),
+    "gptoss": Example(
+        "examples/gptoss/02_train.sh",
+        "gpt",
+        replace={"--moe-ffn-hidden-size": "128", "--vocab-size": "512"},
+        drop={
+            **FP8_FLAGS,
+            **MOCK_BRANCH,
+            "--use-flash-attn": "the flash-attn package (GPU only) is not installed on a CPU",
+        },
+        choose={"--tokenizer-type": "NullTokenizer"},
+    ),
     "detoxify_1p3b": Example(
         "examples/academic_paper_scripts/detxoify_lm/finetune_gpt_distributed-1.3b.sh",
         "gpt",
