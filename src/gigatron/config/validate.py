@@ -231,6 +231,14 @@ def _fsdp_rules(cfg: GigatronConfig, problems: list[str], world_size: int | None
     )
     if not sharded:
         return
+    if world_size is not None and data_parallel_size(cfg, world_size) == 1:
+        # DistributedDataParallel runs instead, which composes with everything.
+        warnings.warn(
+            "fully sharded data parallelism at data-parallel size 1 has nothing to shard; the "
+            "model is trained unsharded",
+            stacklevel=2,
+        )
+        return
     for enabled, what in (
         (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
         (p.context_parallel_size > 1, "--context-parallel-size > 1"),
@@ -243,12 +251,6 @@ def _fsdp_rules(cfg: GigatronConfig, problems: list[str], world_size: int | None
                 f"fully sharded data parallelism (--use-torch-fsdp2 / --use-megatron-fsdp) with "
                 f"{what} is not available yet; use --use-distributed-optimizer instead"
             )
-    if world_size is not None and data_parallel_size(cfg, world_size) == 1:
-        warnings.warn(
-            "fully sharded data parallelism at data-parallel size 1 has nothing to shard; the "
-            "model is trained unsharded",
-            stacklevel=2,
-        )
 
 
 def validate_config(
