@@ -354,6 +354,8 @@ def source_names(states: dict, pp_size: int) -> dict[str, tuple[int, str]]:
         sample = next(state for (t, p, e), state in sorted(states.items()) if p == pp_rank)
         for key in _chunk_keys(sample):
             for name in sample[key]:
+                if name == WORD_EMBEDDING and name in names:
+                    continue  # the multi-token prediction stage's copy (kept equal in training)
                 if name in names:
                     raise GigatronError(f"parameter {name} appears twice in the checkpoint")
                 names[name] = (pp_rank, key)

@@ -196,10 +196,16 @@ def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
     if m.mtp_num_layers is not None:
         if m.mtp_num_layers < 1:
             problems.append(f"--mtp-num-layers {m.mtp_num_layers} must be at least 1")
-        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
+        if p.context_parallel_size > 1:
             problems.append(
-                "--mtp-num-layers: multi-token prediction runs with pipeline and context "
-                "parallel sizes 1 so far (its layers need the embedding and whole sequences)"
+                "--mtp-num-layers: multi-token prediction shifts whole sequences; use "
+                "--context-parallel-size 1"
+            )
+        if p.pipeline_model_parallel_size > 1 and m.position_embedding_type == "learned_absolute":
+            problems.append(
+                "--mtp-num-layers with pipeline parallelism embeds tokens on the last stage "
+                "too, without learned position embeddings there; use --position-embedding-type "
+                "rope (or none)"
             )
     if m.rotary_scaling_factor <= 0:
         problems.append(f"--rotary-scaling-factor {m.rotary_scaling_factor} must be positive")
