@@ -140,6 +140,18 @@ def test_family_rules():
     with pytest.raises(GigatronError, match="rope: T5 has learned_absolute"):
         _validated("t5", "--encoder-seq-length", "64", "--decoder-seq-length", "32",
                    "--position-embedding-type", "rope")  # fmt: skip
+    seq = ("--encoder-seq-length", "64", "--decoder-seq-length", "32")
+    cfg = _validated("t5", *seq, "--pipeline-model-parallel-size", "4")
+    assert cfg.parallel.pipeline_model_parallel_split_rank == 2  # the even split
+    with pytest.raises(GigatronError, match="split-rank 4: must lie in 1..3"):
+        _validated("t5", *seq, "--pipeline-model-parallel-size", "4",
+                   "--pipeline-model-parallel-split-rank", "4")  # fmt: skip
+    with pytest.raises(GigatronError, match="cannot give every one of the 1 encoder and 3"):
+        _validated("t5", *seq, "--pipeline-model-parallel-size", "4",
+                   "--pipeline-model-parallel-split-rank", "1")  # fmt: skip
+    with pytest.raises(GigatronError, match="relative position table must live on one stage"):
+        _validated("t5", *seq, "--pipeline-model-parallel-size", "4",
+                   "--position-embedding-type", "relative")  # fmt: skip
     for family in ("gpt", "bert", "mamba"):
         with pytest.raises(GigatronError, match="--encoder-num-layers: the .* no encoder-decoder"):
             _validated(family, "--seq-length", "64", "--encoder-num-layers", "2")

@@ -168,13 +168,20 @@ def _target_config(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> A
     p.expert_model_parallel_size = ep
     p.num_virtual_stages_per_pipeline_rank = vp if vp and vp > 1 else None
     p.num_layers_per_virtual_pipeline_stage = None
-    # An uneven first/last split belongs to the source pipeline size.
+    # An uneven first/last split (and an encoder-decoder split rank) belongs to the source
+    # pipeline size.
     p.decoder_first_pipeline_num_layers = None
     p.decoder_last_pipeline_num_layers = None
+    if pp != cfg.parallel.pipeline_model_parallel_size:
+        p.pipeline_model_parallel_split_rank = None
     return target
 
 
-def _check_target(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> None:
+def _check_target(
+    cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1, own_layout: bool = False
+) -> None:
+    """`own_layout`: the family places layers on stages itself (T5) and its `validate` checks the
+    target (see convert_checkpoint)."""
     if tp < 1 or pp < 1 or ep < 1 or (vp is not None and vp < 1):
         raise GigatronError("target sizes must be positive integers")
     experts = cfg.moe.num_experts
@@ -202,7 +209,7 @@ def _check_target(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> No
             "--target-pipeline-parallel-size > 1"
         )
     stages = pp * (vp or 1)
-    if m.num_layers % stages:
+    if not own_layout and m.num_layers % stages:
         raise GigatronError(
             f"the model's {m.num_layers} layers do not split evenly over pipeline size {pp}"
             + (f" x {vp} virtual stages" if vp and vp > 1 else "")
@@ -251,14 +258,18 @@ def _merge_source(
         sample = next(state for (t, p, e), state in sorted(states.items()) if p == pp_rank)
         for key in _chunk_keys(sample):
             for name in sample[key]:
-                if name in full:
-                    raise GigatronError(f"{where}: parameter {name} appears twice")
                 dim, stride, expert = attributes.get(name, (-1, 1, False))
+                if name in full and expert:
+                    raise GigatronError(f"{where}: parameter {name} appears twice")
                 if not expert:
                     parts = [
                         _source_part(states, t, pp_rank, None, key)[name] for t in range(src_tp)
                     ]
-                    full[name] = merge_partitions(parts, dim, stride) if dim >= 0 else parts[0]
+                    merged = merge_partitions(parts, dim, stride) if dim >= 0 else parts[0]
+                    # A weight held on several stages (T5's embeddings) is the same on each.
+                    if name in full and not torch.equal(full[name], merged):
+                        raise GigatronError(f"{where}: parameter {name} appears twice")
+                    full[name] = merged
                     continue
                 blocks = []
                 for e in range(src_ep):
@@ -320,7 +331,11 @@ def convert_checkpoint(
         raise GigatronError(f"{iteration_dir}: holds no saved configuration ('args')")
     cfg = config_from_dict(args, source=f"{iteration_dir} args")
     family = first.get("gigatron_family", "gpt")
-    _check_target(cfg, target_tp, target_pp, target_vp, target_ep)
+    from gigatron.families import get_family
+
+    family_record = get_family(family)
+    own_layout = family_record.pipeline_stage_shapes is not None
+    _check_target(cfg, target_tp, target_pp, target_vp, target_ep, own_layout)
     say(
         f"converting {iteration_dir} (tensor-parallel {src_tp}, pipeline-parallel {src_pp}"
         + (f", expert-parallel {src_ep}" if src_ep > 1 else "")
@@ -330,6 +345,8 @@ def convert_checkpoint(
     )
 
     target_cfg = _target_config(cfg, target_tp, target_pp, target_vp, target_ep)
+    if own_layout and family_record.validate is not None:
+        family_record.validate(target_cfg)  # the family's stage rules (fills T5's split rank)
     target_etp = target_cfg.parallel.expert_tensor_parallel_size or target_tp
     vocab = _true_vocab_size(cfg)
     target_grid = _target_grid(target_tp, target_pp, target_ep, target_etp)

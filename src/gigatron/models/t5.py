@@ -328,8 +328,12 @@ class T5Model(nn.Module):
             if self.tied and not pre_process:
                 self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
                 self.output_layer.weight.shared_embedding = True
-        if pre_process and pctx.pp_size > 1 and self.tied:
+        if pre_process and pctx.pp_size > 1:
+            # The encoder's and the decoder's first stages hold the same embedding (and the
+            # last stage the tied output weight): finalize_model_grads sums their gradients.
             self.embedding.word_embeddings.weight.shared_embedding = True
+            if self.embedding.position_embeddings is not None:
+                self.embedding.position_embeddings.weight.shared_position_embedding = True
 
     def set_input_tensor(self, input_tensor) -> None:
         """What the previous pipeline stage sent: [encoder hidden] on an encoder stage,

@@ -7,7 +7,10 @@ Three reductions, each in the group where a weight is replicated:
    over the tensor-parallel group;
 3. tied embeddings: the word embedding on the first pipeline stage and the output layer weight on
    the last are the same weight held twice; both are marked `param.shared_embedding = True` and
-   their gradients are summed over the embedding group.
+   their gradients are summed over the embedding group. Encoder-decoder models (T5) hold the
+   embeddings on the decoder's first stage too: its word embedding joins the embedding group,
+   and the position embeddings of the first and split stages (`shared_position_embedding =
+   True`) are summed over the position-embedding group.
 The reductions are linear, so their order does not change the result.
 """
 
@@ -58,4 +61,9 @@ def finalize_model_grads(model_chunks: list[nn.Module], pctx: ParallelContext) -
     if pctx.pp_size > 1 and pctx.size("embedding") > 1:
         _all_reduce_coalesced(
             _marked_grads(model_chunks, "shared_embedding"), pctx.group("embedding")
+        )
+    if pctx.pp_size > 1 and pctx.size("position_embedding") > 1:
+        _all_reduce_coalesced(
+            _marked_grads(model_chunks, "shared_position_embedding"),
+            pctx.group("position_embedding"),
         )
