@@ -155,3 +155,21 @@ def test_family_rules():
     for family in ("gpt", "bert", "mamba"):
         with pytest.raises(GigatronError, match="--encoder-num-layers: the .* no encoder-decoder"):
             _validated(family, "--seq-length", "64", "--encoder-num-layers", "2")
+
+
+def test_flops_hand_count():
+    from gigatron.config.validate import finalize_config
+    from gigatron.families import get_family
+
+    cfg = parse_config(
+        ["--encoder-num-layers", "1", "--decoder-num-layers", "1", "--hidden-size", "8",
+         "--num-attention-heads", "2", "--ffn-hidden-size", "16", "--encoder-seq-length", "4",
+         "--decoder-seq-length", "2"]
+    )  # fmt: skip
+    finalize_config(cfg)
+    # Per encoder token: qkv 2*8*24 = 384, scores+values 4*4*8 = 128, projection 128,
+    # MLP 2*2*8*16 = 512 -> 1152, x 4 tokens = 4608. Per decoder token: 384 + 4*2*8 + 128 + 512
+    # + logits 2*8*10 = 1248, x 2 = 2496. Cross-attention: per decoder token q 128, scores+values
+    # 4*4*8 = 128, projection 128; keys/values 2*8*16 = 256 per encoder token -> 768 + 1024.
+    forward = 4608 + 2496 + 1792
+    assert get_family("t5").flops_per_iteration(cfg, 3, 10) == 3 * forward * 3

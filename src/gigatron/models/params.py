@@ -48,7 +48,7 @@ def _attention_counts(spec: TransformerConfig) -> tuple[int, int]:
 
 def _dense_mlp_counts(spec: TransformerConfig, ffn: int | None = None) -> tuple[int, int]:
     h, ffn = spec.hidden_size, ffn or spec.ffn_hidden_size
-    fc1_out = ffn * (2 if spec.swiglu else 1)
+    fc1_out = ffn * (2 if spec.swiglu or spec.geglu else 1)
     split = h * fc1_out + ffn * h + (fc1_out if spec.add_bias_linear else 0)
     return split, (h if spec.add_bias_linear else 0)  # fc2 bias
 
