@@ -101,8 +101,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
     "variant, nproc, layout",
     [
         ("megatron", 2, TP2_SP),
-        ("megatron", 2, ["--use-distributed-optimizer"]),
-        ("megatron", 2, PP2),  # encoder | decoder, the split rank's default
+        # encoder | decoder (the split rank's default), two data-parallel replicas
         ("megatron", 4, [*PP2, "--use-distributed-optimizer"]),
         # two encoder and two decoder stages: the embedding on stages 0, 2 and 3
         (
@@ -112,7 +111,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
         ),  # fmt: skip
         ("hf", 4, [*TP2_SP, *PP2, "--pipeline-model-parallel-split-rank", "1"]),
     ],
-    ids=["tp2-sp", "dp2-distopt", "pp2", "pp2-dp2-distopt", "pp4-split2", "hf-tp2-sp-pp2"],
+    ids=["tp2-sp", "pp2-dp2-distopt", "pp4-split2", "hf-tp2-sp-pp2"],
 )
 def test_parallel_layouts_match_one_process(corpus, references, tmp_path, variant, nproc, layout):
     extra = HF_LAYOUT if variant == "hf" else []
