@@ -101,8 +101,9 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
     "variant, nproc, layout",
     [
         ("megatron", 2, TP2_SP),
-        # encoder | decoder (the split rank's default), two data-parallel replicas
-        ("megatron", 4, [*PP2, "--use-distributed-optimizer"]),
+        # The layout: tp 2 + sp, encoder | decoder (the split rank's default), dp 2 with
+        # the distributed optimizer; eight processes, as the three sizes multiply.
+        ("megatron", 8, [*TP2_SP, *PP2, "--use-distributed-optimizer"]),
         # two encoder and two decoder stages: the embedding on stages 0, 2 and 3
         (
             "megatron",
@@ -111,7 +112,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
         ),  # fmt: skip
         ("hf", 4, [*TP2_SP, *PP2, "--pipeline-model-parallel-split-rank", "1"]),
     ],
-    ids=["tp2-sp", "pp2-dp2-distopt", "pp4-split2", "hf-tp2-sp-pp2"],
+    ids=["tp2-sp", "tp2-sp-pp2-dp2-distopt", "pp4-split2", "hf-tp2-sp-pp2"],
 )
 def test_parallel_layouts_match_one_process(corpus, references, tmp_path, variant, nproc, layout):
     extra = HF_LAYOUT if variant == "hf" else []
