@@ -40,10 +40,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gigatron.inference.client:main",
         "interactive client of a generation server: gigatron text-generation-cli HOST:PORT",
     ),
+    "evaluate": (
+        "gigatron.tasks.evaluate:main",
+        "zero-shot WikiText perplexity or LAMBADA accuracy of a checkpoint (--task ...)",
+    ),
+    "lm-eval": (
+        "gigatron.integrations.lm_eval:main",
+        "lm-evaluation-harness with gigatron checkpoints: gigatron lm-eval --model gigatron ...",
+    ),
     "presets": ("gigatron.models.presets:main", "list the named model shapes"),
     "convert-checkpoint": (
         "gigatron.checkpoint.convert:main",
         "re-split a torch checkpoint for another tensor/pipeline-parallel layout",
+    ),
+    "convert": (
+        "gigatron.checkpoint.hf_convert:main",
+        "convert checkpoints: --from hf|gigatron|megatron --to gigatron|hf|megatron",
     ),
 }
 

@@ -160,9 +160,15 @@ def test_unknown_family_lists_the_known_ones():
         pretrain_main(["llama"])
 
 
-def test_torchrun_data_parallel_matches_one_process(tmp_path, in_process):
+# Per-token loss with plain SGD: the gradients are divided by the token count of both replicas.
+PER_TOKEN_SGD = ["--calculate-per-token-loss", "--optimizer", "sgd", "--lr", "0.5"]
+
+
+@pytest.mark.parametrize("extra", [[], PER_TOKEN_SGD], ids=["mean", "per-token-sgd"])
+def test_torchrun_data_parallel_matches_one_process(tmp_path, in_process, extra):
     """Two processes on Gloo (dp = 2) train like one: same losses, every record written once."""
     no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "4"]
+    no_dropout += extra
     assert in_process("--save", str(tmp_path / "one"), *no_dropout) == 0
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -110,3 +110,44 @@ def test_converted_to_pp2_evaluates_like_the_source(source):
         "--metrics-file", str(metrics), nproc=2,
     )  # fmt: skip
     assert _test_loss(metrics) == pytest.approx(_test_loss(source / "metrics.jsonl"), abs=1e-5)
+
+
+@torch.no_grad()
+def _recompute_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(steps):
+        logits = model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0))[0, -1, :64]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.distributed
+def test_generate_at_tp2_with_the_state_cache_equals_recompute_at_tp1(source, tmp_path):
+    prompts = ["5 9 12 3 40 41", "7", "1 2 3 4 5 6 7 8 9 10 11 12 13"]
+    output = tmp_path / "out.jsonl"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "gigatron.cli", "generate", "--load", str(source), "--device", "cpu",
+        "--greedy", "--max-tokens", "8", "--ignore-eos", "--max-batch-size", "2",
+        "--max-sequence-length", "32",
+        *[item for prompt in prompts for item in ("--prompt", prompt)], "--output", str(output),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+
+    from argparse import Namespace
+
+    from gigatron.inference.load import load_for_inference
+
+    target = tmp_path / "tp1"
+    convert_checkpoint(source, target, target_tp=1, target_pp=1)
+    loaded = load_for_inference(
+        Namespace(load=str(target), ckpt_step=None, device="cpu", tokenizer_model=None,
+                  vocab_file=None, merge_file=None)
+    )  # fmt: skip
+    model = loaded.chunks[0]
+    for prompt, record in zip(prompts, records):
+        ids = [int(t) for t in prompt.split()]
+        assert record["tokens"] == _recompute_greedy(model, ids, 8)

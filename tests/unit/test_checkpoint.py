@@ -171,7 +171,7 @@ def test_crash_while_publishing_keeps_tracker(tmp_path, monkeypatch):
     def crash(save_dir, iteration):
         raise OSError("disk full")
 
-    monkeypatch.setattr(torch_format, "_publish", crash)
+    monkeypatch.setattr(torch_format, "publish_iteration", crash)
     with pytest.raises(OSError):
         save_checkpoint(tmp_path, 2, [model], optimizer, scheduler, PCTX, cfg)
     assert torch_format.read_tracker(tmp_path) == (1, False)

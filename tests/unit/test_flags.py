@@ -30,9 +30,10 @@ def _pretrain_parser() -> argparse.ArgumentParser:
 
 
 def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
-    from gigatron.checkpoint import convert
+    from gigatron.checkpoint import convert, hf_convert
     from gigatron.data import merge, preprocess, train_tokenizer
     from gigatron.inference import generate, server
+    from gigatron.tasks import evaluate
     from gigatron.training import quickstart
 
     return {
@@ -42,13 +43,16 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "train-tokenizer": train_tokenizer.build_parser,
         "pretrain": _pretrain_parser,
         "convert-checkpoint": convert._parser,
+        "convert": hf_convert._parser,
         "generate": generate.build_parser,
         "serve": server.build_parser,
+        "evaluate": evaluate.build_parser,
     }
 
 
-# `gigatron presets` takes no flags; `text-generation-cli` only HOST:PORT.
-NO_FLAGS = {"presets", "text-generation-cli"}
+# `gigatron presets` takes no flags; `text-generation-cli` only HOST:PORT; `lm-eval` passes its
+# flags to the lm-evaluation-harness command line.
+NO_FLAGS = {"presets", "text-generation-cli", "lm-eval"}
 
 
 def _long_option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -121,12 +125,12 @@ def test_refusals_name_real_fields_and_are_enforced():
         field_section(name)  # a KeyError here: the table names a field that does not exist
     assert refused_settings(GigatronConfig()) == [], "the defaults must be accepted"
     cases = {
-        "ckpt_format": ["--ckpt-format", "torch_dist"],
         "timing_log_level": ["--timing-log-level", "2"],
     }
     assert set(cases) == set(REFUSALS), "give every refusal a refused example here"
     for flags in cases.values():
-        with pytest.raises(GigatronError, match=re.escape(f"{flags[0]} {flags[1]}: ")):
+        shown = flags[0] if flags[1].startswith("--") else f"{flags[0]} {flags[1]}"
+        with pytest.raises(GigatronError, match=re.escape(f"{shown}: ")):
             parse_config(flags)
 
 

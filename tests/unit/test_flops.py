@@ -10,6 +10,7 @@ from gigatron.training.flops import (
     device_peak_flops,
     forward_flops_per_token,
     mfu,
+    mla_flops_per_token,
     model_flops_per_iteration,
 )
 
@@ -66,3 +67,33 @@ def test_moe_counts_the_experts_a_token_uses():
     assert gpt.flops_per_iteration(cfg, 3, 100) == 3 * 164352 * 3 * 8
     cfg = parse_config([*argv, "--moe-router-topk", "4"])
     assert gpt.flops_per_iteration(cfg, 3, 100) == 3 * (164352 + 24576) * 3 * 8
+
+
+def test_multi_latent_attention_hand_count():
+    # Per token: query 64*24 + 24*4*(8+8) = 3072; key/value 64*(16+8) + 16*4*(8+12) = 2816;
+    # Q.K^T and P.V 8*4*(16+12) = 896; output 4*12*64 = 3072 -> 2 * 9856 = 19712.
+    cfg = parse_config(
+        ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "8", "--multi-latent-attention", "--q-lora-rank", "24",
+         "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8",
+         "--v-head-dim", "12"]
+    )  # fmt: skip
+    assert mla_flops_per_token(cfg.model) == 19712
+    dense = model_flops_per_iteration(cfg.model, 1, 100)
+    mlp_and_logits = 2 * 2 * 64 * 256 + 2 * 64 * 100
+    assert dense == 3 * (19712 + mlp_and_logits) * 8
+
+
+def test_multi_token_prediction_adds_its_layers_projections_and_logits():
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "8"]  # fmt: skip
+    plain = model_flops_per_iteration(parse_config(argv).model, 1, 100)
+    with_mtp = model_flops_per_iteration(
+        parse_config([*argv, "--mtp-num-layers", "1"]).model, 1, 100
+    )
+    three_layers = model_flops_per_iteration(
+        parse_config([*argv[:1], "3", *argv[2:]]).model, 1, 100
+    )
+    # One more layer, eh_proj 2 * 2h * h and logits 2 * h * V per token, x 3 (fwd + bwd) x s.
+    assert with_mtp == three_layers + 3 * 8 * (2 * 2 * 64 * 64 + 2 * 64 * 100)
+    assert with_mtp > plain

@@ -28,6 +28,35 @@ SHAPES = {
         position_embedding_type="none",
         ffn_hidden_size=96,
     ),
+    "gpt-oss-attention": dict(
+        num_attention_heads=4,
+        normalization="RMSNorm",
+        quick_geglu=True,
+        qk_layernorm=True,
+        softmax_type="learnable",
+        window_size="(7,0)",
+        window_attn_skip_freq="2",
+    ),
+    "mla": dict(
+        num_attention_heads=4,
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=12,
+    ),
+    "mtp": dict(num_attention_heads=4, mtp_num_layers=2),
+    "mla-no-q-latent": dict(
+        num_attention_heads=4,
+        multi_latent_attention=True,
+        kv_lora_rank=16,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=8,
+        v_head_dim=12,
+        add_bias_linear=False,
+    ),
 }
 LAYOUTS = [
     dict(tp=1, pp=1),
@@ -136,3 +165,37 @@ def test_moe_counts_total_active_and_per_rank():
             chunks = build_model(cfg, pctx, vocab_size=vocab)
             held = sum(p.numel() for chunk in chunks for p in chunk.parameters())
             assert count_parameters(cfg, vocab, pctx).this_rank == held, (sizes, rank)
+
+
+def test_moe_with_multi_token_prediction_counts():
+    cfg = _config("llama-gqa", LAYOUTS[0])
+    e = cfg.moe
+    e.num_experts, e.moe_router_topk, e.moe_layer_freq, e.moe_ffn_hidden_size = 4, 2, "1", 32
+    cfg.model.mtp_num_layers = 1
+    (single,) = build_model(cfg, ParallelContext.single(), vocab_size=100)
+    counts = count_parameters(cfg, 100)
+    assert counts.total == sum(p.numel() for p in single.parameters())
+    # 4 decoder MoE layers and the MTP layer's, each 4 experts of 64 * 64 + 32 * 64; a token
+    # uses 2 of 4.
+    assert counts.active == counts.total - 5 * 4 * (64 * 64 + 32 * 64) // 2
+
+
+def test_moe_with_biases_counts_router_and_expert_biases():
+    from gigatron.checkpoint.convert import offline_context
+
+    def config(ep: int = 1) -> GigatronConfig:
+        cfg = _config("gpt2", LAYOUTS[0])
+        e = cfg.moe
+        e.num_experts, e.moe_router_topk, e.moe_ffn_hidden_size = 4, 2, 32
+        e.moe_shared_expert_intermediate_size = 16
+        cfg.parallel.expert_model_parallel_size = ep
+        return cfg
+
+    (single,) = build_model(config(), ParallelContext.single(), vocab_size=100)
+    assert count_parameters(config(), 100).total == sum(p.numel() for p in single.parameters())
+    grid = Grid(tp=1, pp=1, dp=2, ep=2)
+    for rank in range(2):
+        chunks = build_model(config(ep=2), offline_context(grid, rank), vocab_size=100)
+        held = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        pctx = offline_context(grid, rank)
+        assert count_parameters(config(ep=2), 100, pctx).this_rank == held

@@ -21,6 +21,7 @@ import re
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,7 @@ def _resolve_iteration(load_dir: Path, iteration: int | None) -> tuple[Path, int
 
 
 def _read_source(
-    iteration_dir: Path,
+    iteration_dir: Path, mmap: bool = False
 ) -> tuple[tuple[int, int, int], dict[tuple[int, int, int], dict]]:
     """((tp, pp, ep) sizes, {(tp, pp, ep) rank: state} for every file there). With ep > 1 and
     expert-tensor-parallel size 1 only the (tp, ep) pairs that ranks hold exist."""
@@ -109,7 +110,7 @@ def _read_source(
         raise GigatronError(
             f"{iteration_dir}: holds no mp_rank_00* file; it is not a torch-format checkpoint"
         )
-    first_state = safe_load(first)
+    first_state = safe_load(first, mmap=mmap)
     args = first_state.get("args")
     parallel = args.get("parallel", {}) if isinstance(args, dict) else {}
     ep = int(parallel.get("expert_model_parallel_size") or 1)
@@ -123,7 +124,7 @@ def _read_source(
                 path = iteration_dir / name / CHECKPOINT_FILENAME
                 if path.is_file():
                     states[(tp_rank, pp_rank, ep_rank)] = (
-                        first_state if path == first else safe_load(path)
+                        first_state if path == first else safe_load(path, mmap=mmap)
                     )
     for pp_rank in range(pp):
         for tp_rank in range(tp):
@@ -177,11 +178,20 @@ def _target_config(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> A
     return target
 
 
+def _own_layout_family(family: str | None):
+    """The family record when it places layers on stages itself (T5: `pipeline_stage_shapes`),
+    else None; its `validate` then checks (and completes) a target layout."""
+    if family is None:
+        return None
+    from gigatron.families import get_family
+
+    record = get_family(family)
+    return record if record.pipeline_stage_shapes is not None else None
+
+
 def _check_target(
-    cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1, own_layout: bool = False
+    cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1, family: str | None = None
 ) -> None:
-    """`own_layout`: the family places layers on stages itself (T5) and its `validate` checks the
-    target (see convert_checkpoint)."""
     if tp < 1 or pp < 1 or ep < 1 or (vp is not None and vp < 1):
         raise GigatronError("target sizes must be positive integers")
     experts = cfg.moe.num_experts
@@ -209,7 +219,7 @@ def _check_target(
             "--target-pipeline-parallel-size > 1"
         )
     stages = pp * (vp or 1)
-    if not own_layout and m.num_layers % stages:
+    if _own_layout_family(family) is None and m.num_layers % stages:
         raise GigatronError(
             f"the model's {m.num_layers} layers do not split evenly over pipeline size {pp}"
             + (f" x {vp} virtual stages" if vp and vp > 1 else "")
@@ -247,50 +257,147 @@ def _target_grid(tp: int, pp: int, ep: int, etp: int) -> Grid:
     return Grid(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp)
 
 
-def _merge_source(
-    states: dict, sizes: tuple[int, int, int], experts_split: bool, attributes: dict, where: Path
-) -> dict[str, torch.Tensor]:
-    """Full tensors: dense weights merged over the source tp ranks; expert weights merged over
-    their expert-tp slices (when split) and concatenated over the ep ranks."""
-    src_tp, src_pp, src_ep = sizes
-    full: dict[str, torch.Tensor] = {}
-    for pp_rank in range(src_pp):
+@dataclass
+class TargetLayout:
+    """The models of a target layout's writing ranks (on `meta`), and how to cut full tensors
+    for them."""
+
+    cfg: Any
+    grid: Grid
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    positions: dict[tuple[int, int, int], int]  # (tp, pp, ep) position -> the rank that writes
+    models: dict[int, list[Any]]
+    attributes: dict[str, tuple[int, int, bool]]  # name -> (partition dim, stride, expert)
+
+    def slice(self, name: str, tensor: torch.Tensor, shape: tuple[int, ...], rank: int):
+        """`rank`'s part of the full tensor `name`, checked against the model's `shape`."""
+        coords = self.grid.coords_of(rank)
+        expert_coords = self.grid.expert_coords_of(rank)
+        dim, stride, expert = self.attributes.get(name, (-1, 1, False))
+        if name in VOCAB_ROWS:
+            tensor = _resize_vocab(tensor, shape[0] * self.tp)
+        if expert:
+            tensor = tensor.chunk(self.ep, dim=0)[expert_coords["ep"]]
+            tensor = slice_for_rank(tensor, dim, stride, expert_coords["etp"], self.etp)
+        elif dim >= 0:
+            tensor = slice_for_rank(tensor, dim, stride, coords["tp"], self.tp)
+        if tuple(tensor.shape) != tuple(shape):
+            raise GigatronError(
+                f"'{name}' has shape {tuple(tensor.shape)} for target rank tp {coords['tp']} pp "
+                f"{coords['pp']} ep {expert_coords['ep']}, expected {tuple(shape)}; the weights "
+                "do not match the model configuration"
+            )
+        return tensor
+
+
+def build_target_layout(
+    cfg: Any, tp: int, pp: int, vp: int | None, ep: int, vocab: int | None, family: str
+) -> TargetLayout:
+    """Build (on `meta`) the model of every rank that writes a file in the target layout."""
+    target_cfg = _target_config(cfg, tp, pp, vp, ep)
+    own_layout = _own_layout_family(family)
+    if own_layout is not None and own_layout.validate is not None:
+        own_layout.validate(target_cfg)  # the family's stage rules (fills T5's split rank)
+    etp = target_cfg.parallel.expert_tensor_parallel_size or tp
+    grid = _target_grid(tp, pp, ep, etp)
+    positions: dict[tuple[int, int, int], int] = {}
+    for rank in range(grid.world_size):
+        coords = grid.coords_of(rank)
+        positions.setdefault((coords["tp"], coords["pp"], grid.expert_coords_of(rank)["ep"]), rank)
+    models = {
+        rank: _build_rank_model(target_cfg, grid, rank, vocab, family)
+        for rank in positions.values()
+    }
+    attributes: dict[str, tuple[int, int, bool]] = {}
+    for chunks in models.values():
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if getattr(param, "tensor_model_parallel", False):
+                    expert = bool(getattr(param, "expert_parallel", False))
+                    attributes[name] = (param.partition_dim, param.partition_stride, expert)
+    if WORD_EMBEDDING in attributes:
+        attributes.setdefault(OUTPUT_WEIGHT, attributes[WORD_EMBEDDING])
+    return TargetLayout(target_cfg, grid, tp, pp, ep, etp, positions, models, attributes)
+
+
+def merge_name(
+    states: dict,
+    sizes: tuple[int, int, int],
+    experts_split: bool,
+    attributes: dict,
+    where: Path,
+    pp_rank: int,
+    key: str,
+    name: str,
+) -> torch.Tensor:
+    """The full tensor `name` (in chunk `key` of pipeline rank `pp_rank`): a dense weight merged
+    over the source tp ranks; an expert weight merged over its expert-tp slices (when split) and
+    concatenated over the ep ranks."""
+    src_tp, _, src_ep = sizes
+    dim, stride, expert = attributes.get(name, (-1, 1, False))
+    if not expert:
+        parts = [_source_part(states, t, pp_rank, None, key)[name] for t in range(src_tp)]
+        return merge_partitions(parts, dim, stride) if dim >= 0 else parts[0]
+    blocks = []
+    for e in range(src_ep):
+        ranks = range(src_tp) if experts_split else [None]
+        parts = []
+        for t in ranks:
+            found = [
+                state[key][name]
+                for (ft, fp, fe), state in sorted(states.items())
+                if fp == pp_rank and fe == e and (t is None or ft == t)
+            ]
+            if not found:
+                raise GigatronError(
+                    f"{where}: no file holds the experts of expert-parallel rank {e} (pipeline "
+                    f"rank {pp_rank}); the checkpoint is incomplete"
+                )
+            parts.append(found[0])
+        blocks.append(merge_partitions(parts, dim, stride) if experts_split else parts[0])
+    return torch.cat(blocks, dim=0)
+
+
+def source_names(
+    states: dict, pp_size: int, repeats: list[tuple[str, int, str]] | None = None
+) -> dict[str, tuple[int, str]]:
+    """name -> (pipeline rank, chunk key) of every tensor in the source files (its first
+    stage). A name on several stages (T5's embeddings) is an error unless `repeats` is given:
+    its later (name, pipeline rank, chunk key) are appended there, for the caller to check."""
+    names: dict[str, tuple[int, str]] = {}
+    for pp_rank in range(pp_size):
         sample = next(state for (t, p, e), state in sorted(states.items()) if p == pp_rank)
         for key in _chunk_keys(sample):
             for name in sample[key]:
-                dim, stride, expert = attributes.get(name, (-1, 1, False))
-                if name in full and expert:
-                    raise GigatronError(f"{where}: parameter {name} appears twice")
-                if not expert:
-                    parts = [
-                        _source_part(states, t, pp_rank, None, key)[name] for t in range(src_tp)
-                    ]
-                    merged = merge_partitions(parts, dim, stride) if dim >= 0 else parts[0]
-                    # A weight held on several stages (T5's embeddings) is the same on each.
-                    if name in full and not torch.equal(full[name], merged):
-                        raise GigatronError(f"{where}: parameter {name} appears twice")
-                    full[name] = merged
+                if name in names:
+                    if repeats is None:
+                        raise GigatronError(f"parameter {name} appears twice in the checkpoint")
+                    repeats.append((name, pp_rank, key))
                     continue
-                blocks = []
-                for e in range(src_ep):
-                    ranks = range(src_tp) if experts_split else [None]
-                    parts = []
-                    for t in ranks:
-                        found = [
-                            state[key][name]
-                            for (ft, fp, fe), state in sorted(states.items())
-                            if fp == pp_rank and fe == e and (t is None or ft == t)
-                        ]
-                        if not found:
-                            raise GigatronError(
-                                f"{where}: no file holds the experts of expert-parallel rank "
-                                f"{e} (pipeline rank {pp_rank}); the checkpoint is incomplete"
-                            )
-                        parts.append(found[0])
-                    blocks.append(
-                        merge_partitions(parts, dim, stride) if experts_split else parts[0]
-                    )
-                full[name] = torch.cat(blocks, dim=0)
+                names[name] = (pp_rank, key)
+    return names
+
+
+def _merge_source(
+    states: dict, sizes: tuple[int, int, int], experts_split: bool, attributes: dict, where: Path
+) -> dict[str, torch.Tensor]:
+    """Every full tensor of the source (see `merge_name`). A weight held on several stages must
+    be the same on each."""
+    repeats: list[tuple[str, int, str]] = []
+    full = {
+        name: merge_name(states, sizes, experts_split, attributes, where, pp_rank, key, name)
+        for name, (pp_rank, key) in source_names(states, sizes[1], repeats).items()
+    }
+    for name, pp_rank, key in repeats:
+        again = merge_name(states, sizes, experts_split, attributes, where, pp_rank, key, name)
+        if not torch.equal(again, full[name]):
+            raise GigatronError(
+                f"{where}: parameter {name} appears on several pipeline stages with different "
+                "values; the checkpoint is inconsistent"
+            )
     return full
 
 
@@ -331,11 +438,7 @@ def convert_checkpoint(
         raise GigatronError(f"{iteration_dir}: holds no saved configuration ('args')")
     cfg = config_from_dict(args, source=f"{iteration_dir} args")
     family = first.get("gigatron_family", "gpt")
-    from gigatron.families import get_family
-
-    family_record = get_family(family)
-    own_layout = family_record.pipeline_stage_shapes is not None
-    _check_target(cfg, target_tp, target_pp, target_vp, target_ep, own_layout)
+    _check_target(cfg, target_tp, target_pp, target_vp, target_ep, family)
     say(
         f"converting {iteration_dir} (tensor-parallel {src_tp}, pipeline-parallel {src_pp}"
         + (f", expert-parallel {src_ep}" if src_ep > 1 else "")
@@ -344,32 +447,10 @@ def convert_checkpoint(
         + (f", {target_vp} virtual stages per rank" if target_vp and target_vp > 1 else "")
     )
 
-    target_cfg = _target_config(cfg, target_tp, target_pp, target_vp, target_ep)
-    if own_layout and family_record.validate is not None:
-        family_record.validate(target_cfg)  # the family's stage rules (fills T5's split rank)
-    target_etp = target_cfg.parallel.expert_tensor_parallel_size or target_tp
-    vocab = _true_vocab_size(cfg)
-    target_grid = _target_grid(target_tp, target_pp, target_ep, target_etp)
-    # One model per (tp, pp, ep) position: the ranks that write a file.
-    positions: dict[tuple[int, int, int], int] = {}
-    for rank in range(target_grid.world_size):
-        coords = target_grid.coords_of(rank)
-        ep_rank = target_grid.expert_coords_of(rank)["ep"]
-        positions.setdefault((coords["tp"], coords["pp"], ep_rank), rank)
-    target_models = {
-        rank: _build_rank_model(target_cfg, target_grid, rank, vocab, family)
-        for rank in positions.values()
-    }
-    # Partition info from the model (expert weights: split over expert-tp, experts on dim 0).
-    attributes: dict[str, tuple[int, int, bool]] = {}
-    for chunks in target_models.values():
-        for chunk in chunks:
-            for name, param in chunk.named_parameters():
-                if getattr(param, "tensor_model_parallel", False):
-                    expert = bool(getattr(param, "expert_parallel", False))
-                    attributes[name] = (param.partition_dim, param.partition_stride, expert)
-    if WORD_EMBEDDING in attributes:
-        attributes.setdefault(OUTPUT_WEIGHT, attributes[WORD_EMBEDDING])
+    layout = build_target_layout(
+        cfg, target_tp, target_pp, target_vp, target_ep, _true_vocab_size(cfg), family
+    )
+    attributes = layout.attributes
     src_etp = cfg.parallel.expert_tensor_parallel_size or src_tp
     full = _merge_source(states, (src_tp, src_pp, src_ep), src_etp > 1, attributes, iteration_dir)
     del states
@@ -380,10 +461,9 @@ def convert_checkpoint(
     tmp = save_dir / (final.name + TMP_SUFFIX)
     save_dir.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    target_args = config_as_dict(target_cfg)
-    for (tp_rank, pp_rank, ep_rank), rank in positions.items():
-        chunks = target_models[rank]
-        etp_rank = target_grid.expert_coords_of(rank)["etp"]
+    target_args = config_as_dict(layout.cfg)
+    for (tp_rank, pp_rank, ep_rank), rank in layout.positions.items():
+        chunks = layout.models[rank]
         state: dict[str, Any] = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
@@ -405,21 +485,7 @@ def convert_checkpoint(
                         "the checkpoint does not match its saved configuration"
                     )
                 used.add(source_name)
-                tensor = full[source_name]
-                dim, stride, expert = attributes.get(name, (-1, 1, False))
-                if name in VOCAB_ROWS:
-                    tensor = _resize_vocab(tensor, expected.shape[0] * target_tp)
-                if expert:
-                    tensor = tensor.chunk(target_ep, dim=0)[ep_rank]
-                    tensor = slice_for_rank(tensor, dim, stride, etp_rank, target_etp)
-                elif dim >= 0:
-                    tensor = slice_for_rank(tensor, dim, stride, tp_rank, target_tp)
-                if tuple(tensor.shape) != tuple(expected.shape):
-                    raise GigatronError(
-                        f"{iteration_dir}: '{name}' has shape {tuple(tensor.shape)} for target "
-                        f"rank tp {tp_rank} pp {pp_rank} ep {ep_rank}, expected "
-                        f"{tuple(expected.shape)}; the checkpoint does not match its config"
-                    )
+                tensor = layout.slice(name, full[source_name], tuple(expected.shape), rank)
                 model_state[name] = tensor.clone().contiguous()
             state[key] = model_state
         directory = mp_rank_dir_name(tp_rank, pp_rank, target_pp, ep_rank, target_ep)

@@ -51,6 +51,8 @@ class BertHFAdapter:
     """The BERT family's Hugging Face adapter (`BertForPreTraining`)."""
 
     hf_class_name = "BertForPreTraining"
+    model_types = ("bert",)
+    auto_class = "AutoModelForPreTraining"
 
     def config_from_hf(self, hf_config: Any) -> dict[str, Any]:
         """gigatron ModelConfig values (plus `vocab_size`) for a Hugging Face BertConfig."""

@@ -26,6 +26,8 @@ class Mamba2HFAdapter:
     """The mamba family's Hugging Face adapter (`Mamba2ForCausalLM`)."""
 
     hf_class_name = "Mamba2ForCausalLM"
+    model_types = ("mamba2",)
+    auto_class = "AutoModelForCausalLM"
 
     def config_from_hf(self, hf_config: Any) -> dict[str, Any]:
         """gigatron ModelConfig values (plus `vocab_size`) for a Hugging Face Mamba2Config."""

@@ -31,13 +31,67 @@ def _hf_dict(hf_config: Any) -> dict[str, Any]:
 
 
 def moe_layer_flags(c: dict[str, Any]) -> list[bool]:
-    """Which layers of a Hugging Face MoE config are MoE layers."""
+    """Which layers of a Hugging Face config are MoE layers (none for dense Llama-like models)."""
     layers = c["num_hidden_layers"]
     if c.get("model_type") == "qwen2_moe":
         dense = set(c.get("mlp_only_layers") or [])
         step = c.get("decoder_sparse_step", 1)
         return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
-    return [True] * layers
+    return [c.get("model_type") == "mixtral"] * layers
+
+
+def _expert_file_names(c: dict[str, Any]) -> tuple[str, tuple[str, str, str]]:
+    """(block name, (gate, up, down) names) of the per-expert tensors `save_pretrained` writes."""
+    if c.get("model_type") == "mixtral":
+        return "block_sparse_moe", ("w1", "w3", "w2")
+    return "mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe_weights(hf: Any, src: str, c: dict[str, Any]) -> tuple[Tensor, Tensor, Tensor]:
+    """(router, experts fc1 [E, 2F, h], experts fc2 [E, h, F]) of layer `src`, from the model's
+    fused tensors or from the per-expert tensors of its files."""
+    mlp = src + "mlp."
+    if mlp + "experts.gate_up_proj" in hf:
+        return (
+            hf[mlp + "gate.weight"],
+            hf[mlp + "experts.gate_up_proj"],
+            hf[mlp + "experts.down_proj"],
+        )
+    block, (gate, up, down) = _expert_file_names(c)
+    base = f"{src}{block}."
+    count = c["num_local_experts"] if c.get("model_type") == "mixtral" else c["num_experts"]
+    experts = [f"{base}experts.{j}." for j in range(count)]
+    fc1 = torch.stack(
+        [torch.cat([hf[e + gate + ".weight"], hf[e + up + ".weight"]]) for e in experts]
+    )
+    fc2 = torch.stack([hf[e + down + ".weight"] for e in experts])
+    return hf[base + "gate.weight"], fc1, fc2
+
+
+def state_to_files(hf: StateDict, hf_config: Any) -> StateDict:
+    """A Mixtral / Qwen2-MoE state dict with the names `save_pretrained` writes: one tensor per
+    expert (Mixtral: `block_sparse_moe.experts.{j}.w1/w3/w2`, `block_sparse_moe.gate`)."""
+    c = _hf_dict(hf_config)
+    if c.get("model_type") not in ("mixtral", "qwen2_moe"):
+        return hf
+    block, (gate, up, down) = _expert_file_names(c)
+    out: StateDict = {}
+    for name, tensor in hf.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            base = name[: -len("mlp.experts.gate_up_proj")] + block + ".experts."
+            for j, fused in enumerate(tensor.unbind(0)):
+                first, second = fused.chunk(2)
+                out[f"{base}{j}.{gate}.weight"] = first
+                out[f"{base}{j}.{up}.weight"] = second
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name[: -len("mlp.experts.down_proj")] + block + ".experts."
+            for j, weight in enumerate(tensor.unbind(0)):
+                out[f"{base}{j}.{down}.weight"] = weight
+        elif name.endswith(".mlp.gate.weight"):
+            out[name[: -len("mlp.gate.weight")] + block + ".gate.weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
 
 
 def config_from_hf(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -121,9 +175,10 @@ def hf_to_gigatron(hf: StateDict, hf_config: Any, padded_vocab_size: int) -> Sta
             )
             out[gmlp + "linear_fc2.weight"] = hf[mlp + "down_proj.weight"].clone()
             continue
-        out[gmlp + "router.weight"] = hf[mlp + "gate.weight"].clone()
-        out[gmlp + "experts.linear_fc1.weight"] = hf[mlp + "experts.gate_up_proj"].clone()
-        out[gmlp + "experts.linear_fc2.weight"] = hf[mlp + "experts.down_proj"].clone()
+        router, fc1, fc2 = _moe_weights(hf, src, c)
+        out[gmlp + "router.weight"] = router.clone()
+        out[gmlp + "experts.linear_fc1.weight"] = fc1.clone()
+        out[gmlp + "experts.linear_fc2.weight"] = fc2.clone()
         shared = mlp + "shared_expert."
         if shared + "gate_proj.weight" in hf:
             out[gmlp + "shared_experts.linear_fc1.weight"] = torch.cat(

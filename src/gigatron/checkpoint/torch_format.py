@@ -38,6 +38,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from gigatron.checkpoint.megatron_format import (
+    is_megatron_state,
+    load_megatron_file,
+    to_gigatron_state,
+)
 from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
 
@@ -206,7 +211,7 @@ def _write_file(state: dict[str, Any], path: Path) -> None:
     torch.save(state, path)
 
 
-def _publish(save_dir: Path, iteration: int) -> None:
+def publish_iteration(save_dir: Path, iteration: int) -> None:
     """Rank 0: make the finished `.tmp` directory the checkpoint, then point the tracker at it."""
     final = save_dir / iteration_dir_name(iteration)
     tmp = save_dir / (final.name + TMP_SUFFIX)
@@ -283,7 +288,7 @@ def save_checkpoint(
         _write_file(state, rank_dir / CHECKPOINT_FILENAME)
     _barrier(pctx)
     if pctx.rank == 0:
-        _publish(save_dir, iteration)
+        publish_iteration(save_dir, iteration)
     _barrier(pctx)
     return final
 
@@ -331,13 +336,20 @@ def saved_layout(iteration_dir: Path, expert_parallel: bool = False) -> tuple[in
     return tuple(max(r[i] for r in ranks) + 1 for i in range(3))  # type: ignore[return-value]
 
 
-def safe_load(path: Path) -> dict[str, Any]:
-    """torch.load with weights_only=True; anything needing arbitrary unpickling is refused."""
+def safe_load(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """torch.load with weights_only=True; anything needing arbitrary unpickling is refused.
+    `mmap`: tensors stay in the file until read (for converting one tensor at a time)."""
     try:
         # argparse.Namespace is plain data (Megatron-written files keep their args in one).
         with torch.serialization.safe_globals([argparse.Namespace]):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError:
+        # A file Megatron-LM wrote (enums, numpy and signals in its args) has its own allow-list.
+        try:
+            return load_megatron_file(path, mmap=mmap)
+        except pickle.UnpicklingError as megatron_exc:
+            if "GLOBAL" in str(megatron_exc):
+                exc = megatron_exc  # the global that no allow-list admits
         # torch's message also suggests weights_only=False; keep only the line naming the culprit.
         lines = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
         culprit = f" ({lines[0]})" if lines else ""
@@ -541,6 +553,9 @@ def load_checkpoint(
     if not path.is_file():
         raise GigatronError(f"--load {load_dir}: {path} is missing; the checkpoint is incomplete")
     state = safe_load(path)
+    if is_megatron_state(state):  # written by Megatron-LM: its names, optimizer and RNG layout
+        load_optim = not (release or finetune or no_load_optim)
+        state = to_gigatron_state(state, model_chunks, optimizer, rng_tracker, path, load_optim)
 
     sizes = _parallel_sizes(state.get("args"))
     if sizes.get("ep", 1) != pctx.ep_size:

@@ -21,4 +21,23 @@ class CheckpointConfig:
     ckpt_step: Optional[int] = flag_field(
         None, "load this iteration instead of the one in latest_checkpointed_iteration.txt"
     )
-    ckpt_format: str = flag_field("torch", "checkpoint format", choices=["torch", "torch_dist"])
+    ckpt_format: str = flag_field(
+        "torch",
+        "checkpoint format: torch (one file per model-parallel rank, Megatron's legacy layout) or "
+        "torch_dist (sharded, loads at any parallel layout)",
+        choices=["torch", "torch_dist"],
+    )
+    auto_detect_ckpt_format: bool = flag_field(
+        False, "load a checkpoint in whichever format it was saved (torch or torch_dist)"
+    )
+    ckpt_convert_format: Optional[str] = flag_field(
+        None,
+        "after loading, save the checkpoint in this format to --ckpt-convert-save and exit",
+        choices=["torch", "torch_dist"],
+    )
+    ckpt_convert_save: Optional[str] = flag_field(
+        None, "where --ckpt-convert-format writes the converted checkpoint"
+    )
+    async_save: bool = flag_field(
+        False, "torch_dist: write checkpoints in the background while training continues"
+    )

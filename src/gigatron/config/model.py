@@ -37,8 +37,9 @@ class ModelConfig:
     )
     position_embedding_type: str = flag_field(
         "learned_absolute",
-        "position encoding (relative: T5's bucketed attention bias, the t5 family only)",
-        choices=["learned_absolute", "rope", "relative", "none"],
+        "position encoding (yarn: RoPE with YaRN frequency scaling; relative: T5's bucketed "
+        "attention bias, the t5 family only)",
+        choices=["learned_absolute", "rope", "yarn", "relative", "none"],
     )
     relative_attention_num_buckets: int = flag_field(
         32, "buckets of the relative position bias (--position-embedding-type relative)"
@@ -46,8 +47,49 @@ class ModelConfig:
     relative_attention_max_distance: int = flag_field(
         128, "distance from which relative positions share the last bucket (relative)"
     )
+    add_position_embedding: bool = flag_field(
+        True,
+        "older spelling of --position-embedding-type none (no effect with rope or yarn)",
+        flag="--no-position-embedding",
+        store_false=True,
+    )
+    rope_type: Optional[str] = flag_field(
+        None,
+        "RoPE of multi-latent attention (other attention: --position-embedding-type)",
+        choices=["rope", "yarn"],
+        default_help="yarn with --multi-latent-attention",
+    )
+    rotary_scaling_factor: float = flag_field(1.0, "YaRN: context extension factor")
+    mscale: float = flag_field(1.0, "YaRN: attention temperature (mscale) coefficient")
+    mscale_all_dim: float = flag_field(
+        0.0, "YaRN: mscale coefficient of all dimensions (DeepSeek's mscale_all_dim)"
+    )
+    yarn_original_max_position_embeddings: Optional[int] = flag_field(
+        None, "YaRN: context length the model was trained at", default_help="4096"
+    )
+    yarn_beta_fast: Optional[float] = flag_field(
+        None, "YaRN: rotations where extrapolation ends", default_help="32"
+    )
+    yarn_beta_slow: Optional[float] = flag_field(
+        None, "YaRN: rotations where interpolation starts", default_help="1"
+    )
+    yarn_correction_range_round_to_int: bool = flag_field(
+        True,
+        "YaRN: keep the correction range's ends fractional (gpt-oss) instead of rounding them "
+        "to whole channels",
+        flag="--no-yarn-correction-range-round-to-int",
+        store_false=True,
+    )
     rotary_percent: float = flag_field(1.0, "fraction of each head's channels that RoPE rotates")
     rotary_base: int = flag_field(10000, "RoPE base period")
+    rotary_seq_len_interpolation_factor: Optional[float] = flag_field(
+        None, "divide RoPE positions by this factor (linear position interpolation)"
+    )
+    use_rope_scaling: bool = flag_field(
+        False,
+        "Llama 3.1 RoPE frequency scaling (low/high frequency factors 1 and 4, 8192 positions)",
+    )
+    rope_scaling_factor: float = flag_field(8.0, "the scaling factor of --use-rope-scaling")
     normalization: str = flag_field("LayerNorm", "norm layer", choices=["LayerNorm", "RMSNorm"])
     layernorm_epsilon: float = flag_field(1e-5, "epsilon of the norm layers", flag="--norm-epsilon")
     swiglu: bool = flag_field(False, "gated SiLU MLP (Llama style)")
@@ -55,6 +97,38 @@ class ModelConfig:
         False,
         "gated GeLU MLP (T5 v1.1's gated-gelu; with --openai-gelu the tanh GeLU it uses); "
         "a gigatron flag",
+    )
+    quick_geglu: bool = flag_field(
+        False, "gated MLP with quick GeLU, x * sigmoid(1.702 x) (gpt-oss style)"
+    )
+    glu_linear_offset: float = flag_field(
+        0.0, "gated MLPs: act(gate) * (up + offset) (gpt-oss: 1.0)"
+    )
+    activation_func_clamp_value: Optional[float] = flag_field(
+        None, "gated MLPs: clamp the gate to <= v and the linear half to [-v, v] (gpt-oss: 7.0)"
+    )
+    qk_layernorm: bool = flag_field(False, "normalise each query and key head (before RoPE)")
+    layernorm_zero_centered_gamma: bool = flag_field(
+        False,
+        "norm weights are stored zero-centred: y = norm(x) * (1 + weight)",
+        flag="--apply-layernorm-1p",
+    )
+    window_size: Optional[str] = flag_field(
+        None,
+        "sliding-window attention '(left,right)': query i sees keys i-left .. i+right (-1: "
+        "unbounded); e.g. '(127,0)'",
+    )
+    window_attn_skip_freq: Optional[str] = flag_field(
+        None,
+        "which layers keep full attention with --window-size: N (every N-th layer, 1-based) or "
+        "a list pattern such as '[1,1,0]*2' (1 = window)",
+        default_help="every layer windowed",
+    )
+    softmax_type: str = flag_field(
+        "vanilla",
+        "attention softmax: vanilla, off-by-one (a zero logit added), learnable (a learned "
+        "per-head sink logit, gpt-oss)",
+        choices=["vanilla", "off-by-one", "learnable"],
     )
     add_bias_linear: bool = flag_field(
         True, "drop the biases of all linear layers", flag="--disable-bias-linear", store_false=True
@@ -115,6 +189,22 @@ class ModelConfig:
     mamba_num_heads: Optional[int] = flag_field(
         None, "Mamba heads; default 2 * hidden / --mamba-head-dim"
     )
+    multi_latent_attention: bool = flag_field(
+        False, "multi-latent attention (DeepSeek-V2/V3): keys and values from a low-rank latent"
+    )
+    q_lora_rank: Optional[int] = flag_field(
+        None, "MLA: rank of the query latent (None: a full query projection)"
+    )
+    kv_lora_rank: int = flag_field(32, "MLA: rank of the key/value latent")
+    qk_head_dim: int = flag_field(128, "MLA: query/key channels per head without RoPE")
+    qk_pos_emb_head_dim: int = flag_field(64, "MLA: query/key channels per head with RoPE")
+    v_head_dim: int = flag_field(128, "MLA: value channels per head")
+    mtp_num_layers: Optional[int] = flag_field(
+        None, "multi-token prediction: extra layers, each predicting one more token ahead"
+    )
+    mtp_loss_scaling_factor: float = flag_field(
+        0.1, "multi-token prediction: weight of the mean of the MTP losses"
+    )
     hybrid_layer_pattern: Optional[str] = flag_field(
         None, "hybrid stack, one symbol per layer: M Mamba, * attention, - MLP (e.g. M-M*-M-)"
     )
@@ -127,3 +217,51 @@ class ModelConfig:
     hybrid_mlp_ratio: float = flag_field(
         0.0, "without a pattern: fraction of the --num-layers layers that are MLP layers"
     )
+
+
+def parse_window_size(text: str | None) -> tuple[int, int] | None:
+    """'(left,right)' or 'left,right' -> (left, right)."""
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in str(text).strip("() ").split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 2 or any(v < -1 for v in values):
+        from gigatron.errors import GigatronError
+
+        raise GigatronError(
+            f"--window-size {text}: not a pair of integers >= -1; give e.g. '(127,0)'"
+        )
+    return values
+
+
+def parse_window_skip_freq(text: str | None, num_layers: int) -> int | tuple[int, ...] | None:
+    """`--window-attn-skip-freq`: an int N, or a list pattern of one 0/1 per layer."""
+    if text is None:
+        return None
+    from gigatron.config.moe import _evaluate_pattern
+    from gigatron.errors import GigatronError
+
+    text = str(text).strip()
+    if "[" not in text:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise GigatronError(
+                f"--window-attn-skip-freq {text}: not a positive integer or a list pattern; "
+                "give e.g. 2 or '[1,0]*2'"
+            )
+        return value
+    try:
+        pattern = _evaluate_pattern(text)
+    except GigatronError:
+        pattern = [-1]
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise GigatronError(
+            f"--window-attn-skip-freq {text}: gives {len(pattern)} entries; it needs one 0 or 1 "
+            f"per layer ({num_layers} layers)"
+        )
+    return tuple(pattern)

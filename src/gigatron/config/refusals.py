@@ -25,12 +25,6 @@ class Refusal:
 
 
 REFUSALS: dict[str, Refusal] = {
-    "ckpt_format": Refusal(
-        lambda value: value != "torch",
-        "only Megatron's per-rank torch format is written and read so far (torch_dist, the "
-        "resharding format, is not available yet); use --ckpt-format torch and "
-        "`gigatron convert-checkpoint` to change the parallel layout",
-    ),
     "timing_log_level": Refusal(
         lambda value: value is not None and value > 1,
         "level 2 (fine-grained timers inside the schedule) is not available; use 1 for the "

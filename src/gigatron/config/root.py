@@ -113,9 +113,12 @@ def load_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def config_from_namespace(namespace: argparse.Namespace) -> GigatronConfig:
-    """Config from parsed flags: dataclass defaults, then the YAML file, then typed flags."""
-    cfg = GigatronConfig()
+def config_from_namespace(
+    namespace: argparse.Namespace, base: GigatronConfig | None = None
+) -> GigatronConfig:
+    """Config from parsed flags: dataclass defaults (or `base`), then the YAML file, then typed
+    flags."""
+    cfg = base if base is not None else GigatronConfig()
     if getattr(namespace, "config", None):
         cfg = config_from_dict(load_yaml(namespace.config), source=namespace.config, base=cfg)
     for key, value in vars(namespace).items():

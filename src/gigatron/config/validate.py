@@ -77,6 +77,8 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         )
     if m.max_position_embeddings is None and m.seq_length is not None:
         m.max_position_embeddings = max(m.seq_length, m.decoder_seq_length or 0)
+    if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
+        m.position_embedding_type = "none"  # --no-position-embedding's older meaning
     if cfg.moe.num_experts and cfg.moe.moe_ffn_hidden_size is None:
         cfg.moe.moe_ffn_hidden_size = m.ffn_hidden_size
     if cfg.moe.num_experts and p.expert_tensor_parallel_size is None:
@@ -123,6 +125,75 @@ def _context_parallel_rules(cfg: GigatronConfig, problems: list[str]) -> None:
             f"--cp-comm-type a2a: the {heads} attention heads per tensor-parallel rank do not "
             f"divide over --context-parallel-size {cp}; use p2p or allgather"
         )
+
+
+def _checkpoint_rules(cfg: GigatronConfig, problems: list[str]) -> None:
+    c = cfg.checkpoint
+    if c.ckpt_convert_format is not None and (c.ckpt_convert_save is None or c.load is None):
+        problems.append(
+            f"--ckpt-convert-format {c.ckpt_convert_format} converts the --load checkpoint into "
+            "--ckpt-convert-save DIR; give both"
+        )
+    if c.ckpt_convert_save is not None and c.ckpt_convert_format is None:
+        problems.append("--ckpt-convert-save needs --ckpt-convert-format torch or torch_dist")
+    if c.async_save and c.ckpt_format != "torch_dist":
+        problems.append(
+            f"--async-save works with --ckpt-format torch_dist (not {c.ckpt_format}); add "
+            "--ckpt-format torch_dist or leave --async-save out"
+        )
+
+
+def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
+    """Sliding windows, softmax sinks, gated activations, YaRN and multi-latent attention."""
+    from gigatron.config.model import parse_window_size, parse_window_skip_freq
+
+    m, p = cfg.model, cfg.parallel
+    try:
+        parse_window_size(m.window_size)
+        parse_window_skip_freq(m.window_attn_skip_freq, m.num_layers or 0)
+    except GigatronError as error:
+        problems.append(str(error))
+    if m.window_attn_skip_freq is not None and m.window_size is None:
+        problems.append("--window-attn-skip-freq needs --window-size")
+    if p.context_parallel_size > 1 and (m.window_size or m.softmax_type != "vanilla"):
+        problems.append(
+            "--window-size / --softmax-type: the context-parallel attention has no sliding "
+            "window or softmax sinks; use --context-parallel-size 1"
+        )
+    if m.swiglu + m.quick_geglu + m.geglu > 1:
+        problems.append(
+            "--swiglu, --quick-geglu and --geglu: more than one given; choose one gated activation"
+        )
+    gated = m.swiglu or m.quick_geglu or m.geglu
+    if not gated and (m.glu_linear_offset or m.activation_func_clamp_value is not None):
+        problems.append(
+            "--glu-linear-offset / --activation-func-clamp-value act on gated MLPs; add "
+            "--swiglu or --quick-geglu"
+        )
+    if m.activation_func_clamp_value is not None and m.activation_func_clamp_value <= 0:
+        problems.append(
+            f"--activation-func-clamp-value {m.activation_func_clamp_value} must be > 0"
+        )
+    if m.rope_type == "yarn" and not m.multi_latent_attention:
+        problems.append(
+            "--rope-type yarn selects the RoPE of multi-latent attention; for other attention "
+            "use --position-embedding-type yarn"
+        )
+    if m.multi_latent_attention and p.context_parallel_size > 1:
+        problems.append(
+            "--multi-latent-attention: the context-parallel attention assumes equal key and "
+            "value head sizes; use --context-parallel-size 1"
+        )
+    if m.mtp_num_layers is not None:
+        if m.mtp_num_layers < 1:
+            problems.append(f"--mtp-num-layers {m.mtp_num_layers} must be at least 1")
+        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
+            problems.append(
+                "--mtp-num-layers: multi-token prediction runs with pipeline and context "
+                "parallel sizes 1 so far (its layers need the embedding and whole sequences)"
+            )
+    if m.rotary_scaling_factor <= 0:
+        problems.append(f"--rotary-scaling-factor {m.rotary_scaling_factor} must be positive")
 
 
 def validate_config(
@@ -229,6 +300,7 @@ def validate_config(
             "--no-create-attention-mask-in-dataloader"
         )
     problems.extend(refused_settings(cfg))
+    _attention_variant_rules(cfg, problems)
     _context_parallel_rules(cfg, problems)
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         problems.append(
@@ -302,6 +374,7 @@ def validate_config(
                     problems.append(str(error))
 
     problems.extend(moe_problems(cfg, world_size))
+    _checkpoint_rules(cfg, problems)
 
     if problems:
         raise GigatronError("invalid configuration:\n  - " + "\n  - ".join(problems))
@@ -345,8 +418,12 @@ def moe_problems(cfg: GigatronConfig, world_size: int | None = None) -> list[str
         problems.append(
             f"--expert-tensor-parallel-size {etp}: must be 1 or the tensor-parallel size {tp}"
         )
-    if m.add_bias_linear:
-        problems.append("MoE experts have no biases: add --disable-bias-linear")
+    if m.add_bias_linear and etp > 1:
+        problems.append(
+            f"MoE experts with biases (the default without --disable-bias-linear) and "
+            f"--expert-tensor-parallel-size {etp}: not supported; add --disable-bias-linear "
+            "or use --expert-tensor-parallel-size 1"
+        )
     if not 1 <= e.moe_router_topk <= experts:
         problems.append(f"--moe-router-topk {e.moe_router_topk} must lie in [1, {experts}]")
     softmax_after_topk = e.moe_router_score_function == "softmax" and not e.moe_router_pre_softmax

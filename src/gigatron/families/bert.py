@@ -20,7 +20,7 @@ from gigatron.errors import GigatronError
 from gigatron.families.gpt import token_losses
 from gigatron.families.registry import ModelFamily
 from gigatron.models.bert import build_bert_model
-from gigatron.models.hybrid_layout import refuse_hybrid_flags
+from gigatron.models.hybrid_layout import refuse_gpt_only_flags, refuse_hybrid_flags
 from gigatron.models.t5 import refuse_t5_flags
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import sequence_positions
@@ -103,6 +103,7 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
 def validate(cfg) -> None:
     refuse_hybrid_flags(cfg, "bert")
     refuse_t5_flags(cfg, "bert")
+    refuse_gpt_only_flags(cfg, "bert")
     if cfg.parallel.calculate_per_token_loss:
         raise GigatronError(
             "--calculate-per-token-loss: BERT's losses are per-micro-batch means (mlm + sop); "

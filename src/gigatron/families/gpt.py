@@ -12,7 +12,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from gigatron.checkpoint import hf_mapping
+from gigatron.checkpoint.hf_gpt import GPTHFAdapter
 from gigatron.families.registry import ModelFamily
 from gigatron.models.gpt import build_model
 from gigatron.models.hybrid_layout import refuse_hybrid_flags
@@ -53,19 +53,67 @@ def language_model_loss(
     return loss_sum, num_tokens, {"lm_loss": report}
 
 
+def multi_token_prediction_loss(
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    pctx: ParallelContext,
+    depth_logits: list[torch.Tensor],
+    scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scaling_factor / D x the sum over depths of each depth's masked mean loss, the
+    `mtp_loss` report [loss sum, tokens] over all depths). Depth k predicts the labels shifted
+    k positions left, under the loss mask shifted likewise (Megatron's roll)."""
+    from gigatron.models.mtp import shift_left
+
+    mask = loss_mask.float()
+    total = torch.zeros((), dtype=torch.float32, device=mask.device)
+    report = torch.zeros(2, dtype=torch.float32, device=mask.device)
+    for depth, logits in enumerate(depth_logits, start=1):
+        depth_mask = shift_left(mask, depth)
+        losses = token_losses(logits, shift_left(labels, depth), pctx) * depth_mask
+        loss_sum, tokens = losses.sum(), depth_mask.sum()
+        total = total + loss_sum / tokens.clamp(min=1)
+        report += torch.stack([loss_sum.detach(), tokens])
+    return total * (scaling_factor / len(depth_logits)), report
+
+
+def gpt_loss(
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    pctx: ParallelContext,
+    mtp_scaling_factor: float,
+    output: torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """`language_model_loss`, plus with multi-token prediction (the model's output is then
+    `(logits, depth_logits)`) the MTP loss, added as the per-token mean it is (x the token
+    count, since the schedule divides by it), and its `mtp_loss` report."""
+    if not isinstance(output, tuple):
+        return language_model_loss(labels, loss_mask, pctx, output)
+    logits, depth_logits = output
+    loss_sum, num_tokens, reports = language_model_loss(labels, loss_mask, pctx, logits)
+    mtp_mean, mtp_report = multi_token_prediction_loss(
+        labels, loss_mask, pctx, depth_logits, mtp_scaling_factor
+    )
+    return loss_sum + num_tokens * mtp_mean, num_tokens, {**reports, "mtp_loss": mtp_report}
+
+
 def forward_step(
-    pctx: ParallelContext, data_iterator: Iterator | None, model: nn.Module
+    pctx: ParallelContext,
+    data_iterator: Iterator | None,
+    model: nn.Module,
+    mtp_scaling_factor: float = 0.1,
 ) -> tuple[torch.Tensor, Callable]:
     """One micro-batch through one model chunk (schedule contract)."""
     batch = get_batch(data_iterator, pctx, BATCH_KEYS)
     output = model(
         batch["tokens"], batch["position_ids"], attention_mask=batch.get("attention_mask")
     )
-    return output, partial(language_model_loss, batch["labels"], batch["loss_mask"], pctx)
+    loss = partial(gpt_loss, batch["labels"], batch["loss_mask"], pctx, mtp_scaling_factor)
+    return output, loss
 
 
 def make_forward_step(cfg, pctx: ParallelContext):
-    return partial(forward_step, pctx)
+    return partial(forward_step, pctx, mtp_scaling_factor=cfg.model.mtp_loss_scaling_factor)
 
 
 def build_datasets(cfg, tokenizer, num_samples, pctx=None):
@@ -81,9 +129,11 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
 
 
 def loss_names(cfg) -> tuple[str, ...]:
-    """`lm_loss`, then the MoE layers' auxiliary losses and routing statistics (if any)."""
+    """`lm_loss`, `mtp_loss` with multi-token prediction, then the MoE layers' auxiliary losses
+    and routing statistics (if any)."""
     moe = MoESpec.from_config(cfg)
-    return ("lm_loss", *(moe_report_names(moe) if moe is not None else ()))
+    mtp = ("mtp_loss",) if cfg.model.mtp_num_layers else ()
+    return ("lm_loss", *mtp, *(moe_report_names(moe) if moe is not None else ()))
 
 
 def iteration_reports(cfg, pctx: ParallelContext, model_chunks: list[nn.Module]):
@@ -109,6 +159,7 @@ FAMILY = ModelFamily(
     build_datasets=build_datasets,
     flops_per_iteration=flops_per_iteration,
     validate=validate,
-    hf_adapter=hf_mapping,
+    hf_adapter=GPTHFAdapter(),
+    generation=True,
     iteration_reports=iteration_reports,
 )

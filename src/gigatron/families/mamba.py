@@ -11,7 +11,7 @@ from gigatron.errors import GigatronError
 from gigatron.families import gpt
 from gigatron.families.registry import ModelFamily
 from gigatron.models.hybrid import build_model, hybrid_pattern
-from gigatron.models.hybrid_layout import ATTENTION, MAMBA, MLP
+from gigatron.models.hybrid_layout import ATTENTION, MAMBA, MLP, refuse_gpt_only_flags
 from gigatron.models.mamba import MambaSpec
 from gigatron.models.t5 import refuse_t5_flags
 from gigatron.training.flops import forward_flops_per_token
@@ -51,6 +51,7 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
 def validate(cfg) -> None:
     """The pattern's rules, and what Mamba layers cannot do."""
     refuse_t5_flags(cfg, "mamba")
+    refuse_gpt_only_flags(cfg, "mamba")
     pattern = hybrid_pattern(cfg)
     mamba = MambaSpec.from_config(cfg)
     if MAMBA not in pattern:
@@ -84,4 +85,5 @@ FAMILY = ModelFamily(
     flops_per_iteration=flops_per_iteration,
     validate=validate,
     hf_adapter=Mamba2HFAdapter(),
+    generation=True,
 )

@@ -35,6 +35,7 @@ class ModelFamily:
       stages exchange several tensors (T5), `stage_shapes(pp_rank)` -> the shapes of what that
       stage sends forward (the schedule's `ScheduleConfig.stage_shapes`). None (or a None
       result): one hidden-state tensor between stages.
+    - `generation`: the chunks take `inference_cache` (`gigatron generate` / `serve` load them).
     """
 
     name: str
@@ -48,6 +49,7 @@ class ModelFamily:
     hf_adapter: Any = None
     iteration_reports: Callable[..., dict[str, Any]] | None = None
     pipeline_stage_shapes: Callable[..., Any] | None = None
+    generation: bool = False
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

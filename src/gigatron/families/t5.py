@@ -17,7 +17,7 @@ from gigatron.checkpoint.hf_t5 import T5HFAdapter
 from gigatron.errors import GigatronError
 from gigatron.families.gpt import language_model_loss
 from gigatron.families.registry import ModelFamily
-from gigatron.models.hybrid_layout import refuse_hybrid_flags
+from gigatron.models.hybrid_layout import refuse_gpt_only_flags, refuse_hybrid_flags
 from gigatron.models.t5 import build_t5_model, t5_stage_layout
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.pipeline import pipeline_tensor_shape
@@ -80,7 +80,23 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
 def validate(cfg) -> None:
     """What the T5 model and its data need, and what it cannot do yet."""
     refuse_hybrid_flags(cfg, "t5")
+    refuse_gpt_only_flags(cfg, "t5")
     m, p = cfg.model, cfg.parallel
+    # The cross-attention is T5's own: these would reach the self-attention layers only.
+    unsupported = [
+        flag
+        for value, flag in (
+            (m.window_size is not None, "--window-size"),
+            (m.softmax_type != "vanilla", f"--softmax-type {m.softmax_type}"),
+            (m.qk_layernorm, "--qk-layernorm"),
+        )
+        if value
+    ]
+    if unsupported:
+        raise GigatronError(
+            f"{', '.join(unsupported)}: not built for T5's attention; drop the flag(s) for "
+            "gigatron pretrain t5"
+        )
     if m.decoder_seq_length is None:
         raise GigatronError(
             "--decoder-seq-length is not set; T5 needs it with --encoder-seq-length "

@@ -10,6 +10,9 @@ the step feeds `lengths[r]` new tokens (right-padded to the step's width `n`) at
 `starts[r] ...`. `begin_step` computes, once for all layers: where the new keys go, how many
 cached positions attention reads, and the attention mask (causal within the step, and no key
 past a row's own end), so sequences of different lengths share one step.
+
+Mamba layers (hybrid models) keep a fixed-size recurrent state per slot instead of keys and
+values: `cache.mamba` (`inference.mamba_state.MambaStateCache`, None without Mamba layers).
 """
 
 from __future__ import annotations
@@ -17,9 +20,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gigatron.inference.mamba_state import MambaStateCache, mamba_mixers
+
+
+def _cache_shapes(module: nn.Module) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(groups, key channels), (groups, value channels) of an attention module's cache entries
+    (`kv_cache_shapes()` where keys and values differ, as in multi-latent attention); None for
+    modules that are not attention."""
+    if not hasattr(module, "layer_number"):
+        return None
+    if hasattr(module, "kv_cache_shapes"):
+        return module.kv_cache_shapes()
+    if hasattr(module, "linear_qkv"):
+        return (module.groups, module.kv_channels), (module.groups, module.kv_channels)
+    return None
+
 
 class KVCache:
-    """Key/value buffers of every attention layer of `model_chunks` (see the module docstring)."""
+    """Key/value buffers of every attention layer of `model_chunks`, and the states of its Mamba
+    layers (see the module docstring)."""
 
     def __init__(
         self,
@@ -35,16 +54,20 @@ class KVCache:
         self.values: dict[int, torch.Tensor] = {}
         for chunk in model_chunks:
             for module in chunk.modules():
-                if not hasattr(module, "linear_qkv") or not hasattr(module, "layer_number"):
+                shapes = _cache_shapes(module)
+                if shapes is None:
                     continue
-                weight = module.linear_qkv.weight
-                shape = (max_sequence_length, max_batch_size, module.groups, module.kv_channels)
+                weight = next(module.parameters())
                 kwargs = {"dtype": dtype or weight.dtype, "device": device or weight.device}
-                self.keys[module.layer_number] = torch.zeros(shape, **kwargs)
-                self.values[module.layer_number] = torch.zeros(shape, **kwargs)
-        if not self.keys:
-            raise ValueError("KVCache: the model has no attention layers with a key/value cache")
-        self.device = next(iter(self.keys.values())).device
+                rows = (max_sequence_length, max_batch_size)
+                self.keys[module.layer_number] = torch.zeros((*rows, *shapes[0]), **kwargs)
+                self.values[module.layer_number] = torch.zeros((*rows, *shapes[1]), **kwargs)
+        mixers = mamba_mixers(model_chunks)
+        self.mamba = MambaStateCache(mixers, max_batch_size, device) if mixers else None
+        if not self.keys and self.mamba is None:
+            raise ValueError("KVCache: the model has no attention or Mamba layers to cache")
+        buffers = self.keys or self.mamba.ssm
+        self.device = next(iter(buffers.values())).device
         self.attention_mask: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
         self._write_positions: torch.Tensor | None = None
@@ -53,9 +76,8 @@ class KVCache:
 
     def bytes(self) -> int:
         """Memory held by the buffers."""
-        return sum(
-            t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values())
-        )
+        kv = sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        return kv + (self.mamba.bytes() if self.mamba is not None else 0)
 
     def begin_step(
         self,
@@ -71,6 +93,8 @@ class KVCache:
         device = self.device
         if any(s + width > self.max_sequence_length for s in starts):
             raise ValueError("KVCache: a step would write past the cache's sequence length")
+        if self.mamba is not None:
+            self.mamba.begin_step(slots, starts, lengths)
         slots_t = torch.tensor(slots, dtype=torch.long, device=device)
         starts_t = torch.tensor(starts, dtype=torch.long, device=device)
         ends_t = starts_t + torch.tensor(lengths, dtype=torch.long, device=device)
@@ -92,6 +116,16 @@ class KVCache:
         """[b, n] positions of a step's tokens (pad positions continue the count)."""
         starts_t = torch.tensor(starts, dtype=torch.long, device=self.device)
         return starts_t[:, None] + torch.arange(width, device=self.device)[None, :]
+
+    def attention_mask_for(self, core_attention) -> torch.Tensor:
+        """This step's mask for a core attention module: with a sliding window
+        (`core_attention.window` = (left, right)), keys before each query's window are masked too."""
+        window = getattr(core_attention, "window", None)
+        if window is None or window[0] < 0:
+            return self.attention_mask
+        queries = self._write_positions.t()[:, None, :, None]  # [b, 1, n, 1]
+        keys = torch.arange(self._read_length, device=self.device)
+        return self.attention_mask | (keys < queries - window[0])
 
     def update(
         self, layer_number: int, key: torch.Tensor, value: torch.Tensor

@@ -81,9 +81,10 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
 
 
-def load_for_inference(args: argparse.Namespace) -> LoadedModel:
+def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) -> LoadedModel:
     """Read the checkpoint's configuration, start the process groups for its tensor/pipeline
-    layout (under torchrun), build the model and load the weights."""
+    layout (under torchrun), build the model and load the weights. With `data_parallel`
+    (evaluation) the world may hold several copies of that layout (dp = world / (tp x pp))."""
     from gigatron.checkpoint.torch_format import (
         CHECKPOINT_FILENAME,
         load_checkpoint,
@@ -129,10 +130,15 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
             "1: convert it first with gigatron convert-checkpoint --target-expert-parallel-size 1"
         )
     family = first.get("gigatron_family", "gpt")
-    if family != "gpt":
-        raise GigatronError(f"--load {load_dir}: a '{family}' model; generation needs a GPT")
+    if not get_family(family).generation:
+        raise GigatronError(
+            f"--load {load_dir}: a '{family}' model, which does not generate text; generation "
+            "needs a GPT or hybrid Mamba (family 'mamba') checkpoint"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != tp * pp:
+    if data_parallel and world % (tp * pp) == 0:
+        pass
+    elif world != tp * pp:
         raise GigatronError(
             f"--load {load_dir}: saved with tensor-parallel {tp} x pipeline-parallel {pp}; "
             f"start {tp * pp} process(es) (torchrun --nproc-per-node {tp * pp} ...), this run "
@@ -140,6 +146,7 @@ def load_for_inference(args: argparse.Namespace) -> LoadedModel:
         )
     p = cfg.parallel
     p.sequence_parallel = False  # nothing to split in one-token steps; weights are the same
+    p.context_parallel_size = 1  # whole sequences on every rank; the weights do not depend on it
     p.device = args.device
     p.num_virtual_stages_per_pipeline_rank = p.num_virtual_stages_per_pipeline_rank or None
     cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = True

@@ -8,13 +8,17 @@ their global index. The model returns logits; the loss is the family's (families
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
-from gigatron.models.transformer import LayerParts, RotaryEmbedding, TransformerBlock
+from gigatron.models.mtp import MultiTokenPredictionBlock
+from gigatron.models.transformer import LayerParts, TransformerBlock
 from gigatron.models.transformer_config import TransformerConfig
+from gigatron.models.yarn import rotary_embedding
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import sequence_positions
 from gigatron.parallel.random import ModelParallelRNG
@@ -50,14 +54,13 @@ class GPTModel(nn.Module):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, pctx, vocab_size, self.rng)
-        self.rotary = (
-            RotaryEmbedding(config.kv_channels, config.rotary_percent, config.rotary_base)
-            if config.position_embedding_type == "rope"
-            else None
-        )
+        self.rotary = rotary_embedding(config)
         self.decoder = TransformerBlock(
             config, pctx, layer_numbers, post_process, self.rng, parts, layer_builder
         )
+        self.mtp = None
+        if post_process and config.mtp_num_layers:
+            self.mtp = MultiTokenPredictionBlock(config, pctx, self.rng, parts or LayerParts())
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
@@ -101,7 +104,10 @@ class GPTModel(nn.Module):
 
         `inference_cache` (generation, an `inference.KVCache`): keys and values go into the
         cache, attention sees every cached position, and the last stage computes logits only at
-        the positions the cache selects (the last real token of each row, or all of them)."""
+        the positions the cache selects (the last real token of each row, or all of them).
+
+        With multi-token prediction (`--mtp-num-layers`, training and evaluation) the last stage
+        returns `(logits, [logits of depth 1, ..., depth D])` (models/mtp.py)."""
         if self.pre_process:
             hidden = self.embedding(tokens, position_ids)
         else:
@@ -125,7 +131,13 @@ class GPTModel(nn.Module):
         if inference_cache is not None:
             hidden = inference_cache.select_hidden(hidden)
         logits = self.output_layer(hidden, self.output_weight())  # [s, b, vocab/tp]
-        return logits.transpose(0, 1)
+        if self.mtp is None or inference_cache is not None:
+            return logits.transpose(0, 1)
+        depths = self.mtp(tokens, position_ids, hidden, self.embedding, attention_mask, rotary)
+        weight = self.output_weight()
+        return logits.transpose(0, 1), [
+            self.output_layer(h, weight).transpose(0, 1) for h in depths
+        ]
 
 
 def build_model(
@@ -140,6 +152,10 @@ def build_model(
 
     config = TransformerConfig.from_config(cfg)
     parts = layer_parts_for_run(cfg, pctx, moe_layer_parts(cfg, parts))
+    if config.multi_latent_attention and parts.self_attention is None:
+        from gigatron.models.mla import MLASelfAttention
+
+        parts = dataclasses.replace(parts, self_attention=MLASelfAttention)
 
     def make_chunk(padded, pre_process, post_process, layers, rng):
         return GPTModel(config, pctx, padded, pre_process, post_process, layers, rng, parts)

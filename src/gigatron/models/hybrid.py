@@ -67,8 +67,11 @@ class AttentionLayer(_ResidualLayer):
         self.input_layernorm = Norm(config, pctx)
         self.self_attention = SelfAttention(config, pctx, layer_number, rng)
 
-    def forward(self, x, attention_mask=None, rotary=None):
-        return self._add(x, self.self_attention(self.input_layernorm(x), attention_mask, rotary))
+    def forward(self, x, attention_mask=None, rotary=None, inference_cache=None):
+        branch = self.self_attention(
+            self.input_layernorm(x), attention_mask, rotary, inference_cache=inference_cache
+        )
+        return self._add(x, branch)
 
 
 class MLPLayer(_ResidualLayer):
@@ -79,7 +82,7 @@ class MLPLayer(_ResidualLayer):
         self.pre_mlp_layernorm = Norm(config, pctx)
         self.mlp = MLPBlock(config, pctx, layer_number, rng)
 
-    def forward(self, x, attention_mask=None, rotary=None):
+    def forward(self, x, attention_mask=None, rotary=None, inference_cache=None):
         return self._add(x, self.mlp(self.pre_mlp_layernorm(x)))
 
 

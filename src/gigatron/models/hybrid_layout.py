@@ -137,3 +137,22 @@ def refuse_hybrid_flags(cfg, family: str) -> None:
             f"{', '.join(given)}: the {family} family has no hybrid layers; "
             "use `gigatron pretrain mamba` for hybrid Mamba-Transformer stacks"
         )
+
+
+def refuse_gpt_only_flags(cfg, family: str) -> None:
+    """For families other than gpt: multi-latent attention and multi-token prediction are
+    built by the GPT model only and would be silently ignored."""
+    m = cfg.model
+    given = [
+        flag
+        for value, flag in (
+            (m.multi_latent_attention, "--multi-latent-attention"),
+            (getattr(m, "mtp_num_layers", None) is not None, "--mtp-num-layers"),
+        )
+        if value
+    ]
+    if given:
+        raise GigatronError(
+            f"{', '.join(given)}: the {family} family does not build it (only gpt does); drop "
+            "the flag or use `gigatron pretrain gpt`"
+        )

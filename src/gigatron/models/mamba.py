@@ -29,7 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron.errors import GigatronError
-from gigatron.models.ssd import causal_depthwise_conv, kernels_for, ssd_chunked_scan
+from gigatron.models.ssd import (
+    causal_depthwise_conv,
+    kernels_for,
+    ssd_chunked_scan,
+    ssd_sequential_scan,
+)
 from gigatron.models.transformer import Norm
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
@@ -213,7 +218,13 @@ class MambaMixer(nn.Module):
             dtype=config.params_dtype,
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, inference_cache=None, layer_number: int = 0
+    ) -> torch.Tensor:
+        """`inference_cache` (generation): continue each row from its cached state (layer
+        `layer_number`'s, see `inference.mamba_state`) instead of starting from zero."""
+        if inference_cache is not None:
+            return self._generation_step(hidden, inference_cache.mamba, layer_number)
         zxbcdt = self.in_proj(hidden).transpose(0, 1)  # [b, s, local features]
         z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_channels, self.heads], dim=-1)
         xbc = self.conv1d(xbc)
@@ -226,6 +237,39 @@ class MambaMixer(nn.Module):
             C.unflatten(-1, (self.groups, self.state_dim)),
         )
         y = self.norm(y.flatten(-2), z)
+        return self.out_proj(y.transpose(0, 1))
+
+    def _generation_step(self, hidden: torch.Tensor, states, layer_number: int) -> torch.Tensor:
+        """One generation step over rows right-padded to hidden's length (always the PyTorch
+        path: the state hand-over is the same for prompts and single tokens)."""
+        zxbcdt = self.in_proj(hidden).transpose(0, 1)  # [b, n, local features]
+        z, xbc, dt = torch.split(zxbcdt, [self.d_inner, self.conv_channels, self.heads], dim=-1)
+        window, state = states.read(layer_number)
+        lengths, width = states.lengths, window.shape[1]
+        inputs = torch.cat([window.to(xbc.dtype), xbc], dim=1)  # [b, w - 1 + n, c]
+        xbc = causal_depthwise_conv(inputs, self.conv1d.weight, self.conv1d.bias)[:, width:]
+        # The next window: the last w - 1 inputs up to each row's last real token.
+        taps = lengths.view(-1, 1) + torch.arange(width, device=lengths.device)
+        window = inputs.gather(1, taps.unsqueeze(-1).expand(-1, -1, inputs.shape[-1]))
+        bc = self.groups * self.state_dim
+        x, B, C = torch.split(xbc, [self.d_inner, bc, bc], dim=-1)
+        x = x.unflatten(-1, (self.heads, self.head_dim))
+        B = B.unflatten(-1, (self.groups, self.state_dim))
+        C = C.unflatten(-1, (self.groups, self.state_dim))
+        steps = hidden.shape[0]
+        real = torch.arange(steps, device=lengths.device)[None, :] < lengths[:, None]
+        dt = F.softplus(dt.float() + self.dt_bias.float()) * real.unsqueeze(-1)  # 0: no update
+        A = -torch.exp(self.A_log.float())
+        if steps == 1:  # one recurrence step; the chunked form would pad it to a whole chunk
+            y, state = ssd_sequential_scan(
+                x.float(), dt, A, B.float(), C.float(), self.D.float(), state, True
+            )
+        else:
+            y, state = ssd_chunked_scan(
+                x, dt, A, B, C, self.chunk_size, self.D, state, return_final_state=True
+            )
+        states.write(layer_number, window, state)
+        y = self.norm(y.to(x.dtype).flatten(-2), z)
         return self.out_proj(y.transpose(0, 1))
 
     def scan(self, x, dt, B, C) -> torch.Tensor:
@@ -253,7 +297,8 @@ class MambaMixer(nn.Module):
 
 class MambaLayer(nn.Module):
     """Pre-norm residual Mamba layer: x + dropout(mixer(norm(x))); parameters `norm.*` and
-    `mixer.*`. forward(x, attention_mask, rotary) like a transformer layer (both unused)."""
+    `mixer.*`. forward(x, attention_mask, rotary, inference_cache) like a transformer layer (mask
+    and rotary unused)."""
 
     def __init__(
         self,
@@ -276,8 +321,9 @@ class MambaLayer(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        inference_cache=None,
     ) -> torch.Tensor:
-        out = self.mixer(self.norm(x))
+        out = self.mixer(self.norm(x), inference_cache, self.layer_number)
         # Sequence-parallel slices differ between tp ranks, so their dropout masks must too.
         fork = self.rng.fork() if self.sequence_parallel else contextlib.nullcontext()
         with fork:

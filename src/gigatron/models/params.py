@@ -34,8 +34,27 @@ def _layer_counts(spec: TransformerConfig) -> tuple[int, int]:
     return split + mlp_split, replicated + mlp_replicated
 
 
+def _mla_counts(spec: TransformerConfig) -> tuple[int, int]:
+    """Multi-latent attention (without the layer norms): (tensor-parallel-split, replicated)."""
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    q_out = heads * (spec.qk_head_dim + spec.qk_pos_emb_head_dim)
+    kv_rank, q_rank = spec.kv_lora_rank, spec.q_lora_rank
+    split = kv_rank * heads * (spec.qk_head_dim + spec.v_head_dim) + heads * spec.v_head_dim * h
+    split += (q_rank or h) * q_out
+    replicated = h * (kv_rank + spec.qk_pos_emb_head_dim) + (h * q_rank if q_rank else 0)
+    if spec.qk_layernorm:
+        replicated += _norm_count(spec, kv_rank) + (_norm_count(spec, q_rank) if q_rank else 0)
+    return split, replicated
+
+
 def _attention_counts(spec: TransformerConfig) -> tuple[int, int]:
     """Attention and the two norms: (tensor-parallel-split, replicated)."""
+    if spec.multi_latent_attention:
+        split, replicated = _mla_counts(spec)
+        replicated += 2 * _norm_count(spec) + (spec.hidden_size if spec.add_bias_linear else 0)
+        return split + (
+            spec.num_attention_heads if spec.softmax_type == "learnable" else 0
+        ), replicated
     h, hn = spec.hidden_size, spec.kv_channels
     bias = spec.add_bias_linear
     qkv_out = (spec.num_attention_heads + 2 * spec.num_query_groups) * hn
@@ -43,30 +62,36 @@ def _attention_counts(spec: TransformerConfig) -> tuple[int, int]:
     if bias or spec.add_qkv_bias:
         split += qkv_out
     replicated = 2 * _norm_count(spec) + (h if bias else 0)  # norms, proj bias
+    if spec.qk_layernorm:
+        replicated += 2 * _norm_count(spec, hn)
+    if spec.softmax_type == "learnable":
+        split += spec.num_attention_heads
     return split, replicated
 
 
 def _dense_mlp_counts(spec: TransformerConfig, ffn: int | None = None) -> tuple[int, int]:
     h, ffn = spec.hidden_size, ffn or spec.ffn_hidden_size
-    fc1_out = ffn * (2 if spec.swiglu or spec.geglu else 1)
+    fc1_out = ffn * (2 if spec.gated_linear_unit else 1)
     split = h * fc1_out + ffn * h + (fc1_out if spec.add_bias_linear else 0)
     return split, (h if spec.add_bias_linear else 0)  # fc2 bias
 
 
 def _moe_mlp_counts(spec: TransformerConfig, moe) -> tuple[int, int, int]:
-    """An MoE layer's MLP: (tp-split shared experts, replicated router and gate, all experts)."""
+    """An MoE layer's MLP: (tp-split shared experts, replicated router, gate and shared fc2 bias,
+    all experts). With `add_bias_linear` the router and every expert have biases."""
     h = spec.hidden_size
+    bias = spec.add_bias_linear
     shared_split = 0
-    replicated = moe.num_experts * h
+    replicated = moe.num_experts * h + (moe.num_experts if bias else 0)
     if moe.shared_expert_size:
-        shared_split = _dense_mlp_counts(spec, moe.shared_expert_size)[0]
-        replicated += h if moe.shared_expert_gate else 0
-    expert_split, _ = _dense_mlp_counts(spec, moe.ffn_hidden_size)
-    return shared_split, replicated, moe.num_experts * expert_split
+        shared_split, shared_replicated = _dense_mlp_counts(spec, moe.shared_expert_size)
+        replicated += shared_replicated + (h if moe.shared_expert_gate else 0)
+    expert_split, expert_fc2_bias = _dense_mlp_counts(spec, moe.ffn_hidden_size)
+    return shared_split, replicated, moe.num_experts * (expert_split + expert_fc2_bias)
 
 
-def _norm_count(spec: TransformerConfig) -> int:
-    return spec.hidden_size * (2 if spec.normalization == "LayerNorm" else 1)
+def _norm_count(spec: TransformerConfig, size: int | None = None) -> int:
+    return (size or spec.hidden_size) * (2 if spec.normalization == "LayerNorm" else 1)
 
 
 def count_parameters(
@@ -108,7 +133,15 @@ def count_parameters(
     )
     embedding = vocab * h + positions
     layers_total = sum(layer(i, 1, 1, 1) for i in range(spec.num_layers))
+
+    def mtp(tp_size: int, ep_size: int, etp_size: int) -> int:
+        """Multi-token prediction layers (last stage): 3 norms, eh_proj [h, 2h], a layer."""
+        depths = range(spec.num_layers, spec.num_layers + (spec.mtp_num_layers or 0))
+        per_depth = 3 * _norm_count(spec) + 2 * h * h // tp_size
+        return sum(per_depth + layer(i, tp_size, ep_size, etp_size) for i in depths)
+
     total = embedding + layers_total + _norm_count(spec) + (0 if tied else vocab * h)
+    total += mtp(1, 1, 1)
     skipped = 0
     if moe is not None:
         experts = _moe_mlp_counts(spec, moe)[2]
@@ -128,7 +161,7 @@ def count_parameters(
         if stage == 0:
             count += vocab * h // tp + positions
         if stage == pp - 1:
-            count += _norm_count(spec)
+            count += _norm_count(spec) + mtp(tp, ep, etp)
             if not tied or pp > 1:
                 count += vocab * h // tp
         per_stage.append(count)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron.errors import GigatronError
+from gigatron.models.activations import mlp_activation
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.random import ModelParallelRNG, recompute
@@ -37,17 +38,26 @@ from gigatron.parallel.tensor_parallel import (
 
 
 class Norm(nn.Module):
-    """LayerNorm (weight, bias) or RMSNorm (weight), with the contract's parameter attributes."""
+    """LayerNorm (weight, bias) or RMSNorm (weight), with the contract's parameter attributes.
 
-    def __init__(self, config: TransformerConfig, pctx: ParallelContext) -> None:
+    `hidden_size` defaults to the model's (query/key norms give the head size). With
+    `--apply-layernorm-1p` the weight is stored zero-centred (initialised to 0, used as
+    1 + weight), so weight decay pulls the scale towards 1."""
+
+    def __init__(
+        self, config: TransformerConfig, pctx: ParallelContext, hidden_size: int | None = None
+    ) -> None:
         super().__init__()
         self.kind = config.normalization
         self.eps = config.layernorm_epsilon
-        shape = (config.hidden_size,)
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        shape = (hidden_size or config.hidden_size,)
         self.weight = nn.Parameter(
             torch.empty(shape, dtype=config.params_dtype, device=pctx.device)
         )
-        set_tensor_parallel_attributes(self.weight, False, init="ones")
+        set_tensor_parallel_attributes(
+            self.weight, False, init="zeros" if self.zero_centered else "ones"
+        )
         if self.kind == "LayerNorm":
             self.bias = nn.Parameter(
                 torch.empty(shape, dtype=config.params_dtype, device=pctx.device)
@@ -60,32 +70,67 @@ class Norm(nn.Module):
             # so these replicated weights get partial gradients (summed by finalize_model_grads).
             param.sequence_parallel = config.sequence_parallel
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(0.0 if self.zero_centered else 1.0)
             if self.bias is not None:
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered else self.weight
         if self.kind == "LayerNorm":
-            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+            return F.layer_norm(x, x.shape[-1:], weight, self.bias, self.eps)
         # Statistics in float32 (as Llama does), result in the input dtype.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return weight * normed.to(x.dtype)
+
+
+def llama3_scaled_frequencies(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_positions: int = 8192,
+) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (Megatron's --use-rope-scaling): wavelengths longer than
+    original_positions / low_freq_factor are stretched by `factor`, those shorter than
+    original_positions / high_freq_factor kept, and the band between interpolated smoothly."""
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original_positions / wavelength - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    low = wavelength > original_positions / low_freq_factor
+    high = wavelength < original_positions / high_freq_factor
+    return torch.where(low, inv_freq / factor, torch.where(high, inv_freq, blended))
 
 
 class RotaryEmbedding(nn.Module):
     """RoPE tables: cos/sin [seq, batch, 1, rotary_dim] for given positions (no parameters)."""
 
-    def __init__(self, kv_channels: int, rotary_percent: float, rotary_base: int) -> None:
+    def __init__(
+        self,
+        kv_channels: int,
+        rotary_percent: float,
+        rotary_base: int,
+        seq_len_interpolation_factor: float | None = None,
+        rope_scaling_factor: float | None = None,
+    ) -> None:
         super().__init__()
         self.dim = int(kv_channels * rotary_percent)
         self.dim -= self.dim % 2
         exponents = torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim
-        self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents), persistent=False)
+        inv_freq = 1.0 / (rotary_base**exponents)
+        if rope_scaling_factor is not None:
+            inv_freq = llama3_scaled_frequencies(inv_freq, rope_scaling_factor)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interpolation = seq_len_interpolation_factor
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids: [batch, seq]
-        freqs = position_ids.t().float().unsqueeze(-1) * self.inv_freq.to(position_ids.device)
+        positions = position_ids.t().float()
+        if self.interpolation:
+            positions = positions / self.interpolation
+        freqs = positions.unsqueeze(-1) * self.inv_freq.to(position_ids.device)
         angles = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
         return angles.cos(), angles.sin()
 
@@ -113,14 +158,21 @@ def _flash_attn_func():
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(hn) + mask) v on this rank's heads; q [s, b, np, hn], k/v
-    [s, b, ng, hn] -> [s, b, np * hn]. With no mask, attention is causal unless
-    `config.causal_attention` is False (then every position sees every other). The mask is bool
-    (True = masked) or a float bias [b or 1, np, sq, sk] added to the scores.
+    """softmax(q k^T * scale + mask) v on this rank's heads; q [s, b, np, hk], k [s, b, ng, hk],
+    v [s, b, ng, hv] -> [s, b, np * hv]. With no mask, attention is causal unless
+    `config.causal_attention` is False (then every position sees every other). The scale is
+    `config.softmax_scale`, default 1 / sqrt(kv_channels). The mask is bool (True = masked) or a
+    float bias [b or 1, np, sq, sk] added to the scores (T5's relative positions).
 
-    Paths: flash-attn (`--use-flash-attn`, causal masks only), an explicit one when
-    `--apply-query-key-layer-scaling` or `--attention-softmax-in-fp32` ask for control of the
-    softmax precision, and PyTorch's scaled_dot_product_attention otherwise.
+    Sliding windows (`--window-size (left,right)` on the layers `is_window_layer` picks): query i
+    sees keys i-left .. i+right, as a band added to the causal or data mask (a mask whose query
+    and key lengths differ, the KV cache's, already holds the band: `KVCache.attention_mask_for`).
+    Softmax sinks (`--softmax-type`): one more logit per head in every softmax, learned
+    (`softmax_offset` [np], split over tp) or 0 (off-by-one), whose probability is dropped.
+
+    Paths: flash-attn (`--use-flash-attn`, causal masks only, no window or sinks), an explicit
+    one when sinks, `--apply-query-key-layer-scaling` or `--attention-softmax-in-fp32` ask for
+    control of the softmax, and PyTorch's scaled_dot_product_attention otherwise.
     """
 
     def __init__(
@@ -134,15 +186,27 @@ class CoreAttention(nn.Module):
         self.causal = config.causal_attention
         self.dropout = config.attention_dropout
         self.rng = rng
+        self.window = config.window_size if config.is_window_layer(layer_number) else None
+        offset = _softmax_offset(config, pctx)
+        if offset is None or isinstance(offset, nn.Parameter):
+            self.softmax_offset = offset
+        else:
+            self.register_buffer("softmax_offset", offset, persistent=False)
         self.use_flash = config.use_flash_attn
         if self.use_flash:
             _flash_attn_func()  # fail at build time, not at the first step
-        self.explicit = config.apply_query_key_layer_scaling or config.attention_softmax_in_fp32
+        self.explicit = (
+            config.apply_query_key_layer_scaling
+            or config.attention_softmax_in_fp32
+            or self.softmax_offset is not None
+        )
         self.layer_coeff = layer_number if config.apply_query_key_layer_scaling else 1
         self.softmax_in_fp32 = (
-            config.attention_softmax_in_fp32 or config.apply_query_key_layer_scaling
+            config.attention_softmax_in_fp32
+            or config.apply_query_key_layer_scaling
+            or self.softmax_offset is not None
         )
-        self.scale = 1.0 / math.sqrt(config.kv_channels)
+        self.scale = config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
 
     def forward(
         self,
@@ -153,9 +217,10 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         seq, batch, heads, _ = q.shape
         dropout_p = self.dropout if self.training else 0.0
+        plain = self.window is None and self.softmax_offset is None
         # Heads are split over tp, so dropout here must differ between tp ranks.
         with self.rng.fork():
-            if self.use_flash and attention_mask is None and self.causal:
+            if self.use_flash and attention_mask is None and self.causal and plain:
                 out = _flash_attn_func()(
                     q.transpose(0, 1),
                     k.transpose(0, 1),
@@ -165,6 +230,8 @@ class CoreAttention(nn.Module):
                     softmax_scale=self.scale,
                 )
                 return out.transpose(0, 1).reshape(seq, batch, -1)
+            if self.window is not None:
+                attention_mask = self._windowed(attention_mask, seq, k.shape[0], q.device)
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
             if self.explicit:
                 out = self._explicit(qb, kb, vb, attention_mask, dropout_p)
@@ -180,6 +247,19 @@ class CoreAttention(nn.Module):
                     enable_gqa=kb.shape[1] != qb.shape[1],
                 )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _windowed(
+        self, mask: torch.Tensor | None, s_q: int, s_k: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """`mask` (True = masked) with the sliding-window band, for aligned queries and keys."""
+        if mask is not None and mask.shape[-2] != mask.shape[-1]:
+            return mask  # the KV cache's mask, which holds the band already
+        queries = torch.arange(s_k - s_q, s_k, device=device)[:, None]
+        keys = torch.arange(s_k, device=device)[None, :]
+        band = window_band(queries, keys, self.window)
+        if mask is None and self.causal:
+            band = band | (keys > queries)
+        return band if mask is None else mask | band
 
     def _explicit(self, q, k, v, attention_mask, dropout_p):
         repeats = q.shape[1] // k.shape[1]
@@ -199,8 +279,13 @@ class CoreAttention(nn.Module):
             scores = scores + attention_mask.to(scores.dtype)
         elif attention_mask is not None:
             scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
-        probs = scores.softmax(dim=-1).to(v.dtype)
-        probs = F.dropout(probs, dropout_p, training=dropout_p > 0)
+        if self.softmax_offset is None:
+            probs = scores.softmax(dim=-1)
+        else:
+            sink = self.softmax_offset.to(scores.dtype).view(1, -1, 1, 1)
+            sink = sink.expand(*scores.shape[:-1], 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        probs = F.dropout(probs.to(v.dtype), dropout_p, training=dropout_p > 0)
         return torch.matmul(probs, v)
 
 
@@ -212,6 +297,40 @@ def _sdpa_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch
     if attention_mask.is_floating_point():
         return attention_mask.to(dtype)
     return ~attention_mask
+
+
+def window_band(queries: torch.Tensor, keys: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
+    """True where key position `keys` lies outside query position `queries`' window
+    (left, right); -1 leaves a side unbounded (broadcasting positions)."""
+    left, right = window
+    outside = torch.zeros(torch.broadcast_shapes(queries.shape, keys.shape), dtype=torch.bool)
+    outside = outside.to(keys.device)
+    if left >= 0:
+        outside = outside | (keys < queries - left)
+    if right >= 0:
+        outside = outside | (keys > queries + right)
+    return outside
+
+
+def _softmax_offset(config: TransformerConfig, pctx: ParallelContext) -> torch.Tensor | None:
+    """The sink logits of this rank's heads: a parameter (learnable), zeros (off-by-one), or None."""
+    if config.softmax_type == "vanilla":
+        return None
+    heads = divide(config.num_attention_heads, pctx.tp_size, "--num-attention-heads")
+    if config.softmax_type == "off-by-one":
+        return torch.zeros(heads, dtype=torch.float32, device=pctx.device)
+    offset = nn.Parameter(torch.empty(heads, dtype=config.params_dtype, device=pctx.device))
+    set_tensor_parallel_attributes(offset, True, 0, 1, "normal", config.init_method_std)
+    return offset
+
+
+def qk_norm(config: TransformerConfig, pctx: ParallelContext, size: int) -> nn.Module:
+    """A norm over each query or key head (`--qk-layernorm`). Its weight is replicated but each
+    tensor-parallel rank sees only its heads: the partial gradients are summed over tp."""
+    norm = Norm(config, pctx, size)
+    for param in norm.parameters():
+        param.sequence_parallel = pctx.tp_size > 1
+    return norm
 
 
 class SelfAttention(nn.Module):
@@ -243,6 +362,11 @@ class SelfAttention(nn.Module):
         )
         factory = core_attention or CoreAttention
         self.core_attention = factory(config, pctx, layer_number, rng)
+        if config.qk_layernorm:
+            self.q_layernorm = qk_norm(config, pctx, config.kv_channels)
+            self.k_layernorm = qk_norm(config, pctx, config.kv_channels)
+        else:
+            self.q_layernorm = self.k_layernorm = None
         self.linear_proj = RowParallelLinear(
             proj_in,
             config.hidden_size,
@@ -273,12 +397,14 @@ class SelfAttention(nn.Module):
         q, k, v = torch.split(qkv, [self.heads_per_group, 1, 1], dim=3)
         q = q.reshape(seq, batch, self.heads, self.kv_channels)
         k, v = k.squeeze(3), v.squeeze(3)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
         if inference_cache is not None:
             k, v = inference_cache.update(self.layer_number, k, v)
-            attention_mask = inference_cache.attention_mask
+            attention_mask = inference_cache.attention_mask_for(self.core_attention)
         if self.recompute_core and self.training:
             context = recompute(self.core_attention, q, k, v, attention_mask, rng=self.rng)
         else:
@@ -287,8 +413,8 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """linear_fc1 -> GeLU, or SwiGLU / GeGLU (T5 v1.1) on the fused [gate; up] output ->
-    linear_fc2."""
+    """linear_fc1 -> activation (GeLU, or a gated unit on the fused [gate; up] output: SwiGLU,
+    GeGLU (T5 v1.1), quick GeGLU; see models/activations.py) -> linear_fc2."""
 
     def __init__(
         self,
@@ -298,10 +424,8 @@ class MLP(nn.Module):
         rng: ModelParallelRNG | None = None,
     ) -> None:
         super().__init__()
-        self.swiglu = config.swiglu
-        self.geglu = config.geglu and not config.swiglu
-        gated = self.swiglu or self.geglu
-        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        gated = config.gated_linear_unit
+        self.activation = mlp_activation(config)
         fc1_out = config.ffn_hidden_size * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
@@ -324,16 +448,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.geglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.gelu(gate, approximate=self.gelu_approximate) * up
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
-        return self.linear_fc2(h)
+        return self.linear_fc2(self.activation(self.linear_fc1(x)))
 
 
 @dataclass(frozen=True)
@@ -344,13 +459,16 @@ class LayerParts:
     default; ring attention or flash-attn plug in here). `mlp(config, pctx, layer_number, rng)`:
     the feed-forward part (dense by default; MoE plugs in here). `norm(config, pctx)`: the norm.
     `post_norm`: the original BERT layout, a norm after each residual addition instead of before
-    each sublayer (and no final norm).
+    each sublayer (and no final norm). `self_attention(config, pctx, layer_number, rng,
+    core_attention=...)`: the attention module around the core attention (`SelfAttention` by
+    default; multi-latent attention plugs in here).
     """
 
     core_attention: Callable[..., nn.Module] = CoreAttention
     mlp: Callable[..., nn.Module] = MLP
     norm: Callable[..., nn.Module] = Norm
     post_norm: bool = False
+    self_attention: Callable[..., nn.Module] | None = None
 
 
 class TransformerLayer(nn.Module):
@@ -382,7 +500,7 @@ class TransformerLayer(nn.Module):
         )
         self.first_norm_name, self.second_norm_name = first_norm, second_norm
         setattr(self, first_norm, parts.norm(config, pctx))
-        self.self_attention = SelfAttention(
+        self.self_attention = (parts.self_attention or SelfAttention)(
             config, pctx, layer_number, rng, core_attention=parts.core_attention
         )
         setattr(self, second_norm, parts.norm(config, pctx))

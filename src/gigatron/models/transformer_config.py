@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gigatron.config.model import parse_window_size, parse_window_skip_freq
 from gigatron.errors import GigatronError
 
 
@@ -30,6 +31,9 @@ class TransformerConfig:
     position_embedding_type: str = "learned_absolute"
     rotary_percent: float = 1.0
     rotary_base: int = 10000
+    rotary_seq_len_interpolation_factor: float | None = None
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
     normalization: str = "LayerNorm"
     layernorm_epsilon: float = 1e-5
     swiglu: bool = False
@@ -55,6 +59,33 @@ class TransformerConfig:
     seed: int = 1234
     # False for bidirectional encoders (BERT): attention with no mask then sees every position.
     causal_attention: bool = True
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
+    qk_layernorm: bool = False
+    layernorm_zero_centered_gamma: bool = False
+    # Sliding-window attention: (left, right) keys around each query (-1: unbounded), on the
+    # layers `window_attn_skip_freq` selects (None: all; an int N: all but every N-th; a list).
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | tuple[int, ...] | None = None
+    softmax_type: str = "vanilla"
+    # None: 1 / sqrt(kv_channels).
+    softmax_scale: float | None = None
+    rotary_scaling_factor: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_correction_range_round_to_int: bool = True
+    multi_latent_attention: bool = False
+    rope_type: str | None = None
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    mtp_num_layers: int | None = None
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> TransformerConfig:
@@ -93,6 +124,11 @@ class TransformerConfig:
             if hasattr(m, field.name)
         }
         values.update(
+            window_size=parse_window_size(m.window_size),
+            window_attn_skip_freq=parse_window_skip_freq(m.window_attn_skip_freq, m.num_layers),
+            yarn_original_max_position_embeddings=m.yarn_original_max_position_embeddings or 4096,
+            yarn_beta_fast=32.0 if m.yarn_beta_fast is None else m.yarn_beta_fast,
+            yarn_beta_slow=1.0 if m.yarn_beta_slow is None else m.yarn_beta_slow,
             max_position_embeddings=m.max_position_embeddings or m.seq_length,
             sequence_parallel=cfg.parallel.sequence_parallel
             and cfg.parallel.tensor_model_parallel_size > 1,
@@ -101,6 +137,23 @@ class TransformerConfig:
         )
         values.update(overrides)
         return cls(**values)
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """Whether MLPs are gated (fc1 holds [gate; up]): SwiGLU, GeGLU or quick GeGLU."""
+        return self.swiglu or self.geglu or self.quick_geglu
+
+    def is_window_layer(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` (1-based) uses sliding-window attention (Megatron's
+        rule: with an int N, every N-th layer keeps full attention)."""
+        if self.window_size is None:
+            return False
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return True
+        if isinstance(freq, int):
+            return layer_number % freq != 0
+        return bool(freq[layer_number - 1])
 
     @property
     def output_init_std(self) -> float:

@@ -139,10 +139,18 @@ class GradBuffer:
         offset = bucket_start = 0
         members: list[nn.Parameter] = []
         for param in params:
+            # A tied embedding (pp > 1) gets a bucket of its own when sharded, as in Megatron:
+            # the first and last stages then shard it alike, so the embedding group's sum of
+            # their reduce-scattered gradients adds the same elements.
+            alone = shard and getattr(param, "shared_embedding", False)
+            if alone and members:
+                offset = _round_up(offset, pad_to)
+                bucket_bounds.append((bucket_start, offset, members))
+                bucket_start, members = offset, []
             self.param_range[id(param)] = (offset, offset + param.numel())
             offset += param.numel()
             members.append(param)
-            if bucket_size is not None and offset - bucket_start >= bucket_size:
+            if alone or bucket_size is not None and offset - bucket_start >= bucket_size:
                 offset = _round_up(offset, pad_to)
                 bucket_bounds.append((bucket_start, offset, members))
                 bucket_start, members = offset, []

@@ -12,6 +12,9 @@ Three reductions, each in the group where a weight is replicated:
    and the position embeddings of the first and split stages (`shared_position_embedding =
    True`) are summed over the position-embedding group.
 The reductions are linear, so their order does not change the result.
+With `--calculate-per-token-loss` the losses are sums over tokens (not means) and nothing is
+averaged over data-parallel replicas; the gradients are then divided once by the global token
+count of the iteration (`num_tokens`), which gives the mean over every token of the global batch.
 """
 
 from __future__ import annotations
@@ -50,8 +53,11 @@ def _marked_grads(model_chunks: Iterable[nn.Module], attribute: str) -> list[tor
     return grads
 
 
-def finalize_model_grads(model_chunks: list[nn.Module], pctx: ParallelContext) -> None:
-    """Make every gradient the full-model, full-batch gradient (see the module docstring)."""
+def finalize_model_grads(
+    model_chunks: list[nn.Module], pctx: ParallelContext, num_tokens: float | None = None
+) -> None:
+    """Make every gradient the full-model, full-batch gradient (see the module docstring);
+    `num_tokens`: the global token count to divide by (per-token loss), else None."""
     for chunk in model_chunks:
         finish = getattr(chunk, "finish_grad_sync", None)
         if finish is not None:
@@ -67,3 +73,14 @@ def finalize_model_grads(model_chunks: list[nn.Module], pctx: ParallelContext) -
             _marked_grads(model_chunks, "shared_position_embedding"),
             pctx.group("position_embedding"),
         )
+    if num_tokens is not None:
+        scale_gradients(model_chunks, 1.0 / max(num_tokens, 1.0))
+
+
+def scale_gradients(model_chunks: Iterable[nn.Module], factor: float) -> None:
+    """Multiply every gradient the optimizer will read by `factor`."""
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            grad = gradient_of(param) if param.requires_grad else None
+            if grad is not None:
+                grad.mul_(factor)

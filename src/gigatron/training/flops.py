@@ -43,10 +43,12 @@ def forward_flops_per_token(
     swiglu: bool = False,
     num_moe_layers: int = 0,
     moe_active_ffn: int = 0,
+    attention_flops: float | None = None,
 ) -> float:
     """Matmul FLOPs of one token's forward pass through the whole model (logits included).
     `num_moe_layers` of the layers are MoE layers whose MLP work is that of a dense MLP of hidden
-    size `moe_active_ffn` (top-k x expert size + shared expert size)."""
+    size `moe_active_ffn` (top-k x expert size + shared expert size). `attention_flops` replaces
+    a layer's attention FLOPs per token (multi-latent attention: `mla_flops_per_token`)."""
     h = hidden_size
     query_size = num_attention_heads * kv_channels
     kv_size = num_query_groups * kv_channels
@@ -59,12 +61,24 @@ def forward_flops_per_token(
     moe_mlp = 2 * matrices * h * moe_active_ffn
     logits = 2 * h * vocab_size
     dense_layers = num_layers - num_moe_layers
-    return (
-        num_layers * (qkv + attention + projection)
-        + dense_layers * mlp
-        + num_moe_layers * moe_mlp
-        + logits
-    )
+    if attention_flops is None:
+        attention_flops = qkv + attention + projection
+    return num_layers * attention_flops + dense_layers * mlp + num_moe_layers * moe_mlp + logits
+
+
+def mla_flops_per_token(m: Any) -> float:
+    """One multi-latent attention layer's matmul FLOPs per token (a ModelConfig): the down and up
+    projections, Q.K^T over qk + pe channels, probabilities.V over v channels, the output."""
+    h, heads, s = m.hidden_size, m.num_attention_heads, m.seq_length
+    q_head = m.qk_head_dim + m.qk_pos_emb_head_dim
+    if m.q_lora_rank:
+        query = h * m.q_lora_rank + m.q_lora_rank * heads * q_head
+    else:
+        query = h * heads * q_head
+    key_value = h * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
+    key_value += m.kv_lora_rank * heads * (m.qk_head_dim + m.v_head_dim)
+    scores = s * heads * (q_head + m.v_head_dim)
+    return 2 * (query + key_value + scores + heads * m.v_head_dim * h)
 
 
 def model_flops_per_iteration(
@@ -80,8 +94,9 @@ def model_flops_per_iteration(
     m = model_cfg
     moe_layers = len(moe.moe_layer_numbers) if moe is not None else 0
     active = moe.topk * moe.ffn_hidden_size + (moe.shared_expert_size or 0) if moe else 0
+    depths = m.mtp_num_layers or 0  # multi-token prediction: D more layers, projections, logits
     per_token = forward_flops_per_token(
-        num_layers=m.num_layers,
+        num_layers=m.num_layers + depths,
         hidden_size=m.hidden_size,
         seq_length=m.seq_length,
         vocab_size=vocab_size,
@@ -89,10 +104,12 @@ def model_flops_per_iteration(
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels,
-        swiglu=m.swiglu or m.geglu,  # any gated MLP: three matrices
+        swiglu=m.swiglu or m.geglu or m.quick_geglu,  # any gated MLP: three matrices
         num_moe_layers=moe_layers,
         moe_active_ffn=active,
+        attention_flops=mla_flops_per_token(m) if m.multi_latent_attention else None,
     )
+    per_token += depths * (2 * 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * vocab_size)
     return 3.0 * (per_token + head_flops_per_token) * global_batch_size * m.seq_length
 
 

@@ -66,7 +66,10 @@ class Run:
     valid_iterator: Iterator | None = None
     test_iterator: Iterator | None = None
     state: TrainState = field(default_factory=TrainState)
-    save_checkpoint: Callable[[TrainState], None] | None = None
+    # Returns None, or the line to log instead of "saved checkpoint ..." (an async save).
+    save_checkpoint: Callable[[TrainState], str | None] | None = None
+    # Called after every iteration (an async save finishes its checkpoint when written).
+    after_iteration: Callable[[], None] | None = None
     peak_flops: float | None = None
     timers: Timers = field(default_factory=Timers)
     startup_record: Callable[[], dict[str, Any]] | None = None
@@ -165,7 +168,11 @@ def train_step(run: Run, num_microbatches: int) -> dict[str, Any]:
         run.schedule_config,
     )
     run.timers("forward-backward").stop()
-    finalize_model_grads(run.model, pctx)
+    num_tokens = None
+    if run.schedule_config.per_token_loss:  # the main loss's tokens in the global batch
+        main = run.loss_names[0]
+        num_tokens = reduce_loss_reports(reports, pctx, run.loss_names)[main][1]
+    finalize_model_grads(run.model, pctx, num_tokens)
     if run.iteration_reports is not None:
         reports = [*reports, run.iteration_reports(run.model)]
     losses = mean_losses(reduce_loss_reports(reports, pctx, run.loss_names))
@@ -265,11 +272,11 @@ def _save(run: Run, result: TrainResult) -> None:
     if run.save_checkpoint is None or result.last_saved_iteration == run.state.iteration:
         return
     run.timers("save-checkpoint").start()
-    run.save_checkpoint(run.state)
+    note = run.save_checkpoint(run.state)
     run.timers("save-checkpoint").stop()
     result.last_saved_iteration = run.state.iteration
     run.metrics.message(
-        f"saved checkpoint at iteration {run.state.iteration} to {run.cfg.checkpoint.save}"
+        note or f"saved checkpoint at iteration {run.state.iteration} to {run.cfg.checkpoint.save}"
     )
 
 
@@ -379,6 +386,8 @@ def train(run: Run) -> TrainResult:
 
             if ckpt.save and ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
                 _save(run, result)
+            if run.after_iteration is not None:
+                run.after_iteration()
 
             # Exit conditions, decided together by all ranks.
             reason = None

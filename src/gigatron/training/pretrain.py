@@ -10,6 +10,7 @@ family's record in gigatron.families. Works alone and under `torchrun --nproc-pe
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gigatron.config import GigatronConfig, parse_config, validate_config
+from gigatron.checkpoint.megatron_args import parse_config_with_checkpoint_args
+from gigatron.config import GigatronConfig, validate_config
 from gigatron.config.validate import params_dtype
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
@@ -50,7 +52,10 @@ def parse_pretrain_config(
     """Flags of `gigatron pretrain <family>`, validated for a training run."""
     family = get_family(family) if isinstance(family, str) else family
     world_size = _world_size() if world_size is None else world_size
-    cfg = parse_config(list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size)
+    # A Megatron-LM checkpoint under --load gives the model shape the flags leave out.
+    cfg = parse_config_with_checkpoint_args(
+        list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size
+    )
     validate_config(cfg, world_size=world_size, for_training=True)
     if family.validate is not None:
         family.validate(cfg)
@@ -129,7 +134,8 @@ def pretrain(
     """Run pretraining for a validated config. Returns the result and, with `keep_model`, the
     unwrapped model chunks (quickstart samples from them); otherwise None.
     `evaluate_on_early_exit` validates once more when an exit condition stops the run."""
-    from gigatron.checkpoint.torch_format import load_checkpoint, loaded_message, save_checkpoint
+    from gigatron.checkpoint.formats import load_checkpoint, save_checkpoint
+    from gigatron.checkpoint.torch_format import loaded_message
     from gigatron.data.loader import build_data_iterator
     from gigatron.optim import build_optimizer
     from gigatron.optim.batch_schedule import build_num_microbatches_calculator
@@ -142,6 +148,7 @@ def pretrain(
     pctx = ParallelContext.from_config(cfg)
     owns_process_group = dist.is_initialized() and pctx.world_size > 1
     metrics: MetricsLogger | None = None
+    saver = None
     try:
         t, ckpt = cfg.training, cfg.checkpoint
         seed_everything(t.seed, pctx)
@@ -175,6 +182,21 @@ def pretrain(
             # The checkpoint holds the consumed train and validation samples, so both data
             # streams continue where they stopped.
             state = _state_from_loaded(loaded, cfg)
+            if ckpt.ckpt_convert_format is not None:
+                # Megatron's convert-on-load: write the loaded state in the other format, stop.
+                save_checkpoint(
+                    ckpt.ckpt_convert_save, state.iteration, model, optimizer, scheduler, pctx,
+                    cfg, extra={**_state_to_saved(state), "gigatron_family": family.name},
+                    rng_tracker=rng_tracker, ckpt_format=ckpt.ckpt_convert_format,
+                )  # fmt: skip
+                if pctx.rank == 0:
+                    print(
+                        f"converted checkpoint {ckpt.load} (iteration {state.iteration}) to "
+                        f"{ckpt.ckpt_convert_format} in {ckpt.ckpt_convert_save}",
+                        file=stream or sys.stdout,
+                        flush=True,
+                    )
+                return TrainResult(iteration=state.iteration, exit_reason="converted"), None
 
         train_n, valid_n, test_n = dataset_sample_counts(cfg, train_iters, global_batch)
         train_ds, valid_ds, test_ds = family.build_datasets(
@@ -245,12 +267,29 @@ def pretrain(
                 "bytes_per_rank": per_rank,
             }
 
-        def save(current: TrainState) -> None:
+        if ckpt.async_save and ckpt.save:
+            from gigatron.checkpoint.async_save import AsyncCheckpointSaver
+
+            saver = AsyncCheckpointSaver(
+                pctx,
+                on_complete=lambda iteration: metrics.message(
+                    f"saved checkpoint at iteration {iteration} to {ckpt.save} (async save done)"
+                ),
+            )
+
+        def save(current: TrainState) -> str | None:
+            extra = {**_state_to_saved(current), "gigatron_family": family.name}
+            if saver is not None:
+                saver.save(
+                    ckpt.save, current.iteration, model, optimizer, scheduler, cfg, extra,
+                    rng_tracker,
+                )  # fmt: skip
+                return f"saving checkpoint at iteration {current.iteration} in the background"
             save_checkpoint(
                 ckpt.save, current.iteration, model, optimizer, scheduler, pctx, cfg,
-                extra={**_state_to_saved(current), "gigatron_family": family.name},
-                rng_tracker=rng_tracker,
+                extra=extra, rng_tracker=rng_tracker,
             )  # fmt: skip
+            return None
 
         schedule_config = ScheduleConfig(
             seq_length=cfg.model.seq_length,
@@ -295,14 +334,20 @@ def pretrain(
             test_iterator=iterator(test_ds, 0, cycle=True),
             state=state,
             save_checkpoint=save if ckpt.save else None,
+            after_iteration=saver.poll if saver is not None else None,
             peak_flops=device_peak_flops(pctx.device, precision),
             startup_record=startup_record,
             evaluate_on_early_exit=evaluate_on_early_exit,
         )
         # A collective that times out or loses its peer is named while the groups still exist.
         result = name_distributed_failures(train, run)
+        if saver is not None:
+            saver.close()  # the last checkpoint is complete before the run ends
+            saver = None
         return result, ([m.module for m in model] if keep_model else None)
     finally:
+        if saver is not None:
+            saver.abandon()  # an error: the save in flight stays unpublished
         if metrics is not None:
             metrics.close()
         if owns_process_group:

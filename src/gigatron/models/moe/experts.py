@@ -16,10 +16,14 @@ loop over the experts' contiguous blocks (always available; the reference).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gigatron.errors import GigatronError
+from gigatron.models.activations import Activation, mlp_activation
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import set_tensor_parallel_attributes
 
@@ -69,12 +73,26 @@ class GroupedExperts(nn.Module):
         output_init_std: float,
         params_dtype: torch.dtype,
         grouped_gemm: bool,
+        activation: Activation | None = None,
+        bias: bool = False,
     ) -> None:
+        """`swiglu`: the MLP is gated (fc1 = [gate; up]); `activation` (default: SwiGLU or GeLU
+        from `swiglu` and `openai_gelu`) is models/activations.py's choice for the model;
+        `bias`: per-expert biases `linear_fc1.bias` [local experts, fc1_out],
+        `linear_fc2.bias` [local experts, h] (Megatron's experts with `add_bias_linear`)."""
         super().__init__()
         etp = pctx.etp_size
+        if bias and etp > 1:
+            raise GigatronError(
+                "MoE experts with biases (on without --disable-bias-linear) and expert tensor "
+                f"parallel size {etp}: not supported; add --disable-bias-linear or use "
+                "--expert-tensor-parallel-size 1"
+            )
         local_ffn = ffn_hidden_size // etp
         self.swiglu = swiglu
-        self.gelu_approximate = "tanh" if openai_gelu else "none"
+        self.activation = activation or mlp_activation(
+            SimpleNamespace(swiglu=swiglu, openai_gelu=openai_gelu)
+        )
         fc1_out = local_ffn * (2 if swiglu else 1)
         shape1 = (num_local_experts, fc1_out, hidden_size)
         shape2 = (num_local_experts, hidden_size, local_ffn)
@@ -88,6 +106,17 @@ class GroupedExperts(nn.Module):
         set_tensor_parallel_attributes(
             self.linear_fc2.weight, True, 2, 1, "normal", output_init_std
         )
+        if bias:
+            self.linear_fc1.bias = nn.Parameter(
+                torch.empty(shape1[:2], dtype=params_dtype, device=device)
+            )
+            self.linear_fc2.bias = nn.Parameter(
+                torch.empty(shape2[:2], dtype=params_dtype, device=device)
+            )
+            set_tensor_parallel_attributes(
+                self.linear_fc1.bias, True, 1, 2 if swiglu else 1, "zeros"
+            )
+            set_tensor_parallel_attributes(self.linear_fc2.bias, False, init="zeros")
         for param in self.parameters():
             param.expert_parallel = True
         self.use_grouped_gemm = grouped_gemm
@@ -106,14 +135,24 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        b1, b2 = self.linear_fc1.bias, self.linear_fc2.bias
         if self.grouped_gemm_used and x.shape[0] > 0:
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             h = _ContiguousGrad.apply(torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets))
-            h = self._activation(h)
-            return _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets))
+            if b1 is not None:
+                h = h + _rows_of_experts(b1, tokens_per_expert, x.shape[0])
+            h = self.activation(h)
+            y = _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets))
+            if b2 is not None:
+                y = y + _rows_of_experts(b2, tokens_per_expert, x.shape[0])
+            return y
         blocks = x.split(tokens_per_expert.tolist())
         outputs = [
-            F.linear(self._activation(F.linear(block, w1[e])), w2[e])
+            F.linear(
+                self.activation(F.linear(block, w1[e], None if b1 is None else b1[e])),
+                w2[e],
+                None if b2 is None else b2[e],
+            )
             for e, block in enumerate(blocks)
         ]
         if not outputs:
@@ -121,16 +160,19 @@ class GroupedExperts(nn.Module):
         # Experts without tokens still join the graph, so their weights get zero gradients.
         return torch.cat(outputs)
 
-    def _activation(self, h: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return F.gelu(h, approximate=self.gelu_approximate)
+
+def _rows_of_experts(
+    bias: torch.Tensor, tokens_per_expert: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """Each row's expert's bias [rows, ...] (rows sorted by expert)."""
+    return bias.repeat_interleave(tokens_per_expert.to(bias.device), dim=0, output_size=rows)
 
 
 class _Weight(nn.Module):
-    """Holds one stacked weight so that names read `linear_fc1.weight` like the dense MLP's."""
+    """Holds one stacked weight (and bias) so that names read `linear_fc1.weight` like the dense
+    MLP's."""
 
     def __init__(self, data: torch.Tensor) -> None:
         super().__init__()
         self.weight = nn.Parameter(data)
+        self.bias: nn.Parameter | None = None

@@ -9,7 +9,9 @@ input like a dense MLP and are added.
 
 Parameter names: `router.weight` (+ buffer `router.expert_bias`), `experts.linear_fc1.weight`,
 `experts.linear_fc2.weight`, `shared_experts.linear_fc1.weight`, `shared_experts.linear_fc2.weight`,
-`shared_experts.gate_weight`.
+`shared_experts.gate_weight`; with `add_bias_linear` (Megatron's default; off with
+`--disable-bias-linear`) also `router.bias`, `experts.linear_fc1.bias`, `experts.linear_fc2.bias`
+and the shared experts' `linear_fc1.bias`, `linear_fc2.bias`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from gigatron.errors import GigatronError
+from gigatron.models.activations import mlp_activation
 from gigatron.models.moe.dispatcher import build_dispatcher
 from gigatron.models.moe.experts import GroupedExperts
 from gigatron.models.moe.router import TopKRouter
@@ -48,7 +51,13 @@ class MoELayer(nn.Module):
         self.layer_number = layer_number
         self.split_sequence = pctx.tp_size > 1 and not spec.sequence_parallel
         self.router = TopKRouter(
-            moe, spec.hidden_size, pctx, layer_number, spec.init_method_std, spec.params_dtype
+            moe,
+            spec.hidden_size,
+            pctx,
+            layer_number,
+            spec.init_method_std,
+            spec.params_dtype,
+            bias=spec.add_bias_linear,
         )
         self.dispatcher = build_dispatcher(moe.dispatcher, moe.num_experts, pctx)
         self.experts = GroupedExperts(
@@ -56,12 +65,14 @@ class MoELayer(nn.Module):
             spec.hidden_size,
             moe.ffn_hidden_size,
             pctx,
-            swiglu=spec.swiglu,
+            swiglu=spec.gated_linear_unit,
             openai_gelu=spec.openai_gelu,
             init_std=spec.init_method_std,
             output_init_std=spec.output_init_std,
             params_dtype=spec.params_dtype,
             grouped_gemm=moe.grouped_gemm,
+            activation=mlp_activation(spec),
+            bias=spec.add_bias_linear,
         )
         self.shared_experts = (
             SharedExpertMLP(spec, pctx, moe.shared_expert_size, moe.shared_expert_gate)

@@ -38,7 +38,10 @@ class TopKRouter(nn.Module):
         layer_number: int,
         init_std: float,
         params_dtype: torch.dtype,
+        bias: bool = False,
     ) -> None:
+        """`bias`: a learned bias on the gating logits (Megatron's router with
+        `add_bias_linear`; gpt-oss)."""
         super().__init__()
         self.moe = moe
         self.pctx = pctx
@@ -50,6 +53,13 @@ class TopKRouter(nn.Module):
         # Each tensor-parallel rank routes its own slice of the sequence: partial gradients,
         # summed over tp by finalize_model_grads.
         self.weight.sequence_parallel = pctx.tp_size > 1
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(moe.num_experts, dtype=params_dtype, device=pctx.device)
+            )
+            set_tensor_parallel_attributes(self.bias, False, init="normal", init_std=init_std)
+            self.bias.sequence_parallel = pctx.tp_size > 1
         self.token_group_size = pctx.size(TOKEN_GROUP)
         self.aux_loss_scale = AuxLossScale()
         self.stats = RoutingStats(moe.num_experts, self.token_group_size)
@@ -79,7 +89,8 @@ class TopKRouter(nn.Module):
             eps = moe.input_jitter_eps
             tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
         dtype = moe.router_dtype or tokens.dtype
-        logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
+        bias = None if self.bias is None else self.bias.to(dtype)
+        logits = F.linear(tokens.to(dtype), self.weight.to(dtype), bias)
         if moe.z_loss_coeff is not None and training:
             logits = self._apply_z_loss(logits, recording)
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gigatron.models.activations import mlp_activation
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -27,25 +28,24 @@ class SharedExpertMLP(nn.Module):
         # Parameter names as Megatron's (mlp.shared_experts.linear_fc1.weight, ...).
         self.linear_fc1 = ColumnParallelLinear(
             spec.hidden_size,
-            ffn_hidden_size * (2 if spec.swiglu else 1),
+            ffn_hidden_size * (2 if spec.gated_linear_unit else 1),
             pctx,
-            bias=False,
+            bias=spec.add_bias_linear,
             sequence_parallel=spec.sequence_parallel,
             init_std=spec.init_method_std,
-            stride=2 if spec.swiglu else 1,
+            stride=2 if spec.gated_linear_unit else 1,
             dtype=spec.params_dtype,
         )
         self.linear_fc2 = RowParallelLinear(
             ffn_hidden_size,
             spec.hidden_size,
             pctx,
-            bias=False,
+            bias=spec.add_bias_linear,
             sequence_parallel=spec.sequence_parallel,
             init_std=spec.output_init_std,
             dtype=spec.params_dtype,
         )
-        self.swiglu = spec.swiglu
-        self.gelu_approximate = "tanh" if spec.openai_gelu else "none"
+        self.activation = mlp_activation(spec)
         if gate:
             self.gate_weight = nn.Parameter(
                 torch.empty(1, spec.hidden_size, dtype=spec.params_dtype, device=pctx.device)
@@ -58,13 +58,7 @@ class SharedExpertMLP(nn.Module):
             self.gate_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
-        out = self.linear_fc2(h)
+        out = self.linear_fc2(self.activation(self.linear_fc1(x)))
         if self.gate_weight is not None:
             out = out * torch.sigmoid(F.linear(x, self.gate_weight))
         return out

@@ -77,7 +77,9 @@ class MoESpec:
             shared_expert_gate=e.moe_shared_expert_gate,
             per_layer_logging=e.moe_per_layer_logging,
             per_token_loss=cfg.parallel.calculate_per_token_loss,
-            layer_pattern=tuple(moe_layer_pattern(e.moe_layer_freq, m.num_layers)),
+            layer_pattern=_with_mtp_layers(
+                moe_layer_pattern(e.moe_layer_freq, m.num_layers), m.mtp_num_layers
+            ),
         )
 
     def is_moe_layer(self, layer_number: int) -> bool:
@@ -97,3 +99,9 @@ class MoESpec:
         return {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}.get(
             self.load_balancing_type
         )
+
+
+def _with_mtp_layers(pattern: list[bool], mtp_num_layers: int | None) -> tuple[bool, ...]:
+    """The decoder's pattern, then one entry per multi-token prediction layer (numbered after
+    the decoder's layers), each like the decoder's last layer."""
+    return tuple(pattern) + tuple(pattern[-1:]) * (mtp_num_layers or 0)

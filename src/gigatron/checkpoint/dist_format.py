@@ -1,0 +1,761 @@
+"""`--ckpt-format torch_dist`: resharding checkpoints on torch.distributed.checkpoint (DCP).
+
+Layout (Megatron's directory conventions):
+    <dir>/latest_checkpointed_iteration.txt
+    <dir>/iter_0000100/metadata.json       {"sharded_backend": "torch_dist", ...}: written last
+    <dir>/iter_0000100/.metadata           DCP's index of every tensor's chunks (read safely)
+    <dir>/iter_0000100/__<rank>_0.distcp    the chunks each rank wrote
+    <dir>/iter_0000100/common.pt           iteration, config, schedule, optimizer settings
+    <dir>/iter_0000100/rng/rank_00000.pt   each rank's random states
+Tensors are stored whole-model: `model.<name>` holds the full parameter (the same names at every
+layout), `optimizer.<state>.<name>` the fp32 main parameter (`fp32_param`, mixed precision only)
+and the moments (`exp_avg`, `exp_avg_sq`, or SGD's `momentum_buffer`). Each rank writes the
+pieces it holds, with their global offsets (global_view.py); DCP writes a replicated piece once.
+On load each rank asks for the pieces of its own layout, so any tp / pp / vpp / dp / cp / ep
+layout, with or without the distributed optimizer, loads any saved one. The tied output weight
+(pp > 1) is not stored: it loads from the word embedding (it holds the same values).
+
+Saving is atomic as in the torch format: everything goes to `iter_N.tmp/`, `metadata.json` is
+written once all ranks finished, then rank 0 renames the directory and replaces the tracker file.
+Loading runs no code from the files: `common.pt` and the random states load with
+`torch.load(weights_only=True)`, DCP reads tensors with `weights_only=True`, and DCP's pickled
+`.metadata` is read by a restricted unpickler that accepts only DCP's metadata classes and torch
+sizes/dtypes (`SafeFileSystemReader`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pickle
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from gigatron.checkpoint.global_view import (
+    Piece,
+    pieces_of_box,
+    pieces_of_flat_shard,
+    tensor_layout,
+)
+from gigatron.checkpoint.torch_format import (
+    CHECKPOINT_VERSION,
+    RESERVED_KEYS,
+    TMP_SUFFIX,
+    config_as_dict,
+    get_rng_state,
+    iteration_dir_name,
+    publish_iteration,
+    safe_load,
+    set_rng_state,
+)
+from gigatron.errors import GigatronError
+from gigatron.parallel.context import ParallelContext
+
+FORMAT_MARKER = "metadata.json"
+COMMON_FILENAME = "common.pt"
+RNG_DIR = "rng"
+BACKEND = "torch_dist"
+FORMAT_VERSION = 1
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+TIED_OUTPUT = "output_layer.weight"
+
+
+def is_dist_checkpoint(iteration_dir: Path) -> bool:
+    """True when `iteration_dir` holds a torch_dist checkpoint (its marker file)."""
+    marker = iteration_dir / FORMAT_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("sharded_backend") == BACKEND
+    except (ValueError, AttributeError):
+        return False
+
+
+# ---- what a rank holds ------------------------------------------------------------------------
+def _modules(model_chunks: list[nn.Module]) -> list[nn.Module]:
+    for chunk in model_chunks:
+        if hasattr(chunk, "finish_param_sync"):
+            chunk.finish_param_sync()  # no all-gather may still be writing the parameters
+    return [getattr(chunk, "module", chunk) for chunk in model_chunks]
+
+
+def _stored_name(name: str, tensor: torch.Tensor) -> str:
+    """The checkpoint name of a model tensor: the tied output weight is the word embedding."""
+    if name == TIED_OUTPUT and getattr(tensor, "shared_embedding", False):
+        return WORD_EMBEDDING
+    return name
+
+
+def _model_tensors(model_chunks: list[nn.Module]) -> list[tuple[str, str, torch.Tensor]]:
+    """(name, stored name, tensor) for every entry of the model state dicts of this rank."""
+    entries = []
+    for module in _modules(model_chunks):
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            entries.append((name, _stored_name(name, tensor), tensor))
+    return entries
+
+
+def _param_names(model_chunks: list[nn.Module]) -> dict[int, str]:
+    return {
+        id(param): name
+        for module in _modules(model_chunks)
+        for name, param in module.named_parameters()
+    }
+
+
+def _inner(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer.optimizer
+
+
+def optimizer_state_keys(optimizer: Any) -> list[str]:
+    """Per-element state tensors of the inner optimizer."""
+    inner = _inner(optimizer)
+    if isinstance(inner, torch.optim.SGD):
+        return ["momentum_buffer"] if inner.defaults.get("momentum") else []
+    return ["exp_avg", "exp_avg_sq"]
+
+
+def _optimizer_slots(optimizer: Any) -> list[tuple[nn.Parameter, torch.Tensor, int | None]]:
+    """(model parameter, main tensor, flat start or None) for each tensor the optimizer steps:
+    whole parameters, or a distributed-optimizer shard starting at a flat index."""
+    if hasattr(optimizer, "shards"):
+        return [(s.model_param, s.main, s.start) for s in optimizer.shards]
+    pairs = getattr(optimizer, "param_pairs", None)
+    if pairs is None:
+        pairs = [(p, p) for p in optimizer.get_main_params()]
+    return [(model, main, None) for model, main in pairs]
+
+
+def _slot_pieces(
+    key: str,
+    param: nn.Parameter,
+    tensor: torch.Tensor,
+    start: int | None,
+    pctx: ParallelContext,
+) -> list[Piece]:
+    layout = tensor_layout(param, tuple(param.shape), pctx)
+    if start is None:
+        return pieces_of_box(key, tensor.detach(), (0,) * tensor.dim(), layout)
+    return pieces_of_flat_shard(key, tensor.detach(), tuple(param.shape), start, layout)
+
+
+def model_pieces(model_chunks: list[nn.Module], pctx: ParallelContext, for_load: bool) -> list:
+    """Pieces of every model tensor (saving skips the tied output weight, loading reads it from
+    the word embedding)."""
+    pieces = []
+    for name, stored, tensor in _model_tensors(model_chunks):
+        if stored != name and not for_load:
+            continue
+        layout = tensor_layout(tensor, tuple(tensor.shape), pctx)
+        view = tensor.detach()
+        pieces.extend(pieces_of_box(f"model.{stored}", view, (0,) * view.dim(), layout))
+    return pieces
+
+
+def optimizer_pieces(
+    optimizer: Any,
+    model_chunks: list[nn.Module],
+    pctx: ParallelContext,
+    keys: list[str],
+    for_load: bool,
+) -> list[Piece]:
+    """Pieces of the fp32 main parameters (mixed precision) and the `keys` moments. For
+    loading, missing moment tensors are created (zeros) first so that there is memory to fill."""
+    names = _param_names(model_chunks)
+    inner = _inner(optimizer)
+    pieces = []
+    for param, main, start in _optimizer_slots(optimizer):
+        name = names[id(param)]
+        stored = _stored_name(name, param)
+        if stored != name and not for_load:
+            continue
+        if param.dtype != torch.float32 and main is not param:
+            pieces += _slot_pieces(f"optimizer.fp32_param.{stored}", param, main, start, pctx)
+        state = inner.state.setdefault(main, {}) if for_load else inner.state.get(main, {})
+        for key in keys:
+            if for_load and key not in state:
+                state[key] = torch.zeros_like(main, memory_format=torch.preserve_format)
+            if key in state:
+                pieces += _slot_pieces(f"optimizer.{key}.{stored}", param, state[key], start, pctx)
+    return pieces
+
+
+def optimizer_step(optimizer: Any, pctx: ParallelContext) -> float:
+    """The optimizer's step count (the same on every rank; 0 before the first step)."""
+    step = torch.zeros(1, dtype=torch.float64)
+    for entry in _inner(optimizer).state.values():
+        if "step" in entry:
+            step = torch.maximum(step, torch.as_tensor(entry["step"], dtype=torch.float64).cpu())
+    if pctx.world_size > 1:
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    return float(step.item())
+
+
+# ---- DCP planners and the safe reader ----------------------------------------------------------
+def _index(pieces: list[Piece]) -> dict[tuple[str, tuple[int, ...]], Piece]:
+    table = {}
+    for piece in pieces:
+        where = (piece.key, tuple(piece.offsets))
+        assert where not in table, f"two local pieces at {where}"
+        table[where] = piece
+    return table
+
+
+class PieceSavePlanner(DefaultSavePlanner):
+    """Writes the given pieces (the state dict DCP passes is empty); DCP's global plan keeps one
+    copy of each replicated piece and checks that every tensor is covered exactly."""
+
+    def __init__(self, pieces: list[Piece]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = _index(pieces)
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator=False):
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for (key, offsets), piece in self.pieces.items():
+            t = piece.tensor
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, torch.Size(offsets)),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.size()),
+                        properties=TensorProperties.create_from_tensor(t),
+                        size=torch.Size(piece.global_shape),
+                    ),
+                )
+            )
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        tensor = self.pieces[(index.fqn, tuple(index.offset))].tensor
+        # A view of a larger storage would be written whole by torch.save: copy it out.
+        if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+            tensor = tensor.contiguous().clone()
+        return tensor
+
+
+class PieceLoadPlanner(DefaultLoadPlanner):
+    """Reads the checkpoint's chunks that overlap each requested piece, straight into it."""
+
+    def __init__(self, pieces: list[Piece]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = _index(pieces)
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator=False):
+        self.state_dict = {}
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.planner import LoadPlan
+
+        items: list[ReadItem] = []
+        for (key, offsets), piece in self.pieces.items():
+            saved = self.metadata.state_dict_metadata[key]
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=piece.tensor.size())
+            items += create_read_items_for_chunk_list(key, saved, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.pieces[(index.fqn, tuple(index.offset))].tensor
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise GigatronError(f"{read_item.dest_index.fqn}: refused to unpickle a non-tensor entry")
+
+
+# What DCP's `.metadata` pickle may name besides the classes of its metadata module: sizes,
+# dtypes, the storage-location record, the saved path, and torch's layout-by-name lookup.
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's metadata classes (plain dataclasses and enums) and nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == _METADATA_MODULE:
+            value = super().find_class(module, name)
+            if isinstance(value, type):
+                return value
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's reader with the `.metadata` pickle read by a restricted unpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as stream:
+                metadata = _MetadataUnpickler(stream).load()
+        except pickle.UnpicklingError as exc:
+            raise GigatronError(
+                f"{path}: refused to load: it names Python objects other than checkpoint "
+                f"metadata ({exc}); gigatron never runs code from a checkpoint"
+            ) from None
+        except (OSError, EOFError, ValueError) as exc:
+            raise GigatronError(
+                f"{path}: not a readable checkpoint index ({type(exc).__name__}: {exc}); load an "
+                "earlier iteration with --ckpt-step"
+            ) from None
+        if not isinstance(metadata, Metadata):
+            raise GigatronError(f"{path}: not a torch.distributed.checkpoint index")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes one process when torch.distributed is not initialised: that is
+    meant here (one-process runs pass no_dist)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def make_writer(path: Path) -> FileSystemWriter:
+    """The storage writer of a save (tests replace it to slow a save down)."""
+    return FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
+
+
+# ---- save ------------------------------------------------------------------------------------
+def _common_state(
+    iteration: int,
+    optimizer: Any,
+    scheduler: Any,
+    pctx: ParallelContext,
+    cfg: Any,
+    extra: dict[str, Any],
+    model_chunks: list[nn.Module],
+    with_optim: bool,
+) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "args": config_as_dict(cfg),
+        "consumed_train_samples": 0,
+        "consumed_valid_samples": 0,
+        "num_floating_point_operations_so_far": 0,
+        "layout": saving_layout(pctx, len(model_chunks)),
+    }
+    state.update(extra)
+    if with_optim and optimizer is not None:
+        groups = [
+            {key: value for key, value in group.items() if key != "params"}
+            for group in _inner(optimizer).param_groups
+        ]
+        state["optimizer"] = {
+            "param_groups": groups,
+            "step": optimizer_step(optimizer, pctx),
+            "state_keys": optimizer_state_keys(optimizer),
+            "grad_scaler": (
+                optimizer.grad_scaler.state_dict() if optimizer.grad_scaler is not None else None
+            ),
+        }
+    if with_optim and scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    return state
+
+
+def saving_layout(pctx: ParallelContext, num_chunks: int) -> dict[str, int]:
+    """The parallel layout of a run (random states are restored only at the same one)."""
+    return {
+        "world_size": pctx.world_size,
+        "tp": pctx.tp_size,
+        "pp": pctx.pp_size,
+        "dp": pctx.dp_size,
+        "cp": pctx.cp_size,
+        "ep": pctx.ep_size,
+        "etp": pctx.etp_size,
+        "chunks": num_chunks,
+    }
+
+
+def _stage(pieces: list[Piece]) -> list[Piece]:
+    """Private copies of the pieces (what an async save writes while training goes on)."""
+    return [
+        Piece(p.key, p.tensor.detach().to("cpu", copy=True).contiguous(), p.offsets, p.global_shape)
+        for p in pieces
+    ]
+
+
+class PendingSave:
+    """The parts of a save that finish it: the DCP write (maybe still running) and publish."""
+
+    def __init__(self, save_dir: Path, iteration: int, pctx: ParallelContext, write) -> None:
+        self.save_dir = save_dir
+        self.iteration = iteration
+        self.pctx = pctx
+        self.write = write  # a concurrent.futures.Future, or None when already written
+
+    def done(self) -> bool:
+        return self.write is None or self.write.done()
+
+    def finish(self) -> None:
+        """Wait for the write; rank 0 then writes the marker and publishes the iteration.
+        DCP's coordinator (rank 0) finishes only after every rank has written its chunks."""
+        if self.write is not None:
+            self.write.result()
+        if self.pctx.rank == 0:
+            tmp = self.save_dir / (iteration_dir_name(self.iteration) + TMP_SUFFIX)
+            marker = {
+                "sharded_backend": BACKEND,
+                "sharded_backend_version": 1,
+                "gigatron_format_version": FORMAT_VERSION,
+                "iteration": self.iteration,
+            }
+            (tmp / FORMAT_MARKER).write_text(json.dumps(marker) + "\n")
+            publish_iteration(self.save_dir, self.iteration)
+
+
+def start_save(
+    save_dir: str | Path,
+    iteration: int,
+    model_chunks: list[nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    pctx: ParallelContext,
+    cfg: Any,
+    extra: dict[str, Any] | None = None,
+    rng_tracker: Any = None,
+    run_write: Callable[[Callable[[], Any]], Any] | None = None,
+    process_group: Any = None,
+) -> PendingSave:
+    """Write everything but the tensors and start writing those (collective).
+
+    `run_write(fn)` runs the DCP write: None runs it here and now; an executor's `submit` runs it
+    in the background on copies of the tensors (async save; `process_group` must then be a group
+    that no other collective uses meanwhile). Returns the save to `finish()`.
+    """
+    extra = dict(extra or {})
+    clash = RESERVED_KEYS.intersection(extra)
+    if clash:
+        raise ValueError(f"save_checkpoint: extra may not set {sorted(clash)}")
+    ckpt_cfg = getattr(cfg, "checkpoint", None)
+    with_optim = not bool(getattr(ckpt_cfg, "no_save_optim", False))
+    with_rng = not bool(getattr(ckpt_cfg, "no_save_rng", False))
+    save_dir = Path(save_dir)
+    tmp = save_dir / (iteration_dir_name(iteration) + TMP_SUFFIX)
+    if pctx.rank == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a crashed save
+        (tmp / RNG_DIR).mkdir(parents=True)
+    if pctx.world_size > 1:
+        pctx.barrier()
+
+    pieces = model_pieces(model_chunks, pctx, for_load=False)
+    if with_optim and optimizer is not None:
+        pieces += optimizer_pieces(
+            optimizer, model_chunks, pctx, optimizer_state_keys(optimizer), for_load=False
+        )
+    common = _common_state(
+        iteration, optimizer, scheduler, pctx, cfg, extra, model_chunks, with_optim
+    )
+    if pctx.rank == 0:
+        torch.save(common, tmp / COMMON_FILENAME)
+    if with_rng:
+        torch.save(get_rng_state(rng_tracker), tmp / RNG_DIR / f"rank_{pctx.rank:05d}.pt")
+
+    def write() -> None:
+        with _quiet_single_process():
+            dcp.save(
+                {},
+                storage_writer=make_writer(tmp),
+                planner=PieceSavePlanner(pieces),
+                process_group=process_group,
+                no_dist=pctx.world_size == 1,
+            )
+
+    if run_write is None:
+        write()
+        return PendingSave(save_dir, iteration, pctx, None)
+    pieces = _stage(pieces)
+    return PendingSave(save_dir, iteration, pctx, run_write(write))
+
+
+def save_checkpoint(
+    save_dir: str | Path,
+    iteration: int,
+    model_chunks: list[nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    pctx: ParallelContext,
+    cfg: Any,
+    extra: dict[str, Any] | None = None,
+    rng_tracker: Any = None,
+) -> Path:
+    """Save a torch_dist checkpoint for `iteration` (collective; same arguments as the torch
+    format's `save_checkpoint`). Returns the iteration directory."""
+    pending = start_save(
+        save_dir, iteration, model_chunks, optimizer, scheduler, pctx, cfg, extra, rng_tracker
+    )
+    pending.finish()
+    if pctx.world_size > 1:
+        pctx.barrier()
+    return Path(save_dir) / iteration_dir_name(iteration)
+
+
+# ---- load ------------------------------------------------------------------------------------
+def _check_requests(
+    pieces: list[Piece], metadata: Metadata, iteration_dir: Path, hint: str
+) -> None:
+    stored = metadata.state_dict_metadata
+    for piece in pieces:
+        saved = stored.get(piece.key)
+        if saved is None:
+            raise GigatronError(f"{iteration_dir}: holds no tensor {piece.key}; {hint}")
+        if not isinstance(saved, TensorStorageMetadata):
+            raise GigatronError(f"{iteration_dir}: {piece.key} is not a tensor entry")
+        if tuple(saved.size) != tuple(piece.global_shape):
+            raise GigatronError(
+                f"{iteration_dir}: {piece.key} has the full shape {tuple(saved.size)} in the "
+                f"checkpoint but {tuple(piece.global_shape)} in this model; check the model "
+                "flags (a padded vocabulary depends on --make-vocab-size-divisible-by x tp: "
+                "pass --padded-vocab-size or a divisor that fits both layouts)"
+            )
+
+
+def _load_pieces(
+    pieces: list[Piece], iteration_dir: Path, pctx: ParallelContext, metadata: Metadata
+) -> None:
+    with torch.no_grad(), _quiet_single_process():
+        dcp.load(
+            {},
+            storage_reader=SafeFileSystemReader(iteration_dir),
+            planner=PieceLoadPlanner(pieces),
+            no_dist=pctx.world_size == 1,
+        )
+
+
+def _set_step(optimizer: Any, step: float) -> None:
+    inner = _inner(optimizer)
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in inner.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for main in group["params"]:
+            device = main.device if on_device else torch.device("cpu")
+            inner.state.setdefault(main, {})["step"] = torch.tensor(
+                step, dtype=torch.float32, device=device
+            )
+
+
+def _load_optimizer(
+    optimizer: Any,
+    model_chunks: list[nn.Module],
+    pctx: ParallelContext,
+    common: dict[str, Any],
+    metadata: Metadata,
+    iteration_dir: Path,
+) -> None:
+    saved = common["optimizer"]
+    keys = optimizer_state_keys(optimizer)
+    saved_keys = list(saved.get("state_keys", []))
+    if saved_keys != keys:
+        raise GigatronError(
+            f"{iteration_dir}: holds optimizer state {saved_keys} but --optimizer "
+            f"{optimizer.cfg.optimizer.optimizer} needs {keys}; resume with the same optimizer "
+            "or pass --no-load-optim"
+        )
+    stored = metadata.state_dict_metadata
+    if not any(k.startswith(f"optimizer.{keys[0]}.") for k in stored) if keys else False:
+        keys = []  # saved before the first step: no moments yet
+    pieces = optimizer_pieces(optimizer, model_chunks, pctx, keys, for_load=True)
+    has_main = any(k.startswith("optimizer.fp32_param.") for k in stored)
+    if not has_main:  # saved from fp32 parameters: main parameters come from the weights
+        pieces = [p for p in pieces if not p.key.startswith("optimizer.fp32_param.")]
+        optimizer.reload_model_params()
+    hint = "it was saved with another model or precision; pass --no-load-optim"
+    _check_requests(pieces, metadata, iteration_dir, hint)
+    _load_pieces(pieces, iteration_dir, pctx, metadata)
+    if keys:
+        _set_step(optimizer, float(saved["step"]))
+    inner = _inner(optimizer)
+    groups = saved.get("param_groups", [])
+    if len(groups) == len(inner.param_groups):
+        for group, values in zip(inner.param_groups, groups):
+            group.update({k: v for k, v in values.items() if k not in ("params", "fused")})
+    if optimizer.grad_scaler is not None and saved.get("grad_scaler") is not None:
+        optimizer.grad_scaler.load_state_dict(saved["grad_scaler"])
+    # The model copies of fp32 main shards (distributed optimizer) are the loaded weights
+    # already; bf16/fp16 model weights were loaded as saved (the rounding of the main ones).
+    for chunk in model_chunks:
+        if hasattr(chunk, "start_param_sync") and hasattr(optimizer, "shards"):
+            chunk.start_param_sync(force_sync=True)
+
+
+def read_metadata(iteration_dir: Path) -> Metadata:
+    return SafeFileSystemReader(iteration_dir).read_metadata()
+
+
+def load_iteration(
+    iteration_dir: Path,
+    load_dir: Path,
+    model_chunks: list[nn.Module],
+    optimizer: Any,
+    scheduler: Any,
+    pctx: ParallelContext,
+    cfg: Any,
+    rng_tracker: Any,
+    release: bool,
+) -> dict[str, Any]:
+    """Load the torch_dist checkpoint in `iteration_dir` into this rank's model (and optimizer,
+    schedule, random states per the flags). Returns what `load_checkpoint` returns."""
+    ckpt_cfg = getattr(cfg, "checkpoint", None)
+    finetune = bool(getattr(ckpt_cfg, "finetune", False))
+    no_load_optim = bool(getattr(ckpt_cfg, "no_load_optim", False))
+    no_load_rng = bool(getattr(ckpt_cfg, "no_load_rng", False))
+    common_path = iteration_dir / COMMON_FILENAME
+    if not common_path.is_file():
+        raise GigatronError(f"--load {load_dir}: {common_path} is missing; the checkpoint is "
+                            "incomplete")  # fmt: skip
+    common = safe_load(common_path)
+    metadata = read_metadata(iteration_dir)
+
+    full_state = not release and not finetune
+    if full_state and not no_load_optim and optimizer is not None and "optimizer" not in common:
+        raise GigatronError(
+            f"{iteration_dir}: has no optimizer state (saved with --no-save-optim); pass "
+            "--no-load-optim or --finetune"
+        )
+    pieces = model_pieces(model_chunks, pctx, for_load=True)
+    _check_requests(pieces, metadata, iteration_dir, "check the model flags against the "
+                    "checkpoint's (--num-layers, --num-experts, ...)")  # fmt: skip
+    _load_pieces(pieces, iteration_dir, pctx, metadata)
+
+    if full_state and not no_load_optim:
+        if optimizer is not None:
+            _load_optimizer(optimizer, model_chunks, pctx, common, metadata, iteration_dir)
+        if scheduler is not None:
+            if "opt_param_scheduler" not in common:
+                raise GigatronError(
+                    f"{iteration_dir}: has no learning-rate schedule state; pass --no-load-optim"
+                )
+            scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif optimizer is not None:
+        # Weights only: the fp32 main params must start from the loaded model weights.
+        optimizer.reload_model_params()
+
+    if full_state and not no_load_rng:
+        _load_rng(iteration_dir, common, pctx, len(model_chunks), rng_tracker)
+
+    result: dict[str, Any] = {
+        "loaded": True,
+        "iteration": 0,
+        "consumed_train_samples": 0,
+        "consumed_valid_samples": 0,
+        "num_floating_point_operations_so_far": common.get(
+            "num_floating_point_operations_so_far", 0
+        ),
+        "args": common.get("args"),
+        "path": str(iteration_dir),
+        "release": release,
+        "format": BACKEND,
+    }
+    if full_state:
+        result["iteration"] = int(common.get("iteration", 0))
+        for key in ("consumed_train_samples", "consumed_valid_samples", "skipped_iterations"):
+            result[key] = int(common.get(key, 0))
+    return result
+
+
+def _load_rng(
+    iteration_dir: Path,
+    common: dict[str, Any],
+    pctx: ParallelContext,
+    num_chunks: int,
+    rng_tracker: Any,
+) -> None:
+    """Each rank's random states, when the layout is the saved one (other layouts have other
+    random streams: they keep their own, with a warning)."""
+    path = iteration_dir / RNG_DIR / f"rank_{pctx.rank:05d}.pt"
+    if common.get("layout") != saving_layout(pctx, num_chunks):
+        warnings.warn(
+            f"{iteration_dir}: saved with the parallel layout {common.get('layout')}, loaded at "
+            f"{saving_layout(pctx, num_chunks)}: random states are not restored (they belong to "
+            "the saved layout's ranks); pass --no-load-rng to silence this",
+            stacklevel=3,
+        )
+        return
+    if not path.is_file():
+        raise GigatronError(
+            f"{iteration_dir}: has no random states for rank {pctx.rank} (saved with "
+            "--no-save-rng); pass --no-load-rng"
+        )
+    set_rng_state(safe_load(path), rng_tracker)
+
+
+def read_full_tensors(iteration_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint, whole (one process; for tools and tests)."""
+    iteration_dir = Path(iteration_dir)
+    metadata = read_metadata(iteration_dir)
+    pieces = []
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            pieces.append(Piece(key, tensor, (0,) * tensor.dim(), tuple(entry.size)))
+    with _quiet_single_process():
+        dcp.load(
+            {},
+            storage_reader=SafeFileSystemReader(iteration_dir),
+            planner=PieceLoadPlanner(pieces),
+            no_dist=True,
+        )
+    return {piece.key: piece.tensor for piece in pieces}
+
+
+__all__ = [
+    "PendingSave",
+    "is_dist_checkpoint",
+    "load_iteration",
+    "read_full_tensors",
+    "save_checkpoint",
+    "start_save",
+]

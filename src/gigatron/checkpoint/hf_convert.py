@@ -1,0 +1,314 @@
+"""`gigatron convert`: checkpoints between gigatron, Hugging Face and Megatron-LM, streamed.
+
+    gigatron convert --from hf --to gigatron --load HF_DIR --save CKPT [--target-...-size N]
+    gigatron convert --from gigatron --to hf --load CKPT --save HF_DIR
+    gigatron convert --from megatron --to gigatron ... / --from gigatron --to megatron ...
+
+Hugging Face: the family comes from `config.json`'s `model_type` (or `--family`) through the
+families' adapters (checkpoint/hf_adapter.py); weights are read from safetensors one layer at a
+time and written to every target rank's file at once (gigatron_io.py), or to safetensors shards
+(safetensors_io.py). The imported checkpoint keeps the Hugging Face `config.json` (`hf_config`),
+so exporting it writes the same config; tokenizer files are copied both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gigatron.checkpoint.convert import WORD_EMBEDDING, _check_target, build_target_layout
+from gigatron.checkpoint.gigatron_io import CheckpointSource, write_checkpoint
+from gigatron.checkpoint.hf_adapter import WindowedMap, adapter_for, call_map
+from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
+from gigatron.checkpoint.torch_format import (
+    CHECKPOINT_FILENAME,
+    locate_iteration,
+    safe_load,
+)
+from gigatron.errors import GigatronError
+
+CONFIG_FILE = "config.json"
+# Files a Hugging Face folder keeps next to the weights that belong to the tokenizer.
+TOKENIZER_FILES = re.compile(
+    r"^(tokenizer.*|vocab\..*|merges\.txt|special_tokens_map\.json|added_tokens\.json|"
+    r".*\.tiktoken|spiece\.model|sentencepiece.*\.model|generation_config\.json)$"
+)
+# Hugging Face tensors that are not weights (buffers some versions saved).
+IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq|position_ids)$")
+FORMATS = ["hf", "gigatron", "megatron"]
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMG]?B)?$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> bytes (also KB, MB, B)."""
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise GigatronError(f"--max-shard-size {text}: not a size; give e.g. 5GB or 500MB")
+    scale = {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}[(match.group(2) or "B").upper()]
+    return int(float(match.group(1)) * scale)
+
+
+def copy_tokenizer_files(source: Path, target: Path) -> list[str]:
+    copied = []
+    for entry in sorted(source.iterdir()):
+        if entry.is_file() and TOKENIZER_FILES.match(entry.name):
+            shutil.copy2(entry, target / entry.name)
+            copied.append(entry.name)
+    return copied
+
+
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise GigatronError(
+            f"--load {folder}: has no {CONFIG_FILE}; give a Hugging Face model folder "
+            "(save_pretrained output)"
+        )
+    return json.loads(path.read_text())
+
+
+def _family_adapter(model_type: str | None, family: str | None) -> tuple[str, Any]:
+    if family is None:
+        return adapter_for(str(model_type))
+    from gigatron.families import get_family
+
+    adapter = get_family(family).hf_adapter
+    if adapter is None:
+        raise GigatronError(f"--family {family}: this family has no Hugging Face adapter")
+    types = tuple(getattr(adapter, "model_types", ()) or ())
+    if types and model_type not in types:
+        raise GigatronError(
+            f"--family {family}: reads model_type {', '.join(types)}, but config.json says "
+            f"{model_type!r}; leave --family out to pick the family from config.json"
+        )
+    return family, adapter
+
+
+def hf_to_gigatron(
+    load: Path,
+    save: Path,
+    tp: int = 1,
+    pp: int = 1,
+    vp: int | None = None,
+    ep: int = 1,
+    family: str | None = None,
+    log: Any = print,
+) -> Path:
+    """Import a Hugging Face folder as a gigatron `release` checkpoint for the target layout."""
+    from gigatron.config import config_from_dict
+
+    hf_config = read_hf_config(load)
+    family, adapter = _family_adapter(hf_config.get("model_type"), family)
+    values = adapter.config_from_hf(hf_config)
+    cfg = config_from_dict(values, source=f"{load / CONFIG_FILE} (as gigatron flags)")
+    _check_target(cfg, tp, pp, vp, ep, family)
+    layout = build_target_layout(cfg, tp, pp, vp, ep, values["vocab_size"], family)
+    padded = next(
+        chunk.state_dict(keep_vars=True)[WORD_EMBEDDING].shape[0] * tp
+        for chunks in layout.models.values()
+        for chunk in chunks
+        if WORD_EMBEDDING in chunk.state_dict(keep_vars=True)
+    )
+    model = cfg.model
+    log(
+        f"converting {load} ({hf_config.get('model_type')}, family {family}) to tensor-parallel "
+        f"{tp}, pipeline-parallel {pp}" + (f", expert-parallel {ep}" if ep > 1 else "")
+    )
+    save.mkdir(parents=True, exist_ok=True)
+    with SafetensorsFolder(load) as source:
+        mapping = WindowedMap(
+            lambda view: call_map(
+                adapter.from_hf,
+                view,
+                model.num_layers,
+                model.num_attention_heads,
+                padded,
+                hf_config=hf_config,
+            ),
+            source,
+        )
+
+        def check_all_used() -> None:
+            unused = [
+                n for n in source.names() if n not in mapping.used and not IGNORED_HF.search(n)
+            ]
+            if unused:
+                raise GigatronError(
+                    f"--load {load}: holds tensors gigatron has no place for: "
+                    f"{', '.join(unused[:5])}; this {hf_config.get('model_type')} variant is "
+                    "not supported"
+                )
+
+        extra = {
+            "gigatron_family": family,
+            "converted_from": str(load),
+            "hf_config": hf_config,
+        }
+        final = write_checkpoint(
+            save, layout, mapping.outputs(), set(mapping.plan), extra, check=check_all_used
+        )
+    copied = copy_tokenizer_files(load, save)
+    log(f"wrote {len(layout.positions)} file(s) to {final}; tokenizer files: {copied or 'none'}")
+    return final
+
+
+def _checkpoint_config(iteration_dir: Path) -> tuple[Any, str, dict[str, Any], dict]:
+    from gigatron.config import config_from_dict
+
+    first = next(iter(sorted(iteration_dir.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}"))), None)
+    if first is None:
+        raise GigatronError(f"{iteration_dir}: holds no mp_rank_*/{CHECKPOINT_FILENAME}")
+    state = safe_load(first, mmap=True)
+    args = state.get("args")
+    if not isinstance(args, dict) or not args:
+        raise GigatronError(f"{first}: holds no gigatron configuration ('args')")
+    cfg = config_from_dict(args, source=f"{first} args")
+    return cfg, state.get("gigatron_family", "gpt"), state.get("hf_config") or {}, state
+
+
+def gigatron_to_hf(
+    load: Path,
+    save: Path,
+    iteration: int | None = None,
+    max_shard_bytes: int | None = None,
+    log: Any = print,
+) -> Path:
+    """Export a gigatron checkpoint (any layout) as a Hugging Face folder."""
+    located = locate_iteration(load, iteration)
+    if located is None:
+        raise GigatronError(f"--load {load}: no latest_checkpointed_iteration.txt there")
+    iteration_dir = located[0]
+    cfg, family, hf_config, _ = _checkpoint_config(iteration_dir)
+    from gigatron.families import get_family
+
+    adapter = get_family(family).hf_adapter
+    if adapter is None:
+        raise GigatronError(f"{iteration_dir}: family {family} has no Hugging Face adapter")
+    source = CheckpointSource(iteration_dir, cfg, family)
+    if not hf_config:
+        if not hasattr(adapter, "config_to_hf"):
+            raise GigatronError(
+                f"{iteration_dir}: was not imported from Hugging Face and the {family} adapter "
+                "cannot write a config.json for it"
+            )
+        hf_config = adapter.config_to_hf(cfg)
+    vocab = hf_config["vocab_size"]
+    model = cfg.model
+    to_files = getattr(adapter, "to_hf_files", None)
+
+    def export(view: Any) -> dict[str, Any]:
+        out = call_map(
+            adapter.to_hf,
+            view,
+            model.num_layers,
+            model.num_attention_heads,
+            vocab,
+            hf_config=hf_config,
+        )
+        return to_files(out, hf_config) if to_files else out
+
+    mapping = WindowedMap(export, source)
+    save.mkdir(parents=True, exist_ok=True)
+    log(f"exporting {iteration_dir} (family {family}) to {save}")
+    files = write_safetensors(save, mapping.plan, mapping.outputs(), max_shard_bytes)
+    (save / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    copied = copy_tokenizer_files(load, save)
+    log(f"wrote {', '.join(files)} and {CONFIG_FILE}; tokenizer files: {copied or 'none'}")
+    return save
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False,
+        prog="gigatron convert",
+        description="Convert checkpoints between gigatron, Hugging Face (safetensors) and "
+        "Megatron-LM's torch format, one tensor at a time.",
+    )
+    parser.add_argument(
+        "--from", dest="source", required=True, choices=FORMATS, help="format of --load"
+    )
+    parser.add_argument(
+        "--to", dest="target", required=True, choices=FORMATS, help="format to write to --save"
+    )
+    parser.add_argument("--load", required=True, help="directory to read")
+    parser.add_argument("--save", required=True, help="directory to write")
+    parser.add_argument(
+        "--family", default=None, help="model family (default: from config.json's model_type)"
+    )
+    for flag, what in (
+        ("--target-tensor-parallel-size", "tensor-parallel size"),
+        ("--target-pipeline-parallel-size", "pipeline-parallel size"),
+        ("--target-expert-parallel-size", "expert-parallel size"),
+    ):
+        parser.add_argument(
+            flag,
+            type=int,
+            default=None,
+            help=f"{what} of a gigatron target (default: 1 from hf, the saved one from megatron)",
+        )
+    parser.add_argument(
+        "--target-num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        help="virtual pipeline stages per rank of a gigatron target (default: none)",
+    )
+    parser.add_argument(
+        "--ckpt-step", type=int, default=None, help="iteration to export (default: the latest)"
+    )
+    parser.add_argument(
+        "--megatron-te-names",
+        action="store_true",
+        help="--to megatron: Transformer Engine layer names (norms fused into the next linear) "
+        "instead of the local spec's",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors file of a Hugging Face target (default 5GB); larger models "
+        "are sharded with an index file",
+    )
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(list(argv))
+    load, save = Path(args.load), Path(args.save)
+    if not load.is_dir():
+        raise GigatronError(f"--load {load}: no such directory")
+    if save.exists() and save.resolve() == load.resolve():
+        raise GigatronError(f"--save {save}: is the --load directory; give a new directory")
+    log = lambda text: print(text, flush=True)  # noqa: E731
+    pair = (args.source, args.target)
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    if pair == ("hf", "gigatron"):
+        hf_to_gigatron(
+            load,
+            save,
+            tp or 1,
+            pp or 1,
+            args.target_num_virtual_stages_per_pipeline_rank,
+            args.target_expert_parallel_size or 1,
+            args.family,
+            log,
+        )
+    elif pair == ("gigatron", "hf"):
+        gigatron_to_hf(load, save, args.ckpt_step, parse_size(args.max_shard_size), log)
+    elif pair == ("gigatron", "megatron"):
+        from gigatron.checkpoint.megatron_convert import gigatron_to_megatron
+
+        gigatron_to_megatron(load, save, args.ckpt_step, args.megatron_te_names, log)
+    elif pair == ("megatron", "gigatron"):
+        from gigatron.checkpoint.megatron_convert import megatron_to_gigatron
+
+        megatron_to_gigatron(load, save, args.ckpt_step, tp, pp, log)
+    else:
+        raise GigatronError(
+            f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "
+            "gigatron, gigatron -> hf, megatron -> gigatron, gigatron -> megatron"
+        )
+    return 0

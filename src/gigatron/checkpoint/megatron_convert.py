@@ -1,0 +1,181 @@
+"""`gigatron convert --from megatron` / `--to megatron`: checkpoints in Megatron-LM's own shape.
+
+To Megatron: every `mp_rank_*` file of a gigatron checkpoint is rewritten with Megatron-LM's
+`args` (an `argparse.Namespace` of flat Megatron argument names; gigatron's field names are
+Megatron's `dest` names) and the parameter names of the local layer spec, or of the Transformer
+Engine spec (`--megatron-te-names`: norms fused into the next linear, an empty `_extra_state`
+per Transformer Engine module). Model weights only, as `convert-checkpoint` writes: Megatron-LM
+loads them with `--finetune` (or `--no-load-optim --no-load-rng`).
+
+From Megatron: the files are read with the Megatron allow-list (megatron_format.py), renamed to
+gigatron's names, given a gigatron configuration made from their `args`, and re-split for the
+target layout by `convert-checkpoint`'s machinery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gigatron.checkpoint.convert import convert_checkpoint
+from gigatron.checkpoint.megatron_format import megatron_te_name, model_to_gigatron
+from gigatron.checkpoint.torch_format import (
+    CHECKPOINT_FILENAME,
+    TMP_SUFFIX,
+    TRACKER_FILENAME,
+    config_as_dict,
+    locate_iteration,
+    safe_load,
+)
+from gigatron.errors import GigatronError
+
+_TE_MODULES = (
+    "self_attention.core_attention",
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def megatron_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> argparse.Namespace:
+    """Megatron-LM's flat arguments for a gigatron configuration (nested dict) and file."""
+    flat = {
+        k: v
+        for section in cfg_dict.values()
+        if isinstance(section, dict)
+        for k, v in section.items()
+    }
+    args = argparse.Namespace(**flat)
+    args.norm_epsilon = flat.get("layernorm_epsilon")
+    args.add_position_embedding = flat.get("position_embedding_type") == "learned_absolute"
+    dtype = next((d for flag, d in _DTYPES.items() if flat.get(flag)), torch.float32)
+    args.params_dtype = dtype
+    model = state.get("model") or state.get("model0") or {}
+    embedding = model.get("embedding.word_embeddings.weight")
+    if embedding is not None:
+        args.padded_vocab_size = embedding.shape[0] * int(
+            flat.get("tensor_model_parallel_size") or 1
+        )
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        setattr(args, key, int(state.get(key, 0)))
+    args.iteration = int(state.get("iteration", 0))
+    return args
+
+
+def _te_model(model: dict[str, torch.Tensor], layers: set[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {megatron_te_name(name): tensor for name, tensor in model.items()}
+    for layer in sorted(layers):
+        for module in _TE_MODULES:
+            out[f"{layer}.{module}._extra_state"] = None
+    return out
+
+
+def gigatron_to_megatron(
+    load: Path, save: Path, iteration: int | None, te_names: bool, log: Any = print
+) -> Path:
+    """Rewrite a gigatron checkpoint (its layout kept) as Megatron-LM's torch format."""
+    located = locate_iteration(load, iteration)
+    if located is None:
+        raise GigatronError(f"--load {load}: no {TRACKER_FILENAME} there")
+    iteration_dir, iteration, release = located
+    final = save / iteration_dir.name
+    if final.exists():
+        raise GigatronError(f"--save {save}: already holds {final.name}; give a new directory")
+    tmp = save / (final.name + TMP_SUFFIX)
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = sorted(iteration_dir.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}"))
+    for path in files:
+        state = safe_load(path)
+        if not isinstance(state.get("args"), dict):
+            raise GigatronError(f"{path}: not a gigatron checkpoint file")
+        out: dict[str, Any] = {
+            "args": megatron_args(state["args"], state),
+            "checkpoint_version": 3.0,
+            "iteration": iteration,
+            "num_floating_point_operations_so_far": state.get(
+                "num_floating_point_operations_so_far", 0
+            ),
+        }
+        for key in [k for k in state if k == "model" or k.startswith("model")]:
+            model = state[key]
+            if te_names:
+                layers = {".".join(n.split(".")[:3]) for n in model if ".layers." in n}
+                model = _te_model(model, layers)
+            out[key] = model
+        target = tmp / path.parent.name / CHECKPOINT_FILENAME
+        target.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(out, target)
+    os.replace(tmp, final)
+    (save / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
+    log(f"wrote {len(files)} Megatron-LM file(s) to {final} (model weights only)")
+    return final
+
+
+def _gigatron_config_dict(args: argparse.Namespace) -> dict[str, Any]:
+    """gigatron configuration values from Megatron-LM's `args` (same names; plain values)."""
+    from gigatron.config.root import _FIELD_SECTION, config_from_dict
+
+    values = vars(args)
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if name not in _FIELD_SECTION or not isinstance(value, (bool, int, float, str, list)):
+            continue
+        try:
+            config_from_dict({name: value})
+        except GigatronError:
+            continue  # a value gigatron does not take (e.g. a choice it does not offer)
+        out[name] = value
+    if values.get("norm_epsilon") is not None:
+        out["layernorm_epsilon"] = values["norm_epsilon"]
+    if out.get("vocab_size") is None and values.get("padded_vocab_size"):
+        out["padded_vocab_size"] = values["padded_vocab_size"]
+    return config_as_dict(config_from_dict(out))
+
+
+def megatron_to_gigatron(
+    load: Path,
+    save: Path,
+    iteration: int | None,
+    tp: int | None,
+    pp: int | None,
+    log: Any = print,
+) -> Path:
+    """Import a Megatron-LM torch-format checkpoint as a gigatron checkpoint (weights only),
+    re-split for `tp` x `pp` (default: the saved layout)."""
+    located = locate_iteration(load, iteration)
+    if located is None:
+        raise GigatronError(f"--load {load}: no {TRACKER_FILENAME} there")
+    iteration_dir, iteration, release = located
+    with tempfile.TemporaryDirectory(dir=save.parent if save.parent.exists() else None) as tmp:
+        staged = Path(tmp) / "staged"
+        staged_iteration = staged / iteration_dir.name
+        sizes = None
+        for path in sorted(iteration_dir.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}")):
+            state = safe_load(path, mmap=True)
+            if not isinstance(state.get("args"), argparse.Namespace):
+                raise GigatronError(f"{path}: was not written by Megatron-LM (no argparse args)")
+            args = _gigatron_config_dict(state["args"])
+            parallel = args["parallel"]
+            sizes = (
+                parallel["tensor_model_parallel_size"],
+                parallel["pipeline_model_parallel_size"],
+            )
+            out = {"args": args, "iteration": iteration, "checkpoint_version": 3.0}
+            for key in [k for k in state if k == "model" or k.startswith("model")]:
+                out[key] = model_to_gigatron(state[key])
+            target = staged_iteration / path.parent.name / CHECKPOINT_FILENAME
+            target.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(out, target)
+        if sizes is None:
+            raise GigatronError(f"{iteration_dir}: holds no mp_rank_*/{CHECKPOINT_FILENAME}")
+        (staged / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
+        final = convert_checkpoint(staged, save, tp or sizes[0], pp or sizes[1], log=log)
+    return final

@@ -1,0 +1,355 @@
+"""Checkpoints written by Megatron-LM itself (`--ckpt-format torch`), read safely and mapped onto
+gigatron's model, optimizer and random states.
+
+Reading: a Megatron `model_optim_rng.pt` keeps its run arguments in an `argparse.Namespace` that
+holds numpy RNG arrays, `signal.Signals` and Megatron enum values, which torch's weights-only
+loader refuses. `load_megatron_file` unpickles it with an allow-list: what the weights-only
+loader allows, the Namespace, numpy arrays and dtypes, `signal.Signals`; a class from a
+`megatron.*` module (the enums) becomes an inert `StoredValue` holding its name and value,
+without importing Megatron. Any other global is refused. The file counts as Megatron's only when
+its `args` is a Namespace.
+
+Mapping (`to_gigatron_state`): parameter names are Megatron-Core's; the Transformer Engine spec's
+norms fused into the next linear (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_*`)
+become the local spec's `input_layernorm.*` / `pre_mlp_layernorm.*`; `_extra_state` entries are
+dropped. The optimizer state is keyed by position in Megatron's parameter groups (the model's
+parameters in registration order = the order of the file's `model` entries, split into a group
+with weight decay and one without: biases and 1-D tensors); each position is mapped to its
+parameter name and then to gigatron's own position of that parameter. `iteration`,
+`consumed_train_samples` / `consumed_valid_samples` (kept in `args` by Megatron) and the
+learning-rate schedule carry over, so a run continues where Megatron stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import pickle
+import re
+import signal
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gigatron.errors import GigatronError
+
+_TE_NORMS = {
+    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+    ".self_attention.linear_qkv.layer_norm_bias": ".input_layernorm.bias",
+    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
+    ".mlp.linear_fc1.layer_norm_bias": ".pre_mlp_layernorm.bias",
+}
+_LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)(\..*)$")
+# Buffers (not parameters) a Megatron model may save.
+_BUFFERS = re.compile(r"(_extra_state|\.expert_bias|\.local_tokens_per_expert)$")
+
+
+class StoredValue:
+    """An instance of a class gigatron does not import (a Megatron enum value): its class name
+    and the arguments it was stored with; nothing of it runs."""
+
+    def __init__(self, qualified_name: str, args: tuple = ()) -> None:
+        self.qualified_name, self.args = qualified_name, args
+
+    @property
+    def value(self) -> Any:
+        return self.args[0] if len(self.args) == 1 else self.args
+
+    def __repr__(self) -> str:
+        return f"{self.qualified_name}({', '.join(map(repr, self.args))})"
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+def _inert_class(qualified_name: str) -> type:
+    """A stand-in for an unknown Megatron class: calling it (how enum values are unpickled)
+    or creating it gives a StoredValue."""
+
+    class Inert(StoredValue):
+        def __new__(cls, *args: Any) -> StoredValue:
+            value = StoredValue.__new__(StoredValue)
+            StoredValue.__init__(value, qualified_name, args)
+            return value
+
+        def __init__(self, *args: Any) -> None:  # the value is built by __new__
+            pass
+
+    Inert.__qualname__ = Inert.__name__ = qualified_name.rsplit(".", 1)[-1]
+    return Inert
+
+
+def _allowed_globals() -> dict[str, Any]:
+    from torch import _weights_only_unpickler
+
+    allowed = dict(_weights_only_unpickler._get_allowed_globals())
+    numpy_core = getattr(np, "_core", None) or np.core
+    allowed.update(
+        {
+            "argparse.Namespace": argparse.Namespace,
+            "_io.BytesIO": io.BytesIO,  # Transformer Engine's _extra_state (older versions)
+            "signal.Signals": signal.Signals,
+            "builtins.frozenset": frozenset,
+            "builtins.bytes": bytes,
+            "builtins.slice": slice,
+            "numpy.ndarray": np.ndarray,
+            "numpy.dtype": np.dtype,
+            "numpy.core.multiarray._reconstruct": numpy_core.multiarray._reconstruct,
+            "numpy._core.multiarray._reconstruct": numpy_core.multiarray._reconstruct,
+            "numpy.core.multiarray.scalar": numpy_core.multiarray.scalar,
+            "numpy._core.multiarray.scalar": numpy_core.multiarray.scalar,
+        }
+    )
+    for dtype_class in vars(np.dtypes).values():
+        if isinstance(dtype_class, type):
+            allowed[f"numpy.dtypes.{dtype_class.__name__}"] = dtype_class
+    return allowed
+
+
+class _MegatronUnpickler(pickle.Unpickler):
+    allowed: dict[str, Any] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        module = "builtins" if module == "__builtin__" else module  # protocol-2 pickles
+        qualified = f"{module}.{name}"
+        if qualified in self.allowed:
+            return self.allowed[qualified]
+        if module == "megatron" or module.startswith("megatron."):
+            return _inert_class(qualified)
+        raise pickle.UnpicklingError(f"GLOBAL {qualified} is not allowed")
+
+
+def _pickle_module() -> types.ModuleType:
+    module = types.ModuleType("gigatron_megatron_unpickler")
+    _MegatronUnpickler.allowed = _allowed_globals()
+    module.Unpickler = _MegatronUnpickler  # type: ignore[attr-defined]
+    module.load = lambda file, **kw: _MegatronUnpickler(file, **kw).load()  # type: ignore[attr-defined]
+    module.__dict__["UnpicklingError"] = pickle.UnpicklingError
+    return module
+
+
+def load_megatron_file(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """Read a Megatron-LM `model_optim_rng.pt` with the allow-list above. Raises
+    pickle.UnpicklingError for anything else (other globals, or `args` not a Namespace)."""
+    state = torch.load(
+        path, map_location="cpu", weights_only=False, pickle_module=_pickle_module(), mmap=mmap
+    )
+    if not isinstance(state, dict) or not isinstance(state.get("args"), argparse.Namespace):
+        raise pickle.UnpicklingError("objects outside a Megatron-LM checkpoint")
+    return state
+
+
+def is_megatron_state(state: dict[str, Any]) -> bool:
+    return isinstance(state.get("args"), argparse.Namespace)
+
+
+# ---- names --------------------------------------------------------------------------------------
+def gigatron_name(name: str) -> str | None:
+    """The gigatron name of a Megatron model entry (None: not a weight, e.g. `_extra_state`)."""
+    if name.endswith("_extra_state"):
+        return None
+    for te, local in _TE_NORMS.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+def megatron_te_name(name: str) -> str:
+    """The Transformer Engine spec name of a gigatron weight (inverse of `gigatron_name`)."""
+    for te, local in _TE_NORMS.items():
+        if name.endswith(local):
+            return name[: -len(local)] + te
+    return name
+
+
+def model_to_gigatron(model: dict[str, Any]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in model.items():
+        target = gigatron_name(name)
+        if target is not None and isinstance(tensor, torch.Tensor):
+            out[target] = tensor
+    return out
+
+
+def megatron_parameter_order(state: dict[str, Any]) -> list[str]:
+    """Megatron's parameters in registration order (gigatron names): the file's model entries
+    without buffers, chunk after chunk."""
+    keys = sorted(k for k in state if re.fullmatch(r"model\d+", k)) or ["model"]
+    names = []
+    for key in keys:
+        for name in state.get(key, {}):
+            if not _BUFFERS.search(name):
+                target = gigatron_name(name)
+                if target is not None:
+                    names.append(target)
+    return names
+
+
+def _no_weight_decay(name: str, tensor: torch.Tensor) -> bool:
+    return name.endswith(".bias") or tensor.dim() == 1
+
+
+def _gigatron_parameter_order(model_chunks: list[Any]) -> tuple[list[str], list[torch.Tensor]]:
+    """(names, params) in gigatron's optimizer order (optim.optimizer.get_param_groups)."""
+    decay, no_decay = [], []
+    seen: set[int] = set()
+    for chunk in model_chunks:
+        module = getattr(chunk, "module", chunk)
+        for name, param in module.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            (no_decay if _no_weight_decay(name, param) else decay).append((name, param))
+    ordered = decay + no_decay
+    return [n for n, _ in ordered], [p for _, p in ordered]
+
+
+# ---- optimizer ----------------------------------------------------------------------------------
+def _group_positions(order: list[str], model: dict[str, torch.Tensor], groups: list[dict]):
+    """Parameter name of each position of Megatron's torch optimizer state: its groups hold
+    the parameters with weight decay (wd_mult != 0) or without, in registration order."""
+    by_kind = {False: [], True: []}
+    for name in order:
+        by_kind[_no_weight_decay(name, model[name])].append(name)
+    names: list[str] = []
+    for index, group in enumerate(groups):
+        no_wd = float(group.get("wd_mult", 1.0 if index == 0 else 0.0)) == 0.0
+        members = by_kind[no_wd]
+        if len(group["params"]) != len(members):
+            raise GigatronError(
+                f"Megatron optimizer group {index} holds {len(group['params'])} parameters but "
+                f"the checkpoint's model has {len(members)} "
+                f"{'without' if no_wd else 'with'} weight decay; the optimizer state cannot be "
+                "mapped (load with --no-load-optim or --finetune)"
+            )
+        names += members
+        by_kind[no_wd] = []
+    return names
+
+
+def optimizer_to_gigatron(
+    saved: Any, state: dict[str, Any], model_chunks: list[Any], optimizer: Any, where: Path
+) -> dict[str, Any]:
+    """A Megatron optimizer state dict in gigatron's layout for `optimizer` (mapped by name)."""
+    if isinstance(saved, list):
+        raise GigatronError(
+            f"{where}: holds several chained optimizers (MoE expert optimizer); only the "
+            "weights can be loaded: pass --no-load-optim or --finetune"
+        )
+    inner = saved["optimizer"] if "param_groups" not in saved else saved
+    if "param_state_sharding_type" in saved or "state" not in inner:
+        raise GigatronError(
+            f"{where}: the optimizer state was written by Megatron's distributed optimizer "
+            "(distrib_optim.pt), which gigatron does not read; pass --no-load-optim or --finetune"
+        )
+    model = model_to_gigatron(state.get("model") or {})
+    for key in sorted(k for k in state if re.fullmatch(r"model\d+", k)):
+        model.update(model_to_gigatron(state[key]))
+    positions = _group_positions(megatron_parameter_order(state), model, inner["param_groups"])
+    saved_state = dict(inner["state"])
+    common_step = saved_state.pop("common_step", None)
+    index_of = {}
+    flat = [i for group in inner["param_groups"] for i in group["params"]]
+    for position, index in enumerate(flat):
+        index_of[positions[position]] = index
+    names, params = _gigatron_parameter_order(model_chunks)
+    missing = [n for n in names if n not in index_of]
+    if missing:
+        raise GigatronError(
+            f"{where}: the Megatron optimizer state has no entry for {', '.join(missing[:3])}; "
+            "load with --no-load-optim or --finetune"
+        )
+    new_state: dict[int, dict[str, Any]] = {}
+    steps = {i: g.get("step") for g in inner["param_groups"] for i in g["params"]}
+    for position, (name, param) in enumerate(zip(names, params)):
+        entry = dict(saved_state.get(index_of[name], {}))
+        if not entry:
+            continue
+        step = entry.get("step", common_step)
+        if step is None:
+            step = steps.get(index_of[name])
+        if step is not None:
+            entry["step"] = torch.as_tensor(float(step), dtype=torch.float32)
+        for moment in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if moment in entry and tuple(entry[moment].shape) != tuple(param.shape):
+                raise GigatronError(
+                    f"{where}: optimizer {moment} of {name} has shape "
+                    f"{tuple(entry[moment].shape)}, the model's is {tuple(param.shape)}"
+                )
+        new_state[position] = entry
+    template = optimizer.state_dict()
+    inner_template = template["optimizer"]
+    result: dict[str, Any] = {
+        "optimizer": {"state": new_state, "param_groups": inner_template["param_groups"]}
+    }
+    if "grad_scaler" in saved and saved["grad_scaler"] is not None:
+        result["grad_scaler"] = saved["grad_scaler"]
+    if "fp32_from_fp16_params" in saved and "fp32_from_fp16_params" in template:
+        mains = {}
+        for group_names, group in zip(_split(positions, inner), saved["fp32_from_fp16_params"]):
+            mains.update(zip(group_names, group))
+        half = [n for n, p in zip(names, params) if p.dtype in (torch.float16, torch.bfloat16)]
+        result["fp32_from_fp16_params"] = [mains[n] for n in half]
+    return result
+
+
+def _split(positions: list[str], inner: dict[str, Any]) -> list[list[str]]:
+    out, start = [], 0
+    for group in inner["param_groups"]:
+        out.append(positions[start : start + len(group["params"])])
+        start += len(group["params"])
+    return out
+
+
+# ---- random states ------------------------------------------------------------------------------
+def rng_to_gigatron(rng: Any, rng_tracker: Any) -> Any:
+    """Megatron's random states (numpy's as its get_state tuple) in gigatron's format; tracker
+    states of another device kind (CUDA states in a CPU run) are left out."""
+    if isinstance(rng, list):
+        return [rng_to_gigatron(r, rng_tracker) for r in rng]
+    rng = dict(rng)
+    np_state = rng.get("np_rng_state")
+    if isinstance(np_state, tuple):
+        algorithm, keys, pos, has_gauss, cached = np_state
+        rng["np_rng_state"] = {
+            "algorithm": str(algorithm),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    tracker = rng.get("rng_tracker_states")
+    if tracker is not None and rng_tracker is not None and hasattr(rng_tracker, "get_state"):
+        current = rng_tracker.get_state()
+        saved = tracker.get("model-parallel-rng") if isinstance(tracker, dict) else None
+        if saved is None or saved.shape != current.shape or saved.dtype != current.dtype:
+            rng["rng_tracker_states"] = None
+    return rng
+
+
+def to_gigatron_state(
+    state: dict[str, Any],
+    model_chunks: list[Any],
+    optimizer: Any,
+    rng_tracker: Any,
+    path: Path,
+    load_optimizer: bool,
+) -> dict[str, Any]:
+    """A Megatron-LM file's content in the shape `load_checkpoint` reads."""
+    args = vars(state["args"])
+    out = dict(state)
+    for key in [k for k in state if k == "model" or re.fullmatch(r"model\d+", k)]:
+        out[key] = model_to_gigatron(state[key])
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        if key not in out and args.get(key) is not None:
+            out[key] = int(args[key])
+    if "rng_state" in state:
+        out["rng_state"] = rng_to_gigatron(state["rng_state"], rng_tracker)
+    if load_optimizer and optimizer is not None and state.get("optimizer") is not None:
+        out["optimizer"] = optimizer_to_gigatron(
+            state["optimizer"], state, model_chunks, optimizer, path
+        )
+    return out

@@ -1,0 +1,38 @@
+"""Flags of the downstream tasks (Megatron's tasks/main.py): `gigatron evaluate` (zero-shot
+WikiText / LAMBADA). Not a section of GigatronConfig: only the task commands parse them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from gigatron.config.fields import add_dataclass_arguments, flag_field
+
+ZERO_SHOT_TASKS = ["WIKITEXT103", "LAMBADA"]
+
+
+@dataclass
+class ZeroShotTaskConfig:
+    task: Optional[str] = flag_field(None, "the zero-shot task", choices=ZERO_SHOT_TASKS)
+    valid_data: list[str] = flag_field([], "the file to evaluate on", nargs=1)
+    overlapping_eval: int = flag_field(
+        32, "WIKITEXT103: stride of the sliding window (tokens scored per window after the first)"
+    )
+    strict_lambada: bool = flag_field(
+        False, "LAMBADA: the target is the whole last word (all of its tokens), not its last token"
+    )
+
+
+def add_task_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    add_dataclass_arguments(parser, cls, title="task")
+
+
+def task_config_from_namespace(cls: type, namespace: argparse.Namespace):
+    """The task dataclass from parsed flags (defaults where a flag was not given)."""
+    config = cls()
+    for field in dataclasses.fields(cls):
+        if hasattr(namespace, field.name):
+            setattr(config, field.name, getattr(namespace, field.name))
+    return config

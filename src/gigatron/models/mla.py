@@ -1,0 +1,187 @@
+"""Multi-latent attention (DeepSeek-V2/V3): queries and keys/values pass through low-rank
+latents; a few channels per head carry RoPE, with one rotary key shared by all heads.
+
+    q      = up_q(norm(down_q(x)))          [s, b, np, qk + pe]   (or linear_q_proj(x))
+    latent, k_pe = split(down_kv(x))        [s, b, r], [s, b, pe]
+    k_nope, v = split(up_kv(norm(latent)))  [s, b, np, qk], [s, b, np, v]
+    k      = [k_nope, rope(k_pe) for every head],  q = [q_nope, rope(q_pe)]
+    out    = linear_proj(attention(q, k, v))    scale mscale(f, mscale_all_dim)^2 / sqrt(qk + pe)
+
+Parameter names are Megatron-Core's: `linear_q_proj` or `linear_q_down_proj` + `q_layernorm` +
+`linear_q_up_proj`, `linear_kv_down_proj`, `kv_layernorm`, `linear_kv_up_proj`, `linear_proj`
+(the latent norms exist with `--qk-layernorm`, as in Megatron's spec; DeepSeek sets it). The
+down projections are replicated over tensor parallelism (each rank computes the whole latent;
+under sequence parallelism on its slice of the sequence, and their weights are then marked
+`sequence_parallel`); the up projections and the output are split by heads like the other
+attention. The KV cache holds the up-projected keys and values (not the latents).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gigatron.models.transformer import CoreAttention, Norm, apply_rotary
+from gigatron.models.transformer_config import TransformerConfig
+from gigatron.models.yarn import yarn_mscale
+from gigatron.parallel.collectives import (
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+)
+from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.random import ModelParallelRNG, recompute
+from gigatron.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    divide,
+    set_tensor_parallel_attributes,
+)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with W whole on every tensor-parallel rank (MLA's down projections). Under
+    sequence parallelism each rank sees a slice of the sequence: partial gradients, summed over
+    tp (`sequence_parallel`)."""
+
+    def __init__(self, input_size: int, output_size: int, config: TransformerConfig, pctx) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(output_size, input_size, dtype=config.params_dtype, device=pctx.device)
+        )
+        set_tensor_parallel_attributes(
+            self.weight, False, init="normal", init_std=config.init_method_std
+        )
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def mla_softmax_scale(config: TransformerConfig) -> float:
+    """mscale(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)."""
+    mscale = yarn_mscale(config.rotary_scaling_factor, config.mscale_all_dim)
+    return mscale * mscale / math.sqrt(config.qk_head_dim + config.qk_pos_emb_head_dim)
+
+
+class MLASelfAttention(nn.Module):
+    """Multi-latent self-attention with the `SelfAttention` interface (see the module docstring):
+    `forward(x [s(/tp), b, h], attention_mask, rotary, inference_cache=None)`."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        pctx: ParallelContext,
+        layer_number: int,
+        rng: ModelParallelRNG,
+        core_attention: Callable[..., nn.Module] | None = None,
+    ) -> None:
+        super().__init__()
+        self.pctx = pctx
+        self.layer_number = layer_number  # 1-based, global: names this layer's KV-cache slot
+        self.sequence_parallel = config.sequence_parallel
+        self.heads = divide(config.num_attention_heads, pctx.tp_size, "--num-attention-heads")
+        self.qk_head_dim, self.pe_dim = config.qk_head_dim, config.qk_pos_emb_head_dim
+        self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        q_head = self.qk_head_dim + self.pe_dim
+        total_heads = config.num_attention_heads
+
+        def column(input_size: int, output_size: int) -> ColumnParallelLinear:
+            return ColumnParallelLinear(
+                input_size,
+                output_size,
+                pctx,
+                bias=False,
+                sequence_parallel=config.sequence_parallel,
+                init_std=config.init_method_std,
+                dtype=config.params_dtype,
+            )
+
+        def latent_norm(size: int) -> nn.Module | None:
+            return Norm(config, pctx, size) if config.qk_layernorm else None
+
+        if config.q_lora_rank is None:
+            self.linear_q_proj = column(config.hidden_size, total_heads * q_head)
+        else:
+            self.linear_q_down_proj = ReplicatedLinear(
+                config.hidden_size, config.q_lora_rank, config, pctx
+            )
+            self.q_layernorm = latent_norm(config.q_lora_rank)
+            self.linear_q_up_proj = column(config.q_lora_rank, total_heads * q_head)
+        self.linear_kv_down_proj = ReplicatedLinear(
+            config.hidden_size, self.kv_lora_rank + self.pe_dim, config, pctx
+        )
+        self.kv_layernorm = latent_norm(self.kv_lora_rank)
+        self.linear_kv_up_proj = column(
+            self.kv_lora_rank, total_heads * (self.qk_head_dim + self.v_head_dim)
+        )
+        core_config = dataclasses.replace(
+            config, kv_channels=q_head, softmax_scale=mla_softmax_scale(config)
+        )
+        self.core_attention = (core_attention or CoreAttention)(
+            core_config, pctx, layer_number, rng
+        )
+        self.linear_proj = RowParallelLinear(
+            total_heads * self.v_head_dim,
+            config.hidden_size,
+            pctx,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            init_std=config.output_init_std,
+            dtype=config.params_dtype,
+        )
+        self.recompute_core = config.recompute_granularity == "selective"
+        self.rng = rng
+
+    def kv_cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(heads, key channels), (heads, value channels) of this rank's KV-cache entries."""
+        return (self.heads, self.qk_head_dim + self.pe_dim), (self.heads, self.v_head_dim)
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "linear_q_proj"):
+            return self.linear_q_proj(x)
+        latent = self.linear_q_down_proj(x)
+        if self.q_layernorm is not None:
+            latent = self.q_layernorm(latent)
+        return self.linear_q_up_proj(latent)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        inference_cache=None,
+    ) -> torch.Tensor:
+        q = self._query(x)
+        seq, batch = q.shape[:2]
+        q_nope, q_pe = q.view(seq, batch, self.heads, -1).split(
+            [self.qk_head_dim, self.pe_dim], dim=-1
+        )
+        latent, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.pe_dim], -1)
+        if self.kv_layernorm is not None:
+            latent = self.kv_layernorm(latent)
+        kv = self.linear_kv_up_proj(latent).view(seq, batch, self.heads, -1)
+        k_nope, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+        # The rotary key is shared by this rank's heads: the whole sequence, and its gradient
+        # summed over the tensor-parallel ranks' heads.
+        if self.sequence_parallel:
+            k_pe = gather_from_sequence_parallel_region(k_pe, self.pctx)
+        else:
+            k_pe = copy_to_tp_region(k_pe, self.pctx)
+        k_pe = k_pe.unsqueeze(2)
+        if rotary is not None:
+            q_pe, k_pe = apply_rotary(q_pe, *rotary), apply_rotary(k_pe, *rotary)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
+        if inference_cache is not None:
+            k, v = inference_cache.update(self.layer_number, k, v)
+            attention_mask = inference_cache.attention_mask_for(self.core_attention)
+        if self.recompute_core and self.training:
+            context = recompute(self.core_attention, q, k, v, attention_mask, rng=self.rng)
+        else:
+            context = self.core_attention(q, k, v, attention_mask)
+        return self.linear_proj(context)
