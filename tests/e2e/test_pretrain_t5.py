@@ -149,3 +149,19 @@ def test_convert_checkpoint_round_trips_through_a_t5_pipeline_layout(references,
     assert original.keys() == restored.keys()
     for name, tensor in original.items():
         assert torch.equal(restored[name], tensor), name
+
+
+def test_torch_dist_checkpoint_resumes_in_another_layout(corpus, references, tmp_path):
+    """Saved by encoder | decoder pipeline stages in the torch_dist format, resumed at tp 2
+    without a pipeline: iterations 6-10 give the one-process losses."""
+    first, second = tmp_path / "pp2", tmp_path / "tp2"
+    _train(_flags(corpus, first, *PP2, "--ckpt-format", "torch_dist", "--save-interval", "5",
+                  "--exit-interval", "5"), nproc=2)  # fmt: skip
+    _train(_flags(corpus, second, "--tensor-model-parallel-size", "2", "--ckpt-format",
+                  "torch_dist", "--load", str(first)), nproc=2)  # fmt: skip
+    one = {r["iteration"]: r["lm_loss"] for r in _records(references["megatron"], "train")}
+    resumed = {r["iteration"]: r["lm_loss"] for r in _records(second, "train")}
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert [resumed[i] for i in range(6, 11)] == pytest.approx(
+        [one[i] for i in range(6, 11)], rel=2e-5
+    )
