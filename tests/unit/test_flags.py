@@ -15,6 +15,7 @@ import pytest
 
 from gigatron.cli import COMMANDS
 from gigatron.config import GigatronConfig, parse_config
+from gigatron.config.equivalents import EQUIVALENTS
 from gigatron.config.fields import flag_name
 from gigatron.config.refusals import REFUSALS, refused_settings
 from gigatron.config.root import SECTIONS, add_config_arguments, field_section
@@ -126,12 +127,39 @@ def test_refusals_name_real_fields_and_are_enforced():
     assert refused_settings(GigatronConfig()) == [], "the defaults must be accepted"
     cases = {
         "timing_log_level": ["--timing-log-level", "2"],
+        "transformer_impl": ["--transformer-impl", "inference_optimized"],
+        "spec": ["--spec", "megatron.core.models.retro"],
+        "fp8": ["--fp8-format", "hybrid"],
+        "fp8_amax_history_len": ["--fp8-amax-history-len", "1024"],
+        "fp8_amax_compute_algo": ["--fp8-amax-compute-algo", "max"],
+        "fp8_param_gather": ["--fp8-param-gather"],
+        "nccl_ub": ["--use-nccl-ub"],
+        "fsdp_double_buffer": ["--fsdp-double-buffer"],
+        "fsdp_manual_registration": ["--fsdp-manual-registration"],
+        "megatron_fsdp_main_grads_dtype": ["--megatron-fsdp-main-grads-dtype", "bf16"],
+        "moe_router_force_load_balancing": ["--moe-router-force-load-balancing"],
+        "moe_flex_dispatcher_backend": ["--moe-flex-dispatcher-backend", "hybridep"],
+        "moe_token_dispatcher_type": ["--moe-token-dispatcher-type", "flex"],
+        "init_model_with_meta_device": ["--init-model-with-meta-device"],
+        "recompute_modules": ["--recompute-modules", "moe_act"],
     }
     assert set(cases) == set(REFUSALS), "give every refusal a refused example here"
     for flags in cases.values():
-        shown = flags[0] if flags[1].startswith("--") else f"{flags[0]} {flags[1]}"
+        # "--flag value", or a switch alone
+        shown = flags[0] if len(flags) == 1 or flags[1].startswith("--") else " ".join(flags[:2])
         with pytest.raises(GigatronError, match=re.escape(f"{shown}: ")):
             parse_config(flags)
+
+
+def test_equivalents_name_real_fields_and_are_documented():
+    """Each implementation selector (config/equivalents.py) is a real flag, and
+    docs/training.md says what it maps to."""
+    docs = (SRC.parents[1] / "docs" / "training.md").read_text()
+    for name, equivalent in EQUIVALENTS.items():
+        field_section(name)
+        flag = equivalent.flag.split()[0]
+        assert f"`{flag}" in docs, f"docs/training.md does not explain {flag}"
+        assert name not in REFUSALS or name in ("transformer_impl", "spec")
 
 
 def test_expert_parallel_without_experts_is_refused_on_several_processes():

@@ -245,3 +245,74 @@ def test_a_slow_first_iteration_is_announced(tmp_path, monkeypatch):
     notices = [line for line in lines if "running..." in line]
     assert notices and notices[0].startswith(" iteration 1 running... (0 s since training")
     assert all(lines.index(n) < first_log for n in notices)  # none after the first log line
+
+
+def test_no_check_for_nan_keeps_training(tmp_path):
+    toy = ToyLM()
+    toy.poison_at_call = 5  # from the 3rd iteration on, the loss is not finite
+    run = make_run(tmp_path, "--no-check-for-nan-in-loss-and-grad", toy=toy)
+    result = train(run)
+    assert result.iteration == 4
+    assert np.isfinite(result.train_losses[2]) and not np.isfinite(result.train_losses[3])
+
+
+def test_manual_gc_turns_the_collector_off_and_collects_on_schedule(tmp_path):
+    import gc
+
+    seen: list[tuple[bool, int]] = []
+    collections: list[int] = []
+    toy = ToyLM()
+    toy.on_call = lambda call: seen.append((gc.isenabled(), call))
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    run = make_run(tmp_path, "--manual-gc", "--manual-gc-interval", "2", "--eval-iters", "0",
+                   toy=toy)  # fmt: skip
+    gc.callbacks.append(count)
+    try:
+        train(run)
+    finally:
+        gc.callbacks.remove(count)
+    assert gc.isenabled()  # restored
+    assert all(not enabled for enabled, _ in seen)
+    # One full collection at the start, then after iterations 2 and 4 (automatic ones are off).
+    assert collections == [2, 2, 2]
+
+
+def test_params_norm_is_logged(tmp_path):
+    run = make_run(tmp_path, "--log-params-norm")
+    train(run)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if r["type"] == "train"][-1]
+    expected = torch.sqrt(sum((p.detach() ** 2).sum() for p in run.model[0].parameters()))
+    assert last["params_norm"] == pytest.approx(expected.item(), rel=1e-6)
+    assert "params norm:" in run.metrics.stream.getvalue()
+
+
+def test_profile_writes_a_trace_of_the_window(tmp_path):
+    run = make_run(
+        tmp_path, "--profile", "--profile-step-start", "1", "--profile-step-end", "3",
+        "--tensorboard-dir", str(tmp_path / "tb"), "--eval-iters", "0",
+    )  # fmt: skip
+    train(run)
+    (trace,) = (tmp_path / "tb").glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    # Two iterations (2 and 3) of 2 micro-batches: four forward passes of the toy model.
+    embeddings = [e for e in events if e.get("name") == "aten::embedding"]
+    assert len(embeddings) == 4
+
+
+def test_profile_on_a_rank_not_listed_writes_nothing(tmp_path, monkeypatch):
+    run = make_run(tmp_path, "--profile", "--profile-step-start", "1", "--profile-step-end", "2",
+                   "--profile-ranks", "1", "--eval-iters", "0")  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    train(run)
+    assert not (tmp_path / "profile").exists()
+
+
+def test_record_memory_history_needs_cuda(tmp_path):
+    run = make_run(tmp_path, "--record-memory-history")
+    with pytest.raises(GigatronError, match="--record-memory-history: records CUDA"):
+        train(run)

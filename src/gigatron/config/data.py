@@ -25,6 +25,9 @@ class DataConfig:
         0.1, "BERT: probability that a sample is given a random shorter target length"
     )
     num_workers: int = flag_field(2, "data-loader worker processes")
+    mmap_bin_files: bool = flag_field(
+        True, "read .bin files without memory-mapping", flag="--no-mmap-bin-files", store_false=True
+    )
     eod_mask_loss: bool = flag_field(False, "no loss on end-of-document tokens")
     reset_position_ids: bool = flag_field(False, "restart position ids after each end of document")
     reset_attention_mask: bool = flag_field(False, "no attention across end of document")

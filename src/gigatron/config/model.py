@@ -168,6 +168,57 @@ class ModelConfig:
     )
     padded_vocab_size: Optional[int] = flag_field(None, "use exactly this padded vocabulary size")
     use_flash_attn: bool = flag_field(False, "use the flash-attn package when it is installed")
+    # Implementation selectors: gigatron has one implementation of each (config/equivalents.py
+    # says which one, docs/training.md explains).
+    transformer_impl: str = flag_field(
+        "transformer_engine",
+        "layer implementation; gigatron's PyTorch layers compute what both Megatron choices do",
+        choices=["local", "transformer_engine", "inference_optimized"],
+    )
+    attention_backend: str = flag_field(
+        "auto",
+        "attention kernel; gigatron uses PyTorch's scaled_dot_product_attention, which picks a "
+        "flash, memory-efficient or math kernel by itself",
+        choices=["flash", "fused", "unfused", "local", "auto"],
+    )
+    masked_softmax_fusion: bool = flag_field(
+        True, "no fused masked softmax kernel", flag="--no-masked-softmax-fusion", store_false=True
+    )
+    bias_gelu_fusion: bool = flag_field(
+        True, "no fused bias + GeLU kernel", flag="--no-bias-gelu-fusion", store_false=True
+    )
+    bias_dropout_fusion: bool = flag_field(
+        True,
+        "no fused bias + dropout + add kernel",
+        flag="--no-bias-dropout-fusion",
+        store_false=True,
+    )
+    apply_rope_fusion: bool = flag_field(
+        True, "no fused RoPE kernel", flag="--no-rope-fusion", store_false=True
+    )
+    cross_entropy_loss_fusion: bool = flag_field(
+        False, "fused cross-entropy kernel (gigatron's vocab-parallel loss is always one pass)"
+    )
+    disable_bf16_reduced_precision_matmul: bool = flag_field(
+        False, "bf16 matrix products reduce in fp32 (cuBLAS reduced-precision reduction off)"
+    )
+    init_model_with_meta_device: bool = flag_field(
+        False, "build the model on the meta device, then materialise only this rank's shards"
+    )
+    spec: Optional[list[str]] = flag_field(
+        None, "Megatron layer-spec module [function]; only the specs gigatron builds", nargs="*"
+    )
+    fp8: Optional[str] = flag_field(
+        None,
+        "fp8 training recipe (Transformer Engine)",
+        flag="--fp8-format",
+        choices=["e4m3", "hybrid"],
+    )
+    fp8_amax_history_len: int = flag_field(1, "fp8 amax history length (Transformer Engine)")
+    fp8_amax_compute_algo: str = flag_field(
+        "most_recent", "fp8 amax algorithm (Transformer Engine)", choices=["most_recent", "max"]
+    )
+    fp8_param_gather: bool = flag_field(False, "gather parameters in fp8 (Transformer Engine)")
     model_preset: Optional[str] = flag_field(
         None,
         "named model shape (see `gigatron presets`), overridden by explicit flags",
@@ -182,6 +233,23 @@ class ModelConfig:
     recompute_num_layers: Optional[int] = flag_field(None, "layers per recompute unit or block")
     recompute_activations: bool = flag_field(
         False, "shorthand for --recompute-granularity selective"
+    )
+    checkpoint_activations: bool = flag_field(
+        False, "old name of --recompute-granularity full (--recompute-method uniform, 1 layer)"
+    )
+    recompute_modules: Optional[list[str]] = flag_field(
+        None,
+        "with --recompute-granularity selective: the modules to recompute",
+        choices=[
+            "core_attn",
+            "mlp",
+            "layernorm",
+            "moe",
+            "moe_act",
+            "shared_experts",
+            "mla_up_proj",
+        ],
+        default_help="core_attn",
     )
     mamba_state_dim: int = flag_field(128, "state size of each Mamba head (N)")
     mamba_head_dim: int = flag_field(64, "channels per Mamba head (P)")

@@ -70,10 +70,22 @@ class MoEConfig:
     moe_token_dispatcher_type: str = flag_field(
         "allgather",
         "how tokens reach their experts over the expert-parallel group",
-        choices=["allgather", "alltoall"],
+        choices=["allgather", "alltoall", "flex"],
     )
     moe_grouped_gemm: bool = flag_field(
         False, "compute all local experts with one grouped GEMM (torch._grouped_mm) when available"
+    )
+    moe_permute_fusion: bool = flag_field(
+        False, "fused token permutation kernel (gigatron's permutation is one index_select)"
+    )
+    moe_router_force_load_balancing: bool = flag_field(
+        False, "route tokens as if the router were perfectly balanced (benchmarking)"
+    )
+    moe_flex_dispatcher_backend: Optional[str] = flag_field(
+        None,
+        "backend of the flex token dispatcher",
+        choices=["deepep", "hybridep", "ncclep"],
+        default_help="deepep",
     )
     moe_expert_capacity_factor: Optional[float] = flag_field(
         None, "expert capacity = factor x tokens x topk / experts; tokens beyond it are dropped"

@@ -31,6 +31,12 @@ class OptimizerConfig:
     lr_warmup_fraction: Optional[float] = flag_field(None, "warm-up as a fraction of the decay")
     lr_warmup_samples: int = flag_field(0, "samples of linear warm-up")
     lr_warmup_init: float = flag_field(0.0, "learning rate at the start of warm-up")
+    decoupled_lr: Optional[float] = flag_field(
+        None, "peak learning rate of the input embedding and output layer"
+    )
+    decoupled_min_lr: Optional[float] = flag_field(
+        None, "final learning rate of the input embedding and output layer; default --min-lr"
+    )
     override_opt_param_scheduler: bool = flag_field(
         False,
         "take the schedule from the flags, not the checkpoint",

@@ -68,6 +68,38 @@ class ParallelConfig:
     accumulate_allreduce_grads_in_fp32: bool = flag_field(
         False, "accumulate and reduce gradients in fp32 under bf16/fp16"
     )
+    grad_reduce_in_bf16: bool = flag_field(
+        False, "accumulate and reduce gradients in bf16 under --bf16 (default fp32)"
+    )
+    gradient_accumulation_fusion: bool = flag_field(
+        True,
+        "no fused weight-gradient accumulation into the fp32 gradient buffer",
+        flag="--no-gradient-accumulation-fusion",
+        store_false=True,
+    )
+    use_torch_fsdp2: bool = flag_field(
+        False, "fully sharded data parallelism with PyTorch's FSDP2 (fully_shard)"
+    )
+    use_megatron_fsdp: bool = flag_field(
+        False,
+        "fully sharded data parallelism (gigatron: PyTorch's FSDP2 with the sharding strategy)",
+    )
+    data_parallel_sharding_strategy: str = flag_field(
+        "optim_grads_params",
+        "with FSDP: what is sharded over data-parallel ranks",
+        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+    )
+    nccl_ub: bool = flag_field(False, "NCCL user buffers for FSDP", flag="--use-nccl-ub")
+    fsdp_double_buffer: bool = flag_field(False, "Megatron-FSDP double buffering")
+    fsdp_manual_registration: bool = flag_field(False, "Megatron-FSDP manual NCCL registration")
+    megatron_fsdp_grad_comm_dtype: str = flag_field(
+        "auto",
+        "Megatron-FSDP gradient communication dtype",
+        choices=["fp32", "fp16", "bf16", "auto"],
+    )
+    megatron_fsdp_main_grads_dtype: str = flag_field(
+        "auto", "Megatron-FSDP main gradient dtype", choices=["fp32", "bf16", "fp16", "auto"]
+    )
     calculate_per_token_loss: bool = flag_field(
         False, "average the loss over all tokens of the global batch instead of per micro-batch"
     )

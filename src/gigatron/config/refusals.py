@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gigatron.config.equivalents import KNOWN_SPEC_MODULES
 from gigatron.config.fields import flag_name
 
 
@@ -25,6 +26,74 @@ class Refusal:
 
 
 REFUSALS: dict[str, Refusal] = {
+    "transformer_impl": Refusal(
+        lambda value: value == "inference_optimized",
+        "the inference-optimized layers are not available; use --transformer-impl local (or "
+        "transformer_engine: gigatron's layers compute the same model)",
+    ),
+    "spec": Refusal(
+        lambda value: bool(value) and value[0] not in KNOWN_SPEC_MODULES,
+        "gigatron builds layers from its families, not from Megatron layer-spec modules; drop "
+        f"--spec or name one of {', '.join(KNOWN_SPEC_MODULES)} with its family "
+        "(`gigatron pretrain gpt|mamba`)",
+    ),
+    "fp8": Refusal(
+        lambda value: value is not None,
+        "fp8 training (Transformer Engine recipes) is not available; drop --fp8-format and "
+        "train in --bf16",
+    ),
+    "fp8_amax_history_len": Refusal(
+        lambda value: value != 1, "an fp8 setting; fp8 training is not available (drop it)"
+    ),
+    "fp8_amax_compute_algo": Refusal(
+        lambda value: value != "most_recent",
+        "an fp8 setting; fp8 training is not available (drop it)",
+    ),
+    "fp8_param_gather": Refusal(bool, "an fp8 setting; fp8 training is not available (drop it)"),
+    "nccl_ub": Refusal(
+        bool,
+        "NCCL user-buffer registration is a Megatron-FSDP tuning gigatron's FSDP (PyTorch "
+        "FSDP2) does not have; drop it",
+    ),
+    "fsdp_double_buffer": Refusal(
+        bool,
+        "Megatron-FSDP's double buffer is not part of PyTorch FSDP2, which gigatron's FSDP "
+        "uses; drop it",
+    ),
+    "fsdp_manual_registration": Refusal(
+        bool,
+        "manual NCCL buffer registration is a Megatron-FSDP tuning PyTorch FSDP2 does not "
+        "have; drop it",
+    ),
+    "megatron_fsdp_main_grads_dtype": Refusal(
+        lambda value: value != "auto",
+        "FSDP2 keeps sharded gradients in the reduce dtype; set that with "
+        "--megatron-fsdp-grad-comm-dtype (or drop this flag)",
+    ),
+    "moe_router_force_load_balancing": Refusal(
+        bool,
+        "forced load balancing (a benchmarking mode) is not available; drop it",
+    ),
+    "moe_token_dispatcher_type": Refusal(
+        lambda value: value == "flex",
+        "the flex token dispatcher (DeepEP / HybridEP kernels) is not available; use "
+        "--moe-token-dispatcher-type alltoall",
+    ),
+    "moe_flex_dispatcher_backend": Refusal(
+        lambda value: value is not None,
+        "the flex token dispatcher (DeepEP / HybridEP kernels) is not available; use "
+        "--moe-token-dispatcher-type alltoall and drop this flag",
+    ),
+    "init_model_with_meta_device": Refusal(
+        bool,
+        "building the model on the meta device is not available yet; drop it (parameters are "
+        "built full-size from the seed, then sliced)",
+    ),
+    "recompute_modules": Refusal(
+        lambda value: bool(value) and not set(value) <= {"core_attn", "mlp", "layernorm"},
+        "only core_attn, mlp and layernorm can be recomputed so far (moe, moe_act, "
+        "shared_experts and mla_up_proj cannot); drop the others",
+    ),
     "timing_log_level": Refusal(
         lambda value: value is not None and value > 1,
         "level 2 (fine-grained timers inside the schedule) is not available; use 1 for the "
@@ -46,6 +115,11 @@ def refused_settings(cfg: Any) -> list[str]:
         section, field = fields[name]
         value = getattr(section, name)
         if refusal.refused(value):
-            shown = "" if isinstance(value, bool) else f" {value}"
+            if isinstance(value, bool):
+                shown = ""
+            elif isinstance(value, list):
+                shown = " " + " ".join(str(v) for v in value)
+            else:
+                shown = f" {value}"
             problems.append(f"{flag_name(field)}{shown}: {refusal.fix}")
     return problems

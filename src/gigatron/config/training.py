@@ -31,6 +31,32 @@ class TrainingConfig:
     exit_signal_handler: bool = flag_field(False, "on SIGTERM, save a checkpoint and exit")
     seed: int = flag_field(1234, "random seed")
     deterministic_mode: bool = flag_field(False, "bitwise-reproducible runs")
+    deprecated_use_mcore_models: bool = flag_field(
+        False, "Megatron-Core models (the only kind gigatron has)", flag="--use-mcore-models"
+    )
+    enable_experimental: bool = flag_field(False, "allow Megatron's experimental features")
+    step_batch_size_schedule: Optional[str] = flag_field(
+        None,
+        "global batch by consumed samples, 'SAMPLES:BATCH ...' (e.g. '0:16 2.4B:320'; K, M, B, T "
+        "suffixes)",
+    )
+    check_for_nan_in_loss_and_grad: bool = flag_field(
+        True,
+        "keep training when the loss or gradient norm is not finite",
+        flag="--no-check-for-nan-in-loss-and-grad",
+        store_false=True,
+    )
+    manual_gc: bool = flag_field(
+        False, "disable Python's automatic garbage collector; collect on a schedule"
+    )
+    manual_gc_interval: int = flag_field(
+        0, "with --manual-gc: iterations between collections (0: only at evaluations and saves)"
+    )
+    empty_unused_memory_level: int = flag_field(
+        0,
+        "release cached accelerator memory: 1 after each optimizer step, 2 also after forward-backward",
+        choices=[0, 1, 2],
+    )
     fp16: bool = flag_field(False, "fp16 parameters with dynamic loss scaling")
     bf16: bool = flag_field(False, "bf16 parameters")
     loss_scale: Optional[float] = flag_field(None, "static loss scale (fp16); default dynamic")

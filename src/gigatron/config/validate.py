@@ -46,6 +46,15 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         apply_preset(cfg, m.model_preset)
     if m.recompute_activations:
         m.recompute_granularity = "selective"
+    if p.use_megatron_fsdp and p.data_parallel_sharding_strategy == "optim":
+        # Megatron-FSDP's ZeRO-1: the distributed optimizer's sharding.
+        p.use_distributed_optimizer = True
+    if m.checkpoint_activations:
+        # Megatron's old flag: full recompute, uniform groups (of the old default of 1 layer).
+        m.recompute_granularity = "full"
+        m.recompute_method = "uniform"
+        if m.recompute_num_layers is None:
+            m.recompute_num_layers = 1
     pattern = m.hybrid_layer_pattern or m.hybrid_override_pattern
     if m.num_layers is None and pattern:
         m.num_layers = len(pattern)  # a hybrid stack's layer count is its pattern's (Megatron)
@@ -196,6 +205,46 @@ def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
         problems.append(f"--rotary-scaling-factor {m.rotary_scaling_factor} must be positive")
 
 
+def _fsdp_rules(cfg: GigatronConfig, problems: list[str], world_size: int | None) -> None:
+    """Fully sharded data parallelism (parallel/fully_sharded.py): what it composes with."""
+    p, t = cfg.parallel, cfg.training
+    if p.use_torch_fsdp2 and p.use_megatron_fsdp:
+        problems.append("--use-torch-fsdp2 and --use-megatron-fsdp: give one")
+    if p.use_torch_fsdp2 and p.use_distributed_optimizer:
+        problems.append(
+            "--use-torch-fsdp2 shards the optimizer state itself; drop --use-distributed-optimizer"
+        )
+    fsdp = p.use_torch_fsdp2 or p.use_megatron_fsdp
+    if not fsdp and p.megatron_fsdp_grad_comm_dtype != "auto":
+        problems.append("--megatron-fsdp-grad-comm-dtype needs --use-megatron-fsdp")
+    if not p.use_megatron_fsdp and p.data_parallel_sharding_strategy != "optim_grads_params":
+        problems.append("--data-parallel-sharding-strategy needs --use-megatron-fsdp")
+    sharded = p.use_torch_fsdp2 or (
+        p.use_megatron_fsdp
+        and p.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+    )
+    if not sharded:
+        return
+    for enabled, what in (
+        (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
+        (p.context_parallel_size > 1, "--context-parallel-size > 1"),
+        (bool(cfg.moe.num_experts), "--num-experts (expert parallelism)"),
+        (t.fp16, "--fp16 (use --bf16)"),
+        (cfg.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist (use torch)"),
+    ):
+        if enabled:
+            problems.append(
+                f"fully sharded data parallelism (--use-torch-fsdp2 / --use-megatron-fsdp) with "
+                f"{what} is not available yet; use --use-distributed-optimizer instead"
+            )
+    if world_size is not None and data_parallel_size(cfg, world_size) == 1:
+        warnings.warn(
+            "fully sharded data parallelism at data-parallel size 1 has nothing to shard; the "
+            "model is trained unsharded",
+            stacklevel=2,
+        )
+
+
 def validate_config(
     cfg: GigatronConfig, world_size: int | None = None, for_training: bool = False
 ) -> None:
@@ -302,6 +351,15 @@ def validate_config(
     problems.extend(refused_settings(cfg))
     _attention_variant_rules(cfg, problems)
     _context_parallel_rules(cfg, problems)
+    _fsdp_rules(cfg, problems, world_size)
+    if p.grad_reduce_in_bf16 and not t.bf16:
+        problems.append("--grad-reduce-in-bf16 needs --bf16")
+    if p.grad_reduce_in_bf16 and p.accumulate_allreduce_grads_in_fp32:
+        problems.append(
+            "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict; give one"
+        )
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
+        problems.append("--decoupled-min-lr needs --decoupled-lr")
     if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
         problems.append(
             "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"

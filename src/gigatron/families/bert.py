@@ -126,4 +126,5 @@ FAMILY = ModelFamily(
     flops_per_iteration=flops_per_iteration,
     validate=validate,
     hf_adapter=BertHFAdapter(),
+    default_tokenizer_type="BertWordPieceLowerCase",
 )

@@ -162,4 +162,5 @@ FAMILY = ModelFamily(
     hf_adapter=GPTHFAdapter(),
     generation=True,
     iteration_reports=iteration_reports,
+    default_tokenizer_type="GPT2BPETokenizer",
 )

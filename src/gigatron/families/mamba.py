@@ -86,4 +86,5 @@ FAMILY = ModelFamily(
     validate=validate,
     hf_adapter=Mamba2HFAdapter(),
     generation=True,
+    default_tokenizer_type="GPT2BPETokenizer",
 )

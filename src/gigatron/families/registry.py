@@ -36,6 +36,9 @@ class ModelFamily:
       stage sends forward (the schedule's `ScheduleConfig.stage_shapes`). None (or a None
       result): one hidden-state tensor between stages.
     - `generation`: the chunks take `inference_cache` (`gigatron generate` / `serve` load them).
+    - `default_tokenizer_type`: the --tokenizer-type used when a run gives a --vocab-file but no
+      type (Megatron's entry points set it: pretrain_gpt.py GPT2BPETokenizer, pretrain_bert.py
+      BertWordPieceLowerCase), or None.
     """
 
     name: str
@@ -50,6 +53,7 @@ class ModelFamily:
     iteration_reports: Callable[..., dict[str, Any]] | None = None
     pipeline_stage_shapes: Callable[..., Any] | None = None
     generation: bool = False
+    default_tokenizer_type: str | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -221,4 +221,5 @@ FAMILY = ModelFamily(
     validate=validate,
     hf_adapter=T5HFAdapter(),
     pipeline_stage_shapes=pipeline_stage_shapes,
+    default_tokenizer_type="BertWordPieceLowerCase",  # Megatron's pretrain_t5.py
 )

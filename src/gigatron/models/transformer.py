@@ -376,7 +376,7 @@ class SelfAttention(nn.Module):
             init_std=config.output_init_std,
             dtype=config.params_dtype,
         )
-        self.recompute_core = config.recompute_granularity == "selective"
+        self.recompute_core = "core_attn" in selective_recompute_modules(config)
         self.rng = rng
 
     def forward(
@@ -471,6 +471,14 @@ class LayerParts:
     self_attention: Callable[..., nn.Module] | None = None
 
 
+def selective_recompute_modules(config: TransformerConfig) -> tuple[str, ...]:
+    """The parts recomputed in backward under --recompute-granularity selective (none otherwise):
+    --recompute-modules, by default the core attention (Megatron's default)."""
+    if config.recompute_granularity != "selective":
+        return ()
+    return tuple(config.recompute_modules or ("core_attn",))
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). Post-norm (BERT's original
     layout): norm(x + drop(attn(x))), then norm(h + drop(mlp(h))).
@@ -505,6 +513,10 @@ class TransformerLayer(nn.Module):
         )
         setattr(self, second_norm, parts.norm(config, pctx))
         self.mlp = parts.mlp(config, pctx, layer_number, rng)
+        modules = selective_recompute_modules(config)
+        # "mlp" names the dense MLP; an MoE layer (it has a router) is Megatron's "moe" module.
+        self.recompute_mlp = "mlp" in modules and not hasattr(self.mlp, "router")
+        self.recompute_norm = "layernorm" in modules
 
     def _dropout_context(self):
         # Sequence-parallel slices differ between tp ranks, so their dropout masks must too.
@@ -521,18 +533,25 @@ class TransformerLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_cache=None,
     ) -> torch.Tensor:
-        first = getattr(self, self.first_norm_name)
-        second = getattr(self, self.second_norm_name)
+        first = self._maybe_recompute(getattr(self, self.first_norm_name), self.recompute_norm)
+        second = self._maybe_recompute(getattr(self, self.second_norm_name), self.recompute_norm)
+        mlp = self._maybe_recompute(self.mlp, self.recompute_mlp)
         cache = {} if inference_cache is None else {"inference_cache": inference_cache}
         if self.post_norm:
             attn = self.self_attention(x, attention_mask, rotary, **cache)
             x = first(self._residual_add(x, attn))
-            return second(self._residual_add(x, self.mlp(x)))
+            return second(self._residual_add(x, mlp(x)))
         normed = first(x)
         attn = self.self_attention(normed, attention_mask, rotary, **cache)
         x = self._residual_add(normed if self.residual_from_norm else x, attn)
         normed = second(x)
-        return self._residual_add(normed if self.residual_from_norm else x, self.mlp(normed))
+        return self._residual_add(normed if self.residual_from_norm else x, mlp(normed))
+
+    def _maybe_recompute(self, module: nn.Module, enabled: bool) -> Callable[..., torch.Tensor]:
+        """`module`, or a call that recomputes it in backward (selective --recompute-modules)."""
+        if not (enabled and self.training):
+            return module
+        return lambda x: recompute(module, x, rng=self.rng)
 
 
 class TransformerBlock(nn.Module):

@@ -54,6 +54,8 @@ class TransformerConfig:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    # With selective recompute: which parts (Megatron's --recompute-modules; None = core_attn).
+    recompute_modules: list[str] | None = None
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234

@@ -8,26 +8,33 @@ from typing import Any
 from torch import nn
 
 from gigatron.optim.distributed_optimizer import DistributedOptimizer
+from gigatron.optim.fully_sharded_optimizer import FullyShardedOptimizer
 from gigatron.optim.grad_scaler import build_grad_scaler
 from gigatron.optim.optimizer import (
     FP32Optimizer,
     GigatronOptimizer,
     MixedPrecisionOptimizer,
-    get_param_groups,
     make_torch_optimizer,
+    param_groups_for,
 )
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.fully_sharded import FullyShardedDataParallel
 
 
 def build_optimizer(
     cfg: Any, model_chunks: list[nn.Module], pctx: ParallelContext
 ) -> GigatronOptimizer:
-    """The optimizer the flags ask for: the distributed optimizer, mixed precision with fp32 main
-    parameters under --bf16/--fp16, or plain fp32."""
+    """The optimizer the flags ask for: FSDP2's sharded parameters stepped in place, the
+    distributed optimizer, mixed precision with fp32 main parameters under --bf16/--fp16, or
+    plain fp32."""
     grad_scaler = build_grad_scaler(cfg)
+    if any(isinstance(chunk, FullyShardedDataParallel) for chunk in model_chunks):
+        return FullyShardedOptimizer(
+            make_torch_optimizer(cfg, param_groups_for(cfg, model_chunks)), cfg, model_chunks, pctx
+        )
     if cfg.parallel.use_distributed_optimizer:
         return DistributedOptimizer(cfg, model_chunks, pctx, grad_scaler=grad_scaler)
-    optimizer = make_torch_optimizer(cfg, get_param_groups(model_chunks))
+    optimizer = make_torch_optimizer(cfg, param_groups_for(cfg, model_chunks))
     if cfg.training.bf16 or cfg.training.fp16:
         return MixedPrecisionOptimizer(optimizer, cfg, model_chunks, pctx, grad_scaler)
     return FP32Optimizer(optimizer, cfg, model_chunks, pctx, grad_scaler=None)

@@ -27,6 +27,12 @@ import torch.distributed as dist
 from gigatron.parallel.context import ParallelContext
 
 
+def local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """`param.grad`, or this rank's shard of it when it is a DTensor (FSDP2)."""
+    grad = param.grad
+    return grad.to_local() if grad is not None and hasattr(grad, "to_local") else grad
+
+
 def is_expert(param: torch.Tensor) -> bool:
     return bool(getattr(param, "expert_parallel", False))
 
@@ -45,7 +51,7 @@ def counts_in_norm(param: torch.Tensor, pctx: ParallelContext) -> bool:
 
 def grads_for_norm(params: Iterable[torch.Tensor], pctx: ParallelContext) -> list[torch.Tensor]:
     """The `.grad` of each parameter counted in the norm on this rank (see module docstring)."""
-    return [p.grad for p in params if p.grad is not None and counts_in_norm(p, pctx)]
+    return [local_grad(p) for p in params if p.grad is not None and counts_in_norm(p, pctx)]
 
 
 def split_grads_for_norm(
@@ -55,7 +61,7 @@ def split_grads_for_norm(
     dense, expert = [], []
     for p in params:
         if p.grad is not None and counts_in_norm(p, pctx):
-            (expert if is_expert(p) else dense).append(p.grad)
+            (expert if is_expert(p) else dense).append(local_grad(p))
     return dense, expert
 
 
@@ -142,7 +148,7 @@ def clip_grads_by_norm(params: Iterable[torch.Tensor], max_norm: float, total_no
     """Scale every `.grad` in `params` by min(1, max_norm / (total_norm + 1e-6)); returns it."""
     coeff = max_norm / (total_norm + 1.0e-6)
     if coeff < 1.0:
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [local_grad(p) for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coeff)
     return min(coeff, 1.0)
@@ -205,3 +211,20 @@ def unscale_and_check_overflow(
         for name in _stat_groups(pctx, sharded_group):
             pctx.all_reduce(found_inf, name, op=dist.ReduceOp.MAX)
     return bool(found_inf.item() > 0)
+
+
+def get_params_norm(
+    model_chunks: Iterable[torch.nn.Module], pctx: ParallelContext, sharded_group: str | None = None
+) -> float:
+    """L2 norm of every parameter of the model (--log-params-norm), each counted once like the
+    gradient norm; parameters sharded over `sharded_group` (FSDP) contribute their local shard."""
+    dense, expert = [], []
+    seen: set[int] = set()
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            if id(param) in seen or not counts_in_norm(param, pctx):
+                continue
+            seen.add(id(param))
+            local = param.to_local() if hasattr(param, "to_local") else param
+            (expert if is_expert(param) else dense).append(local.detach())
+    return get_grad_norm(dense, pctx, 2.0, sharded_group=sharded_group, expert_grads=expert)

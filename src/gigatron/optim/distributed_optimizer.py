@@ -40,8 +40,8 @@ from gigatron.optim.grad_scaler import GradScaler
 from gigatron.optim.optimizer import (
     GigatronOptimizer,
     copy_param_attributes,
-    get_param_groups,
     make_torch_optimizer,
+    param_groups_for,
 )
 from gigatron.parallel.context import ParallelContext
 
@@ -107,7 +107,7 @@ class DistributedOptimizer(GigatronOptimizer):
                         owned.setdefault(id(param), []).append(shard)
         # Same groups (weight decay on matrices only) as the plain optimizer, over the shards.
         groups = []
-        for group in get_param_groups(model_chunks):
+        for group in param_groups_for(cfg, model_chunks):
             mains = [s.main for p in group["params"] for s in owned.get(id(p), [])]
             groups.append({**group, "params": mains})
         # Every rank keeps the same groups (possibly empty) so that the schedule and the

@@ -20,6 +20,8 @@ def _add_storages(tensors: Iterable[torch.Tensor | None], seen: dict[tuple[str, 
     for tensor in tensors:
         if tensor is None or not torch.is_tensor(tensor):
             continue
+        if hasattr(tensor, "to_local"):  # a DTensor (FSDP2): what this rank holds
+            tensor = tensor.to_local()
         key = _storage_key(tensor)
         if key in seen:
             continue

@@ -55,16 +55,33 @@ def model_gradient(param: torch.Tensor) -> torch.Tensor | None:
     return param.grad
 
 
-def get_param_groups(model_chunks: Iterable[nn.Module]) -> list[dict[str, Any]]:
-    """Two groups: with weight decay (matrices) and without (biases and 1-D norm weights)."""
-    decay, no_decay = [], []
+# Parameters that --decoupled-lr applies to (Megatron's `is_embedding_or_output_parameter`): the
+# input word embedding and the untied output layer.
+DECOUPLED_LR_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def is_embedding_or_output(name: str) -> bool:
+    return name.endswith(DECOUPLED_LR_PARAMETERS)
+
+
+def get_param_groups(
+    model_chunks: Iterable[nn.Module],
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
+) -> list[dict[str, Any]]:
+    """Groups with weight decay (matrices) and without (biases and 1-D norm weights); with
+    `decoupled_lr` the word embedding and output layer get groups of their own whose schedule
+    runs from `decoupled_lr` to `decoupled_min_lr` (default: the schedule's --min-lr)."""
+    decay, no_decay, decoupled = [], [], []
     seen: set[int] = set()
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            if name.endswith(".bias") or param.dim() == 1:
+            if decoupled_lr is not None and is_embedding_or_output(name):
+                decoupled.append(param)
+            elif name.endswith(".bias") or param.dim() == 1:
                 no_decay.append(param)
             else:
                 decay.append(param)
@@ -73,9 +90,20 @@ def get_param_groups(model_chunks: Iterable[nn.Module]) -> list[dict[str, Any]]:
         groups.append({"params": decay, "wd_mult": 1.0, "lr_mult": 1.0})
     if no_decay:
         groups.append({"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0})
+    if decoupled:
+        group = {"params": decoupled, "wd_mult": 1.0, "lr_mult": 1.0, "max_lr": decoupled_lr}
+        if decoupled_min_lr is not None:
+            group["min_lr"] = decoupled_min_lr
+        groups.append(group)
     if not groups:
         raise GigatronError("the model has no trainable parameters; nothing to optimize")
     return groups
+
+
+def param_groups_for(cfg: Any, model_chunks: Iterable[nn.Module]) -> list[dict[str, Any]]:
+    """`get_param_groups` with the run's --decoupled-lr / --decoupled-min-lr."""
+    o = cfg.optimizer
+    return get_param_groups(model_chunks, o.decoupled_lr, o.decoupled_min_lr)
 
 
 def make_torch_optimizer(cfg: Any, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
@@ -108,7 +136,15 @@ FUSED_ADAM_DEVICES = ("cpu", "cuda")
 
 def _fused_adam_supported(param_groups: list[dict[str, Any]]) -> bool:
     params = [p for group in param_groups for p in group["params"]]
-    return all(p.device.type in FUSED_ADAM_DEVICES and p.is_floating_point() for p in params)
+    return all(
+        p.device.type in FUSED_ADAM_DEVICES and p.is_floating_point() and not _is_dtensor(p)
+        for p in params
+    )
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    # FSDP2's sharded parameters: the foreach AdamW steps them (no fused kernel needed).
+    return hasattr(tensor, "device_mesh")
 
 
 class GigatronOptimizer:

@@ -29,8 +29,12 @@ from gigatron.parallel.context import ParallelContext
 
 
 def gradient_of(param: nn.Parameter) -> torch.Tensor | None:
-    """The gradient the optimizer will read: the DDP buffer view when there is one."""
-    return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+    """The gradient the optimizer will read: the DDP buffer view when there is one; this rank's
+    shard of a sharded (FSDP2, DTensor) gradient."""
+    if hasattr(param, "main_grad"):
+        return param.main_grad
+    grad = param.grad
+    return grad.to_local() if grad is not None and hasattr(grad, "to_local") else grad
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:

@@ -21,11 +21,13 @@ import torch.distributed as dist
 from torch import nn
 
 from gigatron.errors import GigatronError
+from gigatron.optim.clip_grads import get_params_norm
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.grad_sync import finalize_model_grads
 from gigatron.parallel.schedules import ScheduleConfig, forward_backward
 from gigatron.training.flops import mfu
 from gigatron.training.metrics import MetricsLogger
+from gigatron.training.profiling import ManualGC, StepProfiler, empty_unused_memory, memory_scalars
 from gigatron.training.timers import Timers
 
 
@@ -168,6 +170,8 @@ def train_step(run: Run, num_microbatches: int) -> dict[str, Any]:
         run.schedule_config,
     )
     run.timers("forward-backward").stop()
+    level = run.cfg.training.empty_unused_memory_level
+    empty_unused_memory(level, 2, pctx.device)
     num_tokens = None
     if run.schedule_config.per_token_loss:  # the main loss's tokens in the global batch
         main = run.loss_names[0]
@@ -178,14 +182,17 @@ def train_step(run: Run, num_microbatches: int) -> dict[str, Any]:
     losses = mean_losses(reduce_loss_reports(reports, pctx, run.loss_names))
     # Only some stages see a loss; every rank must take the same decision.
     bad = [name for name, value in losses.items() if not math.isfinite(value)]
-    bad_loss = _any_rank(bool(bad), pctx)
+    # --no-check-for-nan-in-loss-and-grad: keep going (fp16 overflows are skipped steps anyway).
+    check = run.cfg.training.check_for_nan_in_loss_and_grad
+    bad_loss = _any_rank(bool(bad), pctx) if check else False
     if bad_loss and not run.cfg.training.fp16:
         name = bad[0] if bad else run.loss_names[0]
         raise _non_finite_error(run, name.replace("_", " "), losses.get(name))
     run.timers("optimizer").start()
     success, grad_norm, num_zeros = run.optimizer.step()
     run.timers("optimizer").stop()
-    if success and grad_norm is not None and not math.isfinite(grad_norm):
+    empty_unused_memory(level, 1, pctx.device)
+    if check and success and grad_norm is not None and not math.isfinite(grad_norm):
         raise _non_finite_error(run, "gradient norm", grad_norm)
     return {
         "losses": losses,
@@ -241,8 +248,11 @@ def evaluate(
     }
 
 
-def _evaluate_and_log(run: Run, split: str, iterator: Iterator, result: TrainResult) -> float:
+def _evaluate_and_log(
+    run: Run, split: str, iterator: Iterator, result: TrainResult, collector: ManualGC
+) -> float:
     t = run.cfg.training
+    collector.collect()
     calc = run.batch_calculator
     global_batch = calc.global_batch_size
     num_microbatches = global_batch // (calc.micro_batch_size * run.pctx.dp_size)
@@ -268,9 +278,10 @@ def _evaluate_and_log(run: Run, split: str, iterator: Iterator, result: TrainRes
     return loss
 
 
-def _save(run: Run, result: TrainResult) -> None:
+def _save(run: Run, result: TrainResult, collector: ManualGC) -> None:
     if run.save_checkpoint is None or result.last_saved_iteration == run.state.iteration:
         return
+    collector.collect()
     run.timers("save-checkpoint").start()
     note = run.save_checkpoint(run.state)
     run.timers("save-checkpoint").stop()
@@ -286,6 +297,18 @@ def _new_window(names: Sequence[str]) -> dict[str, Any]:
     return {"losses": losses, "iterations": 0, "time": 0.0, "samples": 0, "flops": 0.0}
 
 
+def _optional_figures(run: Run) -> dict[str, float]:
+    """Figures of a log line that flags ask for: --log-params-norm, --log-memory-to-tensorboard."""
+    figures: dict[str, float] = {}
+    log = run.cfg.logging
+    if log.log_params_norm:
+        sharded = getattr(run.optimizer, "sharded_params_group", None)
+        figures["params_norm"] = get_params_norm(run.model, run.pctx, sharded)
+    if log.log_memory_to_tensorboard:
+        figures.update(memory_scalars(run.pctx.device))
+    return figures
+
+
 def _current_lr(run: Run) -> float:
     groups = run.optimizer.param_groups
     return float(groups[0]["lr"]) if groups else 0.0
@@ -294,20 +317,33 @@ def _current_lr(run: Run) -> float:
 def train(run: Run) -> TrainResult:
     """Train from `run.state` to `run.train_iters` (or an exit condition); see module docstring."""
     cfg, pctx, state = run.cfg, run.pctx, run.state
-    t, ckpt, log = cfg.training, cfg.checkpoint, cfg.logging
-    calc = run.batch_calculator
+    t = cfg.training
     result = TrainResult(iteration=state.iteration, exit_reason="finished")
     if state.iteration > 0:
         result.last_saved_iteration = state.iteration  # we resumed from exactly that checkpoint
-    seq_length = cfg.model.seq_length
     start_time = time.perf_counter()
-    window = _new_window(run.loss_names)
-    startup_logged = False
     for chunk in run.model:
         chunk.train()
 
+    profiler = StepProfiler(cfg, pctx.rank, pctx.device)
+    try:
+        with ManualGC(t.manual_gc, t.manual_gc_interval) as collector:
+            return _train_iterations(run, result, start_time, profiler, collector)
+    finally:
+        profiler.close()
+
+
+def _train_iterations(
+    run: Run, result: TrainResult, start_time: float, profiler: StepProfiler, collector: ManualGC
+) -> TrainResult:
+    cfg, pctx, state = run.cfg, run.pctx, run.state
+    t, ckpt, log = cfg.training, cfg.checkpoint, cfg.logging
+    calc = run.batch_calculator
+    seq_length = cfg.model.seq_length
+    window = _new_window(run.loss_names)
+    startup_logged = False
     if t.eval_at_start and state.iteration == 0 and run.valid_iterator is not None:
-        _evaluate_and_log(run, "valid", run.valid_iterator, result)
+        _evaluate_and_log(run, "valid", run.valid_iterator, result, collector)
 
     with ExitSignal(t.exit_signal_handler) as exit_signal:
         while (
@@ -318,10 +354,13 @@ def train(run: Run) -> TrainResult:
             calc.update(state.consumed_train_samples)
             global_batch = calc.get_current_global_batch_size()
             run.metrics.iteration_started(state.iteration + 1)  # a notice if it is slow
+            profiler.before_iteration(state.iteration)
             iteration_start = time.perf_counter()
             step = train_step(run, calc.get())
             iteration_time = time.perf_counter() - iteration_start
             state.iteration += 1
+            profiler.after_iteration(state.iteration)
+            collector.after_iteration(state.iteration)
             state.consumed_train_samples += global_batch
             if step["success"]:
                 run.scheduler.step(increment=global_batch)
@@ -372,6 +411,7 @@ def train(run: Run) -> TrainResult:
                         "num_zeros": step["num_zeros"],
                         "global_batch_size": global_batch,
                         **{f"time_{k}_ms": v for k, v in run.timers.elapsed_ms().items()},
+                        **_optional_figures(run),
                     },
                     train_iters=run.train_iters,
                 )
@@ -382,10 +422,10 @@ def train(run: Run) -> TrainResult:
                 and state.iteration % t.eval_interval == 0
                 and run.valid_iterator is not None
             ):
-                _evaluate_and_log(run, "valid", run.valid_iterator, result)
+                _evaluate_and_log(run, "valid", run.valid_iterator, result, collector)
 
             if ckpt.save and ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
-                _save(run, result)
+                _save(run, result, collector)
             if run.after_iteration is not None:
                 run.after_iteration()
 
@@ -401,14 +441,14 @@ def train(run: Run) -> TrainResult:
                 reason = "exit-interval"
             if reason is not None:
                 if ckpt.save:
-                    _save(run, result)
+                    _save(run, result, collector)
                 if (
                     run.evaluate_on_early_exit
                     and run.valid_iterator is not None
                     and t.eval_iters > 0
                     and state.iteration not in result.valid_losses
                 ):
-                    _evaluate_and_log(run, "valid", run.valid_iterator, result)
+                    _evaluate_and_log(run, "valid", run.valid_iterator, result, collector)
                 run.metrics.message(f"exiting at iteration {state.iteration} ({reason})")
                 result.exit_reason = reason
                 result.iteration = state.iteration
@@ -416,10 +456,10 @@ def train(run: Run) -> TrainResult:
 
     result.iteration = state.iteration
     if ckpt.save and state.iteration > 0:
-        _save(run, result)
+        _save(run, result, collector)
     if run.valid_iterator is not None and t.eval_iters > 0:
         if state.iteration not in result.valid_losses:
-            _evaluate_and_log(run, "valid", run.valid_iterator, result)
+            _evaluate_and_log(run, "valid", run.valid_iterator, result, collector)
     if run.test_iterator is not None and t.eval_iters > 0:
-        _evaluate_and_log(run, "test", run.test_iterator, result)
+        _evaluate_and_log(run, "test", run.test_iterator, result, collector)
     return result

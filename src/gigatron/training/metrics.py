@@ -58,6 +58,8 @@ class MetricsLogger:
         loss_names: tuple[str, ...] = ("lm_loss",),
         log_throughput: bool = False,
         timing_log_level: int = 0,
+        tensorboard_timers: bool = False,
+        tensorboard_validation_ppl: bool = False,
     ) -> None:
         self.path = path
         # The family's named losses (record keys); the first is the main one.
@@ -67,6 +69,9 @@ class MetricsLogger:
         self.log_throughput = log_throughput
         # --timing-log-level 1: a line of phase timers after each log line.
         self.timing_log_level = timing_log_level
+        # --log-timers-to-tensorboard, --log-validation-ppl-to-tensorboard.
+        self.tensorboard_timers = tensorboard_timers
+        self.tensorboard_validation_ppl = tensorboard_validation_ppl
         self.is_writer = pctx.rank == pctx.world_size - 1
         self.stream = stream or sys.stdout
         self._file = None
@@ -154,7 +159,22 @@ class MetricsLogger:
             "batch-size": record.get("global_batch_size"),
             "iteration-time": record.get("iteration_time_s"),
             "throughput/tokens_per_s": record.get("tokens_per_s"),
+            "params-norm": record.get("params_norm"),
+            # Present when --log-memory-to-tensorboard asked for them.
+            **{
+                f"mem/{key[len('memory_') :]}": value
+                for key, value in record.items()
+                if key.startswith("memory_")
+            },
         }
+        if self.tensorboard_timers:
+            scalars.update(
+                {
+                    f"{key[len('time_') : -len('_ms')]}-time": value
+                    for key, value in record.items()
+                    if key.startswith("time_") and key.endswith("_ms")
+                }
+            )
         self._scalars(scalars, iteration)
         if self._bar is not None:
             self._bar.update(iteration - self._bar.n)
@@ -188,7 +208,8 @@ class MetricsLogger:
             if ppl is None and value is not None:
                 ppl = math.exp(min(value, 700.0))
             scalars[f"{split} {_label(name)}"] = value
-            scalars[f"{split} {_label(name)} ppl"] = ppl
+            if self.tensorboard_validation_ppl:
+                scalars[f"{split} {_label(name)} ppl"] = ppl
             if value is not None:
                 pieces.append(
                     f"{_label(name)} value: {value:.6E} | {_label(name)} PPL: {ppl:.6E} |"
@@ -258,6 +279,8 @@ def format_log_line(
         add(_label(name), name, ".6E")
     add("loss scale", "loss_scale", ".1f")
     add("grad norm", "grad_norm", ".3f")
+    if "params_norm" in record:
+        add("params norm", "params_norm", ".3f")
     add("number of skipped iterations", "skipped_iterations", "3d")
     return " | ".join(parts) + " |"
 

@@ -9,6 +9,7 @@ family's record in gigatron.families. Works alone and under `torchrun --nproc-pe
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -57,6 +58,9 @@ def parse_pretrain_config(
         list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size
     )
     validate_config(cfg, world_size=world_size, for_training=True)
+    tok = cfg.tokenizer
+    if tok.tokenizer_type is None and tok.vocab_file and family.default_tokenizer_type:
+        tok.tokenizer_type = family.default_tokenizer_type  # Megatron's entry-point default
     if family.validate is not None:
         family.validate(cfg)
     if cfg.data.mock_data is False and not (cfg.data.data_path or cfg.data.train_data_path):
@@ -86,6 +90,16 @@ def set_determinism(cfg: GigatronConfig) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
+
+
+def apply_process_settings(cfg: GigatronConfig) -> None:
+    """Process-wide switches some flags ask for: --logging-level (the root logger's level, as
+    in Megatron; gigatron's loggers are `gigatron.*`) and --disable-bf16-reduced-precision-matmul
+    (cuBLAS bf16 products then reduce in fp32)."""
+    if cfg.logging.logging_level is not None:
+        logging.getLogger().setLevel(cfg.logging.logging_level)
+    if cfg.model.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 def build_run_tokenizer(cfg: GigatronConfig) -> Any:
@@ -119,8 +133,30 @@ def _grad_dtype(cfg: GigatronConfig) -> torch.dtype:
     t = cfg.training
     if t.fp16 and not cfg.parallel.accumulate_allreduce_grads_in_fp32:
         return torch.float16
+    if t.bf16 and cfg.parallel.grad_reduce_in_bf16:
+        return torch.bfloat16  # --grad-reduce-in-bf16: halves the buffer and the reduction
     # bf16 gradients lose too much when summed over micro-batches: Megatron accumulates in fp32.
     return torch.float32
+
+
+def wrap_for_data_parallel(cfg: GigatronConfig, pctx: ParallelContext, chunk: Any) -> Any:
+    """A model chunk in its data-parallel wrapper: FSDP2 when asked (docs/data_parallel.md),
+    else DistributedDataParallel."""
+    from gigatron.parallel.data_parallel import DistributedDataParallel
+    from gigatron.parallel.fully_sharded import (
+        COMM_DTYPES,
+        FullyShardedDataParallel,
+        uses_fully_sharded,
+    )
+
+    p = cfg.parallel
+    if uses_fully_sharded(p, pctx.dp_size):
+        comm = p.megatron_fsdp_grad_comm_dtype
+        reduce_dtype = (
+            COMM_DTYPES[comm] if comm != "auto" else _grad_dtype(cfg)  # auto: as DDP would
+        )
+        return FullyShardedDataParallel(chunk, pctx, p, params_dtype(cfg), reduce_dtype)
+    return DistributedDataParallel(chunk, pctx, p, grad_dtype=_grad_dtype(cfg))
 
 
 def pretrain(
@@ -140,11 +176,11 @@ def pretrain(
     from gigatron.optim import build_optimizer
     from gigatron.optim.batch_schedule import build_num_microbatches_calculator
     from gigatron.optim.lr_schedule import build_lr_scheduler
-    from gigatron.parallel.data_parallel import DistributedDataParallel
     from gigatron.parallel.random import seed_everything
 
     family = get_family(family) if isinstance(family, str) else family
     set_determinism(cfg)
+    apply_process_settings(cfg)
     pctx = ParallelContext.from_config(cfg)
     owns_process_group = dist.is_initialized() and pctx.world_size > 1
     metrics: MetricsLogger | None = None
@@ -161,10 +197,7 @@ def pretrain(
         chunks = family.build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
         # The model-parallel random stream lives in the model; checkpoints carry its state.
         rng_tracker = getattr(chunks[0], "rng", None)
-        model = [
-            DistributedDataParallel(chunk, pctx, cfg.parallel, grad_dtype=_grad_dtype(cfg))
-            for chunk in chunks
-        ]
+        model = [wrap_for_data_parallel(cfg, pctx, chunk) for chunk in chunks]
         optimizer = build_optimizer(cfg, model, pctx)
         scheduler = build_lr_scheduler(cfg, optimizer)
         calculator = build_num_microbatches_calculator(cfg, pctx.dp_size)
@@ -230,6 +263,8 @@ def pretrain(
             loss_names=family.loss_names(cfg),
             log_throughput=cfg.logging.log_throughput,
             timing_log_level=cfg.logging.timing_log_level,
+            tensorboard_timers=cfg.logging.log_timers_to_tensorboard,
+            tensorboard_validation_ppl=cfg.logging.log_validation_ppl_to_tensorboard,
         )
         if ckpt.load and loaded["loaded"]:
             metrics.message(loaded_message(ckpt.load, loaded))
@@ -278,6 +313,9 @@ def pretrain(
             )
 
         def save(current: TrainState) -> str | None:
+            for chunk in model:  # FSDP: every dp rank gathers the full weights
+                if hasattr(chunk, "gather_for_save"):
+                    chunk.gather_for_save()
             extra = {**_state_to_saved(current), "gigatron_family": family.name}
             if saver is not None:
                 saver.save(
