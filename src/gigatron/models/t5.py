@@ -33,6 +33,7 @@ from torch import nn
 from gigatron.errors import GigatronError
 from gigatron.models.embedding import LanguageModelEmbedding
 from gigatron.models.transformer import (
+    CoreAttention,
     LayerParts,
     TransformerBlock,
     TransformerLayer,
@@ -144,9 +145,7 @@ class CrossAttention(nn.Module):
             config.hidden_size, 2 * config.num_query_groups * config.kv_channels, pctx,
             bias=bias, **common,
         )  # fmt: skip
-        factory = core_attention
-        if factory is None:
-            from gigatron.models.transformer import CoreAttention as factory
+        factory = core_attention or CoreAttention
         not_causal = dataclasses.replace(config, causal_attention=False)
         self.core_attention = factory(not_causal, pctx, layer_number, rng)
         self.linear_proj = RowParallelLinear(
