@@ -1,7 +1,8 @@
 """`gigatron pretrain t5` end to end on a real corpus preprocessed with --split-sentences:
-training and validation losses fall, and tensor (+ sequence) parallelism and data parallelism
-with the distributed optimizer give the one-process losses, for Megatron's T5 and for the
-Hugging Face layout (relative positions, RMSNorm, gated GeLU, no biases)."""
+training and validation losses fall, and tensor (+ sequence) parallelism, pipeline parallelism
+(encoder and decoder on different stages) and data parallelism with the distributed optimizer
+give the one-process losses, for Megatron's T5 and for the Hugging Face layout (relative
+positions, RMSNorm, gated GeLU, no biases)."""
 
 from __future__ import annotations
 
@@ -92,18 +93,75 @@ def test_training_and_validation_losses_fall(references, variant):
     assert valid[1]["lm_loss"] < valid[0]["lm_loss"]
 
 
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
 @pytest.mark.parametrize(
-    "variant, layout",
+    "variant, nproc, layout",
     [
-        ("megatron", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-        ("megatron", ["--use-distributed-optimizer"]),
-        ("hf", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("megatron", 2, TP2_SP),
+        # The issue's layout: tp 2 + sp, encoder | decoder (the split rank's default), dp 2 with
+        # the distributed optimizer; eight processes, as the three sizes multiply.
+        ("megatron", 8, [*TP2_SP, *PP2, "--use-distributed-optimizer"]),
+        # two encoder and two decoder stages: the embedding on stages 0, 2 and 3
+        (
+            "megatron",
+            4,
+            ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-split-rank", "2"],
+        ),  # fmt: skip
+        ("hf", 4, [*TP2_SP, *PP2, "--pipeline-model-parallel-split-rank", "1"]),
     ],
-    ids=["tp2-sp", "dp2-distopt", "hf-tp2-sp"],
+    ids=["tp2-sp", "tp2-sp-pp2-dp2-distopt", "pp4-split2", "hf-tp2-sp-pp2"],
 )
-def test_parallel_layouts_match_one_process(corpus, references, tmp_path, variant, layout):
+def test_parallel_layouts_match_one_process(corpus, references, tmp_path, variant, nproc, layout):
     extra = HF_LAYOUT if variant == "hf" else []
-    _train(_flags(corpus, tmp_path, *extra, *layout), nproc=2)
+    _train(_flags(corpus, tmp_path, *extra, *layout), nproc=nproc)
     one = [r["lm_loss"] for r in _records(references[variant], "train")]
     two = [r["lm_loss"] for r in _records(tmp_path, "train")]
     assert two == pytest.approx(one, rel=2e-5)
+
+
+def test_convert_checkpoint_round_trips_through_a_t5_pipeline_layout(references, tmp_path):
+    """tp 1 pp 1 -> tp 2 pp 4 (two encoder, two decoder stages: the embedding on three of them)
+    -> tp 1 pp 1 gives back the same weights."""
+    import torch
+
+    source = references["megatron"]
+    split, back = tmp_path / "split", tmp_path / "back"
+    for load, save, tp, pp in ((source, split, "2", "4"), (split, back, "1", "1")):
+        _run([sys.executable, "-m", "gigatron.cli", "convert-checkpoint", "--load", str(load),
+              "--save", str(save), "--target-tensor-parallel-size", tp,
+              "--target-pipeline-parallel-size", pp])  # fmt: skip
+    stage_dirs = sorted(p.name for p in (split / "iter_0000010").iterdir())
+    assert stage_dirs == [f"mp_rank_{t:02d}_{p:03d}" for t in range(2) for p in range(4)]
+    decoder_first = torch.load(
+        split / "iter_0000010" / "mp_rank_00_002" / "model_optim_rng.pt", weights_only=True
+    )["model"]
+    assert "embedding.word_embeddings.weight" in decoder_first
+    assert "decoder.layers.0.cross_attention.linear_kv.weight" in decoder_first
+
+    def model(directory):
+        path = directory / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt"
+        return torch.load(path, weights_only=True)["model"]
+
+    original, restored = model(source), model(back)
+    assert original.keys() == restored.keys()
+    for name, tensor in original.items():
+        assert torch.equal(restored[name], tensor), name
+
+
+def test_torch_dist_checkpoint_resumes_in_another_layout(corpus, references, tmp_path):
+    """Saved by encoder | decoder pipeline stages in the torch_dist format, resumed at tp 2
+    without a pipeline: iterations 6-10 give the one-process losses."""
+    first, second = tmp_path / "pp2", tmp_path / "tp2"
+    _train(_flags(corpus, first, *PP2, "--ckpt-format", "torch_dist", "--save-interval", "5",
+                  "--exit-interval", "5"), nproc=2)  # fmt: skip
+    _train(_flags(corpus, second, "--tensor-model-parallel-size", "2", "--ckpt-format",
+                  "torch_dist", "--load", str(first)), nproc=2)  # fmt: skip
+    one = {r["iteration"]: r["lm_loss"] for r in _records(references["megatron"], "train")}
+    resumed = {r["iteration"]: r["lm_loss"] for r in _records(second, "train")}
+    assert sorted(resumed) == [6, 7, 8, 9, 10]
+    assert [resumed[i] for i in range(6, 11)] == pytest.approx(
+        [one[i] for i in range(6, 11)], rel=2e-5
+    )

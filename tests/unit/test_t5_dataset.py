@@ -202,3 +202,16 @@ def test_builder_splits_determinism_and_cache(tmp_path, tokenizer):
     other_seed.training.seed = 99
     different = build_t5_datasets(other_seed, tokenizer, (50, 10, 0))[0]
     assert not different.loaded_from_cache
+
+
+def test_errors_name_the_flag_to_change(shared_data, tokenizer):
+    from gigatron.errors import GigatronError
+
+    vocab = str(shared_data / "bert-base-uncased-vocab.txt")
+    plain = BertWordPieceTokenizer(vocab, lower_case=True)
+    with pytest.raises(GigatronError, match="--vocab-extra-ids 0: .* give --vocab-extra-ids 100"):
+        _options(plain)
+    words = [tokenizer.vocab["cat"]] * 60
+    options = _options(tokenizer, enc=64, dec=8)
+    with pytest.raises(GigatronError, match="raise --decoder-seq-length"):
+        make_t5_sample([words], 60, np.random.RandomState(0), options)

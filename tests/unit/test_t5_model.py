@@ -140,6 +140,118 @@ def test_family_rules():
     with pytest.raises(GigatronError, match="rope: T5 has learned_absolute"):
         _validated("t5", "--encoder-seq-length", "64", "--decoder-seq-length", "32",
                    "--position-embedding-type", "rope")  # fmt: skip
+    seq = ("--encoder-seq-length", "64", "--decoder-seq-length", "32")
+    cfg = _validated("t5", *seq, "--pipeline-model-parallel-size", "4")
+    assert cfg.parallel.pipeline_model_parallel_split_rank == 2  # the even split
+    with pytest.raises(GigatronError, match="split-rank 4: must lie in 1..3"):
+        _validated("t5", *seq, "--pipeline-model-parallel-size", "4",
+                   "--pipeline-model-parallel-split-rank", "4")  # fmt: skip
+    with pytest.raises(GigatronError, match="cannot give every one of the 1 encoder and 3"):
+        _validated("t5", *seq, "--pipeline-model-parallel-size", "4",
+                   "--pipeline-model-parallel-split-rank", "1")  # fmt: skip
+    with pytest.raises(GigatronError, match="relative position table must live on one stage"):
+        _validated("t5", *seq, "--pipeline-model-parallel-size", "4",
+                   "--position-embedding-type", "relative")  # fmt: skip
     for family in ("gpt", "bert", "mamba"):
         with pytest.raises(GigatronError, match="--encoder-num-layers: the .* no encoder-decoder"):
             _validated(family, "--seq-length", "64", "--encoder-num-layers", "2")
+
+
+def test_flops_hand_count():
+    from gigatron.config.validate import finalize_config
+    from gigatron.families import get_family
+
+    cfg = parse_config(
+        ["--encoder-num-layers", "1", "--decoder-num-layers", "1", "--hidden-size", "8",
+         "--num-attention-heads", "2", "--ffn-hidden-size", "16", "--encoder-seq-length", "4",
+         "--decoder-seq-length", "2"]
+    )  # fmt: skip
+    finalize_config(cfg)
+    # Per encoder token: qkv 2*8*24 = 384, scores+values 4*4*8 = 128, projection 128,
+    # MLP 2*2*8*16 = 512 -> 1152, x 4 tokens = 4608. Per decoder token: 384 + 4*2*8 + 128 + 512
+    # + logits 2*8*10 = 1248, x 2 = 2496. Cross-attention: per decoder token q 128, scores+values
+    # 4*4*8 = 128, projection 128; keys/values 2*8*16 = 256 per encoder token -> 768 + 1024.
+    forward = 4608 + 2496 + 1792
+    assert get_family("t5").flops_per_iteration(cfg, 3, 10) == 3 * forward * 3
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "2",
+        ],
+        [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "block",
+            "--recompute-num-layers",
+            "1",
+        ],
+        ["--recompute-granularity", "selective"],
+    ],  # fmt: skip
+    ids=["full-uniform", "full-block", "selective"],
+)
+def test_recomputation_gives_the_same_gradients(recompute):
+    values = T5HFAdapter().config_from_hf(_hf_model(False).config)
+
+    def gradients(*flags):
+        cfg = _config(values, "--hidden-dropout", "0.1", *flags)
+        (model,) = build_t5_model(cfg, ParallelContext.single(), vocab_size=VOCAB)
+        model.train()
+        torch.manual_seed(0)  # the same dropout masks in both runs
+        enc, dec, enc_valid, dec_valid = _inputs()
+        model(enc, dec, enc_valid, dec_valid).float().pow(2).mean().backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    plain, recomputed = gradients(), gradients(*recompute)
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_gigatron_convert_imports_and_exports_a_hugging_face_folder(tmp_path):
+    """`gigatron convert` from a saved T5ForConditionalGeneration folder into an encoder |
+    decoder pipeline at tp 2, and back: the same files (bit-exact: d_kv 16 and d_model 64 make
+    the query and output scalings powers of two), and the reloaded model's logits."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSeq2SeqLM
+
+    from gigatron.checkpoint.hf_convert import gigatron_to_hf, hf_to_gigatron
+
+    torch.manual_seed(3)
+    config = T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2,
+        num_heads=HEADS, relative_attention_num_buckets=8, dropout_rate=0.0,
+        feed_forward_proj="gated-gelu", decoder_start_token_id=0,
+    )  # fmt: skip
+    hf = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "layer_norm" in name:
+                param.normal_(1.0, 0.2)
+    hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
+    hf.save_pretrained(hf_dir)
+    hf_to_gigatron(hf_dir, ckpt, tp=2, pp=2, family="t5", log=lambda _: None)
+    assert len(list((ckpt / "release").iterdir())) == 4
+    gigatron_to_hf(ckpt, back, log=lambda _: None)
+    original = load_file(hf_dir / "model.safetensors")
+    exported = load_file(back / "model.safetensors")
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+    saved = json.loads((hf_dir / "config.json").read_text())
+    assert json.loads((back / "config.json").read_text()) == saved
+    reloaded = AutoModelForSeq2SeqLM.from_pretrained(back).eval()
+    enc, dec, enc_valid, dec_valid = _inputs()
+    with torch.no_grad():
+        args = dict(input_ids=enc, attention_mask=enc_valid, decoder_input_ids=dec,
+                    decoder_attention_mask=dec_valid)  # fmt: skip
+        assert torch.equal(reloaded(**args).logits, hf(**args).logits)

@@ -171,13 +171,29 @@ def _target_config(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> A
     p.expert_model_parallel_size = ep
     p.num_virtual_stages_per_pipeline_rank = vp if vp and vp > 1 else None
     p.num_layers_per_virtual_pipeline_stage = None
-    # An uneven first/last split belongs to the source pipeline size.
+    # An uneven first/last split (and an encoder-decoder split rank) belongs to the source
+    # pipeline size.
     p.decoder_first_pipeline_num_layers = None
     p.decoder_last_pipeline_num_layers = None
+    if pp != cfg.parallel.pipeline_model_parallel_size:
+        p.pipeline_model_parallel_split_rank = None
     return target
 
 
-def _check_target(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> None:
+def _own_layout_family(family: str | None):
+    """The family record when it places layers on stages itself (T5: `pipeline_stage_shapes`),
+    else None; its `validate` then checks (and completes) a target layout."""
+    if family is None:
+        return None
+    from gigatron.families import get_family
+
+    record = get_family(family)
+    return record if record.pipeline_stage_shapes is not None else None
+
+
+def _check_target(
+    cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1, family: str | None = None
+) -> None:
     if tp < 1 or pp < 1 or ep < 1 or (vp is not None and vp < 1):
         raise GigatronError("target sizes must be positive integers")
     experts = cfg.moe.num_experts
@@ -208,7 +224,7 @@ def _check_target(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> No
             "--target-pipeline-parallel-size > 1"
         )
     stages = pp * (vp or 1)
-    if m.num_layers % stages:
+    if _own_layout_family(family) is None and m.num_layers % stages:
         raise GigatronError(
             f"the model's {m.num_layers} layers do not split evenly over pipeline size {pp}"
             + (f" x {vp} virtual stages" if vp and vp > 1 else "")
@@ -287,6 +303,9 @@ def build_target_layout(
 ) -> TargetLayout:
     """Build (on `meta`) the model of every rank that writes a file in the target layout."""
     target_cfg = _target_config(cfg, tp, pp, vp, ep)
+    own_layout = _own_layout_family(family)
+    if own_layout is not None and own_layout.validate is not None:
+        own_layout.validate(target_cfg)  # the family's stage rules (fills T5's split rank)
     etp = target_cfg.parallel.expert_tensor_parallel_size or tp
     grid = _target_grid(tp, pp, ep, etp)
     positions: dict[tuple[int, int, int], int] = {}
@@ -347,8 +366,12 @@ def merge_name(
     return torch.cat(blocks, dim=0)
 
 
-def source_names(states: dict, pp_size: int) -> dict[str, tuple[int, str]]:
-    """name -> (pipeline rank, chunk key) of every tensor in the source files."""
+def source_names(
+    states: dict, pp_size: int, repeats: list[tuple[str, int, str]] | None = None
+) -> dict[str, tuple[int, str]]:
+    """name -> (pipeline rank, chunk key) of every tensor in the source files (its first
+    stage). A name on several stages (T5's embeddings) is an error unless `repeats` is given:
+    its later (name, pipeline rank, chunk key) are appended there, for the caller to check."""
     names: dict[str, tuple[int, str]] = {}
     for pp_rank in range(pp_size):
         sample = next(state for (t, p, e), state in sorted(states.items()) if p == pp_rank)
@@ -357,7 +380,10 @@ def source_names(states: dict, pp_size: int) -> dict[str, tuple[int, str]]:
                 if name == WORD_EMBEDDING and name in names:
                     continue  # the multi-token prediction stage's copy (kept equal in training)
                 if name in names:
-                    raise GigatronError(f"parameter {name} appears twice in the checkpoint")
+                    if repeats is None:
+                        raise GigatronError(f"parameter {name} appears twice in the checkpoint")
+                    repeats.append((name, pp_rank, key))
+                    continue
                 names[name] = (pp_rank, key)
     return names
 
@@ -365,11 +391,21 @@ def source_names(states: dict, pp_size: int) -> dict[str, tuple[int, str]]:
 def _merge_source(
     states: dict, sizes: tuple[int, int, int], experts_split: bool, attributes: dict, where: Path
 ) -> dict[str, torch.Tensor]:
-    """Every full tensor of the source (see `merge_name`)."""
-    return {
+    """Every full tensor of the source (see `merge_name`). A weight held on several stages must
+    be the same on each."""
+    repeats: list[tuple[str, int, str]] = []
+    full = {
         name: merge_name(states, sizes, experts_split, attributes, where, pp_rank, key, name)
-        for name, (pp_rank, key) in source_names(states, sizes[1]).items()
+        for name, (pp_rank, key) in source_names(states, sizes[1], repeats).items()
     }
+    for name, pp_rank, key in repeats:
+        again = merge_name(states, sizes, experts_split, attributes, where, pp_rank, key, name)
+        if not torch.equal(again, full[name]):
+            raise GigatronError(
+                f"{where}: parameter {name} appears on several pipeline stages with different "
+                "values; the checkpoint is inconsistent"
+            )
+    return full
 
 
 def convert_checkpoint(
@@ -409,7 +445,7 @@ def convert_checkpoint(
         raise GigatronError(f"{iteration_dir}: holds no saved configuration ('args')")
     cfg = config_from_dict(args, source=f"{iteration_dir} args")
     family = first.get("gigatron_family", "gpt")
-    _check_target(cfg, target_tp, target_pp, target_vp, target_ep)
+    _check_target(cfg, target_tp, target_pp, target_vp, target_ep, family)
     say(
         f"converting {iteration_dir} (tensor-parallel {src_tp}, pipeline-parallel {src_pp}"
         + (f", expert-parallel {src_ep}" if src_ep > 1 else "")

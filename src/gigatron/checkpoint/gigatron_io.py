@@ -48,7 +48,8 @@ class CheckpointSource:
         self.first = self.states[min(self.states)]
         self.locations = {
             name: where
-            for name, where in source_names(self.states, pp).items()
+            # A weight on several stages (T5's embeddings): its first stage's copy.
+            for name, where in source_names(self.states, pp, repeats=[]).items()
             if not name.endswith("_extra_state")
         }
         if not cfg.model.untie_embeddings_and_output_weights:

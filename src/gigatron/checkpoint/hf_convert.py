@@ -123,7 +123,7 @@ def hf_to_gigatron(
     family, adapter = _family_adapter(hf_config.get("model_type"), family)
     values = adapter.config_from_hf(hf_config)
     cfg = config_from_dict(values, source=f"{load / CONFIG_FILE} (as gigatron flags)")
-    _check_target(cfg, tp, pp, vp, ep)
+    _check_target(cfg, tp, pp, vp, ep, family)
     layout = build_target_layout(cfg, tp, pp, vp, ep, values["vocab_size"], family)
     padded = next(
         chunk.state_dict(keep_vars=True)[WORD_EMBEDDING].shape[0] * tp

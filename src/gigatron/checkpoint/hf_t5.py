@@ -30,14 +30,6 @@ from gigatron.errors import GigatronError
 StateDict = dict[str, torch.Tensor]
 
 
-def _scales_outputs(hf_config: Any, default: bool) -> bool:
-    """Whether the config scales the decoder output (original T5), when a config is given."""
-    if hf_config is None:
-        return default
-    c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-    return bool(c.get("scale_decoder_outputs", c.get("tie_word_embeddings", True)))
-
-
 def _count_blocks(hf: StateDict, stack: str) -> int:
     pattern = re.compile(rf"^{stack}\.block\.(\d+)\.")
     found = {int(m.group(1)) for key in hf if (m := pattern.match(key))}
@@ -54,8 +46,8 @@ class T5HFAdapter:
     """The T5 family's Hugging Face adapter (`T5ForConditionalGeneration`, gated-gelu)."""
 
     hf_class_name = "T5ForConditionalGeneration"
-    model_types = ("t5",)
     auto_class = "AutoModelForSeq2SeqLM"
+    model_types = ("t5",)
 
     def config_from_hf(self, hf_config: Any) -> dict[str, Any]:
         """gigatron ModelConfig values (plus `vocab_size`) for a Hugging Face T5Config."""
@@ -83,6 +75,10 @@ class T5HFAdapter:
             "geglu": True,
             "openai_gelu": True,
             "untie_embeddings_and_output_weights": False,
+            # Relative positions set no length limit: Megatron's T5 lengths, flags override them.
+            "seq_length": 512,
+            "encoder_seq_length": 512,
+            "decoder_seq_length": 128,
             "vocab_size": c["vocab_size"],
         }
 
@@ -98,13 +94,17 @@ class T5HFAdapter:
         """T5ForConditionalGeneration state dict -> gigatron T5 state dict (tied output layer
         with a zero bias; untied when `lm_head.weight` differs from the embedding).
         `num_layers` is unused (each stack's count is read from the state dict);
-        `scale_decoder_outputs`: the Hugging Face config's (original T5, not v1.1); taken
-        from `hf_config` when given (`gigatron convert`)."""
-        scale_decoder_outputs = _scales_outputs(hf_config, scale_decoder_outputs)
+        `scale_decoder_outputs`: the Hugging Face config's (original T5, not v1.1), read from
+        `hf_config` when given."""
+        tied = None
+        if hf_config is not None:
+            scale_decoder_outputs, tied = _tying(hf_config)
         shared = hf["shared.weight"]
         sd: StateDict = {"embedding.word_embeddings.weight": _pad_rows(shared, padded_vocab)}
         head = hf.get("lm_head.weight")
-        if head is None or torch.equal(head, shared):
+        if tied is None:
+            tied = head is None or torch.equal(head, shared)
+        if tied:
             sd["output_layer.bias"] = shared.new_zeros(padded_vocab)
         else:
             sd["output_layer.weight"] = _pad_rows(head, padded_vocab)
@@ -151,8 +151,10 @@ class T5HFAdapter:
         scale_decoder_outputs: bool = False,
         hf_config: Any = None,
     ) -> StateDict:
-        """gigatron T5 state dict (Hugging Face variant) -> T5ForConditionalGeneration."""
-        scale_decoder_outputs = _scales_outputs(hf_config, scale_decoder_outputs)
+        """gigatron T5 state dict (Hugging Face variant) -> T5ForConditionalGeneration's state
+        dict (with the tied aliases; `to_hf_files` gives what save_pretrained writes)."""
+        if hf_config is not None:
+            scale_decoder_outputs, _ = _tying(hf_config)
         word = sd["embedding.word_embeddings.weight"][:vocab_size]
         bias = sd.get("output_layer.bias")
         if bias is not None and bool(bias.any()):
@@ -207,6 +209,23 @@ class T5HFAdapter:
                 hf[f"{mlp}DenseReluDense.wi_1.weight"] = up.clone()
                 hf[f"{mlp}DenseReluDense.wo.weight"] = sd[f"{src}mlp.linear_fc2.weight"]
         return hf
+
+    def to_hf_files(self, hf_state: StateDict, hf_config: Any) -> StateDict:
+        """The tensors `save_pretrained` writes: the tied aliases of `shared.weight` left out."""
+        _, tied = _tying(hf_config)
+        aliases = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
+        if tied:
+            aliases.add("lm_head.weight")
+        return {name: tensor for name, tensor in hf_state.items() if name not in aliases}
+
+
+def _tying(hf_config: Any) -> tuple[bool, bool]:
+    """(scale_decoder_outputs, tied) of a Hugging Face T5 config: transformers 5 writes
+    `scale_decoder_outputs`; older configs say it with `tie_word_embeddings` (original T5 ties
+    and scales, v1.1 does neither)."""
+    c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    tied = c.get("tie_word_embeddings", True) is not False
+    return bool(c.get("scale_decoder_outputs", tied)), tied
 
 
 def _fuse_kv(k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:

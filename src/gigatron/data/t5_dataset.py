@@ -55,11 +55,15 @@ class T5DatasetOptions(BertDatasetOptions):
         """Options for a WordPiece tokenizer with [BOS] [EOS] and `<extra_id_i>` sentinels."""
         sentinels = tuple(getattr(tokenizer, "additional_special_tokens_ids", None) or ())
         bos, eos = getattr(tokenizer, "bos", None), getattr(tokenizer, "eos", None)
-        if not sentinels or bos is None or eos is None:
+        if bos is None or eos is None:
             raise GigatronError(
-                f"--tokenizer-type {type(tokenizer).__name__}: T5 samples need sentinel tokens "
-                "and [BOS] / [EOS]; use --tokenizer-type BertWordPieceLowerCase or "
-                "BertWordPieceCase with --vocab-extra-ids 100"
+                f"tokenizer {type(tokenizer).__name__}: T5 samples need [BOS] and [EOS]; use "
+                "--tokenizer-type BertWordPieceLowerCase or BertWordPieceCase"
+            )
+        if not sentinels:
+            raise GigatronError(
+                "--vocab-extra-ids 0: T5 samples need sentinel tokens <extra_id_i>, one per "
+                "masked span; give --vocab-extra-ids 100 (Megatron's T5 setting)"
             )
         base = BertDatasetOptions.from_tokenizer(tokenizer, seq_length, binary_head=False, **kwargs)
         masking = dataclasses.replace(

@@ -31,6 +31,10 @@ class ModelFamily:
       whole training iteration, not of one micro-batch (MoE auxiliary losses and routing
       statistics), also the place for per-iteration model updates (MoE expert biases); called
       by every rank after the gradients are final; names among `loss_names`. Or None.
+    - `pipeline_stage_shapes(cfg, pctx) -> stage_shapes | None`: for families whose pipeline
+      stages exchange several tensors (T5), `stage_shapes(pp_rank)` -> the shapes of what that
+      stage sends forward (the schedule's `ScheduleConfig.stage_shapes`). None (or a None
+      result): one hidden-state tensor between stages.
     - `generation`: the chunks take `inference_cache` (`gigatron generate` / `serve` load them).
     - `default_tokenizer_type`: the --tokenizer-type used when a run gives a --vocab-file but no
       type (Megatron's entry points set it: pretrain_gpt.py GPT2BPETokenizer, pretrain_bert.py
@@ -47,6 +51,7 @@ class ModelFamily:
     validate: Callable[[Any], None] | None = None
     hf_adapter: Any = None
     iteration_reports: Callable[..., dict[str, Any]] | None = None
+    pipeline_stage_shapes: Callable[..., Any] | None = None
     generation: bool = False
     default_tokenizer_type: str | None = None
 

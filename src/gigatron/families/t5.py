@@ -18,8 +18,9 @@ from gigatron.errors import GigatronError
 from gigatron.families.gpt import language_model_loss
 from gigatron.families.registry import ModelFamily
 from gigatron.models.hybrid_layout import refuse_gpt_only_flags, refuse_hybrid_flags
-from gigatron.models.t5 import build_t5_model
+from gigatron.models.t5 import build_t5_model, t5_stage_layout
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.pipeline import pipeline_tensor_shape
 from gigatron.training.batch import get_batch
 from gigatron.training.flops import forward_flops_per_token
 
@@ -162,11 +163,56 @@ def _validate_pipeline(cfg) -> None:
             f"--pipeline-model-parallel-split-rank {split}: must lie in 1..{pp - 1} "
             f"(stages below it hold the encoder) with --pipeline-model-parallel-size {pp}"
         )
-    if pp > 1:
+    if pp == 1:
+        return
+    if split is None:
+        # Megatron's T5 needs the split rank; gigatron splits the stages evenly without it.
+        split = p.pipeline_model_parallel_split_rank = pp // 2
+    m = cfg.model
+    encoder_layers = m.encoder_num_layers or m.num_layers
+    decoder_layers = m.decoder_num_layers or m.num_layers
+    if encoder_layers < split or decoder_layers < pp - split:
         raise GigatronError(
-            f"--pipeline-model-parallel-size {pp}: T5 pipelines are not available yet; "
-            "use tensor and data parallelism"
+            f"--pipeline-model-parallel-split-rank {split}: the {encoder_layers} encoder layers "
+            f"and {decoder_layers} decoder layers cannot give every one of the {split} encoder "
+            f"and {pp - split} decoder stages a layer; change the split or the layer counts"
         )
+    if m.untie_embeddings_and_output_weights:
+        raise GigatronError(
+            "--untie-embeddings-and-output-weights with --pipeline-model-parallel-size > 1: T5 "
+            "pipelines keep the output layer tied to the embedding; drop the flag"
+        )
+    if m.position_embedding_type == "relative" and (split > 1 or pp - split > 1):
+        raise GigatronError(
+            f"--position-embedding-type relative with --pipeline-model-parallel-size {pp}: each "
+            "stack's relative position table must live on one stage; use "
+            "--pipeline-model-parallel-size 2 (encoder | decoder)"
+        )
+
+
+def pipeline_stage_shapes(cfg, pctx: ParallelContext):
+    """What each T5 stage sends forward: [encoder hidden] from encoder stages, [decoder hidden,
+    encoder output] from decoder stages (shapes [seq(/tp with SP), micro-batch, hidden])."""
+    m, p = cfg.model, cfg.parallel
+    layout = t5_stage_layout(
+        pctx.pp_size,
+        p.pipeline_model_parallel_split_rank,
+        m.encoder_num_layers or m.num_layers,
+        m.decoder_num_layers or m.num_layers,
+    )
+    common = dict(
+        micro_batch_size=cfg.training.micro_batch_size,
+        hidden_size=m.hidden_size,
+        tp_size=pctx.tp_size,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+    )
+    encoder = pipeline_tensor_shape(m.encoder_seq_length or m.seq_length, **common)
+    decoder = pipeline_tensor_shape(m.decoder_seq_length, **common)
+
+    def stage_shapes(stage: int) -> list[tuple[int, ...]]:
+        return [encoder] if layout[stage][1] is None else [decoder, encoder]
+
+    return stage_shapes
 
 
 FAMILY = ModelFamily(
@@ -179,4 +225,6 @@ FAMILY = ModelFamily(
     flops_per_iteration=flops_per_iteration,
     validate=validate,
     hf_adapter=T5HFAdapter(),
+    pipeline_stage_shapes=pipeline_stage_shapes,
+    default_tokenizer_type="BertWordPieceLowerCase",  # Megatron's pretrain_t5.py
 )

@@ -33,6 +33,7 @@ from torch import nn
 from gigatron.errors import GigatronError
 from gigatron.models.embedding import LanguageModelEmbedding
 from gigatron.models.transformer import (
+    CoreAttention,
     LayerParts,
     TransformerBlock,
     TransformerLayer,
@@ -144,9 +145,7 @@ class CrossAttention(nn.Module):
             config.hidden_size, 2 * config.num_query_groups * config.kv_channels, pctx,
             bias=bias, **common,
         )  # fmt: skip
-        factory = core_attention
-        if factory is None:
-            from gigatron.models.transformer import CoreAttention as factory
+        factory = core_attention or CoreAttention
         not_causal = dataclasses.replace(config, causal_attention=False)
         self.core_attention = factory(not_causal, pctx, layer_number, rng)
         self.linear_proj = RowParallelLinear(
@@ -328,8 +327,12 @@ class T5Model(nn.Module):
             if self.tied and not pre_process:
                 self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
                 self.output_layer.weight.shared_embedding = True
-        if pre_process and pctx.pp_size > 1 and self.tied:
+        if pre_process and pctx.pp_size > 1:
+            # The encoder's and the decoder's first stages hold the same embedding (and the
+            # last stage the tied output weight): finalize_model_grads sums their gradients.
             self.embedding.word_embeddings.weight.shared_embedding = True
+            if self.embedding.position_embeddings is not None:
+                self.embedding.position_embeddings.weight.shared_position_embedding = True
 
     def set_input_tensor(self, input_tensor) -> None:
         """What the previous pipeline stage sent: [encoder hidden] on an encoder stage,

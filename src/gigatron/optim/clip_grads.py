@@ -4,8 +4,9 @@ parallel group.
 Each weight is counted once in the norm:
 - a weight replicated over tensor parallelism (no `tensor_model_parallel = True`) only on tp
   rank 0; tensor-parallel shards on every tp rank (together they are the full tensor);
-- a weight held on two pipeline stages (`shared_embedding = True`: the word embedding and the
-  tied output layer) only on the first stage.
+- a weight held on several pipeline stages (`shared_embedding = True`: the word embedding and
+  the tied output layer; `shared_position_embedding = True`: T5's position embedding) only on
+  the first stage.
 The squared sums are then all-reduced over the model group (tp x pp). Ranks of one data-parallel
 group hold the same gradients, so dp is reduced only when the gradients are sharded over it (the
 distributed optimizer passes `sharded_group`, e.g. "dp" or "dp_cp").
@@ -38,7 +39,10 @@ def is_expert(param: torch.Tensor) -> bool:
 
 def counts_in_norm(param: torch.Tensor, pctx: ParallelContext) -> bool:
     """True when this rank's copy of `param` is the one counted in global statistics."""
-    if getattr(param, "shared_embedding", False) and not pctx.is_pipeline_first_stage():
+    shared = getattr(param, "shared_embedding", False) or getattr(
+        param, "shared_position_embedding", False
+    )
+    if shared and not pctx.is_pipeline_first_stage():
         return False
     if getattr(param, "tensor_model_parallel", False):
         return True

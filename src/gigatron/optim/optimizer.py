@@ -37,6 +37,7 @@ PARAM_ATTRIBUTES = (
     "partition_stride",
     "sequence_parallel",
     "shared_embedding",
+    "shared_position_embedding",
     "expert_parallel",
 )
 

@@ -173,9 +173,12 @@ class ParallelContext:
         device: str | torch.device | None = None,
         backend: str | None = None,
         timeout_minutes: float = 10,
+        split_rank: int | None = None,
     ) -> ParallelContext:
         """Build the context for this process from the torchrun environment (or an already
-        initialised default process group). Every group it creates gets `timeout_minutes`."""
+        initialised default process group). Every group it creates gets `timeout_minutes`.
+        `split_rank` (encoder-decoder models, --pipeline-model-parallel-split-rank): the first
+        decoder stage, which also holds the word (and position) embedding."""
         world_size = (
             dist.get_world_size()
             if dist.is_initialized()
@@ -200,7 +203,7 @@ class ParallelContext:
             device = torch.device("cuda", torch.cuda.current_device())
         rank = dist.get_rank()
         ctx = cls(grid=grid, rank=rank, device=device, backend=dist.get_backend(), timeout=timeout)
-        ctx._create_groups()
+        ctx._create_groups(split_rank if pp > 1 else None)
         return ctx
 
     @classmethod
@@ -215,16 +218,20 @@ class ParallelContext:
             device=p.device,
             backend=p.distributed_backend,
             timeout_minutes=p.distributed_timeout_minutes,
+            split_rank=p.pipeline_model_parallel_split_rank,
         )
 
-    def _create_groups(self) -> None:
+    def _create_groups(self, split_rank: int | None = None) -> None:
         g = self.grid
         pp_groups = g.groups_varying(["pp"])
         embedding_groups = []
         position_embedding_groups = []
         for ranks in pp_groups:
-            embedding_groups.append(sorted({ranks[0], ranks[-1]}))
-            position_embedding_groups.append([ranks[0]])
+            # Megatron's groups: the stages holding the word embedding (first, the decoder's
+            # first with a split rank, last) and the position embedding (first, split).
+            split = [ranks[split_rank]] if split_rank is not None else []
+            embedding_groups.append(sorted({ranks[0], *split, ranks[-1]}))
+            position_embedding_groups.append(sorted({ranks[0], *split}))
         expert_layouts = g.expert_groups()
         for name in GROUP_NAMES:
             # A rank outside every group of a kind (a middle pipeline stage and the embedding

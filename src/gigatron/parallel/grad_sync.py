@@ -7,7 +7,10 @@ Three reductions, each in the group where a weight is replicated:
    over the tensor-parallel group;
 3. tied embeddings: the word embedding on the first pipeline stage and the output layer weight on
    the last are the same weight held twice; both are marked `param.shared_embedding = True` and
-   their gradients are summed over the embedding group.
+   their gradients are summed over the embedding group. Encoder-decoder models (T5) hold the
+   embeddings on the decoder's first stage too: its word embedding joins the embedding group,
+   and the position embeddings of the first and split stages (`shared_position_embedding =
+   True`) are summed over the position-embedding group.
 The reductions are linear, so their order does not change the result.
 With `--calculate-per-token-loss` the losses are sums over tokens (not means) and nothing is
 averaged over data-parallel replicas; the gradients are then divided once by the global token
@@ -68,6 +71,11 @@ def finalize_model_grads(
     if pctx.pp_size > 1 and pctx.size("embedding") > 1:
         _all_reduce_coalesced(
             _marked_grads(model_chunks, "shared_embedding"), pctx.group("embedding")
+        )
+    if pctx.pp_size > 1 and pctx.size("position_embedding") > 1:
+        _all_reduce_coalesced(
+            _marked_grads(model_chunks, "shared_position_embedding"),
+            pctx.group("position_embedding"),
         )
     if num_tokens is not None:
         scale_gradients(model_chunks, 1.0 / max(num_tokens, 1.0))

@@ -4,6 +4,7 @@ point-to-point exchange of activations and gradients between stages."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -75,14 +76,23 @@ def chunk_layer_ranges(
 # ---- point-to-point exchange between stages -------------------------------------------------
 #
 # A message is identified by (kind, chunk, micro-batch) where `chunk` is the model chunk that
-# consumes it. Every shape is known ahead from the schedule configuration, so nothing is exchanged
-# to learn them. On Gloo the tag encodes the message, so sends and receives match whatever order
-# they are posted in; NCCL ignores tags, which is fine because both ends post a given direction's
+# consumes it. A message is one tensor (the hidden states) or, for models that pass several
+# streams between stages (T5: [decoder hidden, encoder output]), a list of tensors whose shapes
+# depend on the sending stage (`stage_shapes`). Every shape is known ahead from the schedule
+# configuration, so nothing is exchanged to learn them. On Gloo the tag encodes the message and
+# the tensor's place in it, so sends and receives match whatever order they are posted in; NCCL ignores tags, which is fine because both ends post a given direction's
 # messages in the same order (the schedules guarantee it), and the ops one step issues together
 # go through batch_isend_irecv (one NCCL group, so a send and a receive cannot wait on each other).
 
 ACTIVATION = 0
 GRADIENT = 1
+# The most tensors one message may carry (their index is part of the tag).
+MAX_TENSORS_PER_MESSAGE = 4
+
+Shape = tuple[int, ...]
+# stage_shapes(pp_rank) -> the shapes of the tensors that pipeline stage sends forward (and
+# receives gradients for), in order.
+StageShapes = Callable[[int], list[Shape]]
 
 
 def pipeline_tensor_shape(
@@ -105,15 +115,23 @@ def deallocate_output(output: torch.Tensor | None) -> None:
 
     Backward from this output needs only its grad_fn and the gradient received from the next
     stage, not its values; `backward_from_output` runs that backward. Views are left alone: their
-    storage belongs to the base tensor, so replacing the view's data would free nothing.
+    storage belongs to the base tensor, so replacing the view's data would free nothing; so are
+    tensors without a grad_fn (a stage's input passed on unchanged, e.g. T5's encoder output,
+    is still read by this stage's backward).
     """
     if output is None or output._base is not None or output.numel() <= 1:
+        return
+    if output.grad_fn is None:
         return
     output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
 
 
-def backward_from_output(output: torch.Tensor, grad_output: torch.Tensor | None) -> None:
-    """Backward from `output` with `grad_output`, also when `deallocate_output` freed `output`.
+def backward_from_output(
+    output: torch.Tensor | list[torch.Tensor],
+    grad_output: torch.Tensor | list[torch.Tensor] | None,
+) -> None:
+    """Backward from `output` with `grad_output` (or from lists of both: a stage sending several
+    tensors), also when `deallocate_output` freed an output.
 
     torch.autograd.backward checks that the gradient's shape equals the output's, which no longer
     holds once the output's data is a 1-element placeholder; the engine call below skips that
@@ -122,9 +140,11 @@ def backward_from_output(output: torch.Tensor, grad_output: torch.Tensor | None)
     if grad_output is None:
         output.backward()
         return
+    outputs = tuple(output) if isinstance(output, (list, tuple)) else (output,)
+    grads = tuple(grad_output) if isinstance(grad_output, (list, tuple)) else (grad_output,)
     torch.autograd.Variable._execution_engine.run_backward(
-        tensors=(output,),
-        grad_tensors=(grad_output,),
+        tensors=outputs,
+        grad_tensors=grads,
         keep_graph=False,
         create_graph=False,
         inputs=(),
@@ -142,6 +162,10 @@ class PipelineCommunicator:
     `post_recv` (so they overlap compute) and waited for with `recv`. A sent output is
     deallocated at once: the send holds its own reference to the storage, which is released as
     soon as the send has completed.
+
+    Messages are single tensors of `shape`, or, with `stage_shapes` (one chunk per rank), lists
+    of tensors: what stage r sends forward has the shapes `stage_shapes(r)`, and so do the
+    gradients it receives for them; `recv` then returns a list and `send` takes one.
     """
 
     def __init__(
@@ -151,9 +175,16 @@ class PipelineCommunicator:
         dtype: torch.dtype,
         num_microbatches: int,
         num_chunks: int = 1,
+        stage_shapes: StageShapes | None = None,
     ) -> None:
+        if stage_shapes is not None and num_chunks > 1:
+            raise GigatronError(
+                "pipeline messages of several tensors need one model chunk per pipeline rank; "
+                "drop the virtual pipeline stages"
+            )
         self.pctx = pctx
         self.shape = tuple(shape)
+        self.stage_shapes = stage_shapes
         self.dtype = dtype
         self.num_microbatches = num_microbatches
         self.num_chunks = num_chunks
@@ -163,8 +194,24 @@ class PipelineCommunicator:
         self._sends: dict[tuple[int, int, int], tuple[list, torch.Tensor]] = {}
         self.recv_wait_s = 0.0
 
-    def _tag(self, kind: int, chunk: int, microbatch: int) -> int:
-        return (kind * self.num_chunks + chunk) * self.num_microbatches + microbatch
+    def _tag(self, kind: int, chunk: int, microbatch: int, index: int = 0) -> int:
+        message = (kind * self.num_chunks + chunk) * self.num_microbatches + microbatch
+        return message * MAX_TENSORS_PER_MESSAGE + index
+
+    def _shapes(self, kind: int, sending: bool) -> list[Shape]:
+        """Shapes of one message: activations travel from stage r to r + 1 with stage r's
+        shapes, gradients back from r + 1 to r with the same shapes."""
+        if self.stage_shapes is None:
+            return [self.shape]
+        rank = self.pctx.pp_rank
+        producer = rank if (kind == ACTIVATION) == sending else rank - 1
+        shapes = [tuple(shape) for shape in self.stage_shapes(producer)]
+        if not 0 < len(shapes) <= MAX_TENSORS_PER_MESSAGE:
+            raise GigatronError(
+                f"pipeline stage {producer} sends {len(shapes)} tensors; a message carries 1 to "
+                f"{MAX_TENSORS_PER_MESSAGE}"
+            )
+        return shapes
 
     def _start(self, ops: list[tuple[str, torch.Tensor, int, int]]) -> list:
         """Start ('send' | 'recv', tensor, peer, tag) ops; returns their work handles."""
@@ -192,7 +239,7 @@ class PipelineCommunicator:
             # Gradient for (this rank, chunk)'s output comes from the next stage of the model.
             peer_chunk = chunk if pp_rank < pp_size - 1 else chunk + 1
             peer = self.pctx.next_pipeline_rank
-        return (kind, chunk, microbatch), peer, self._tag(kind, peer_chunk, microbatch)
+        return (kind, chunk, microbatch), peer, self._tag(kind, peer_chunk, microbatch, 0)
 
     def post_recv(self, kind: int, chunk: int, microbatch: int) -> None:
         """Start receiving the tensor (kind, chunk, microbatch) unless already started."""
@@ -203,39 +250,50 @@ class PipelineCommunicator:
         NCCL they form one group, so the two peers' sends cannot block each other."""
         ops, keys = [], []
         if send is not None:
-            kind, chunk, microbatch, payload = send
+            kind, chunk, microbatch, payloads = send
             peer = (
                 self.pctx.next_pipeline_rank if kind == ACTIVATION else self.pctx.prev_pipeline_rank
             )
-            ops.append(("send", payload, peer, self._tag(kind, chunk, microbatch)))
-            keys.append(("send", (kind, chunk, microbatch), payload))
+            for index, payload in enumerate(payloads):
+                ops.append(("send", payload, peer, self._tag(kind, chunk, microbatch, index)))
+            keys.append(("send", (kind, chunk, microbatch), payloads))
         if recv is not None:
             key, peer, tag = self._recv_key_and_peer(*recv)
             if key not in self._recvs:
-                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.pctx.device)
-                ops.append(("recv", buffer, peer, tag))
-                keys.append(("recv", key, buffer))
+                buffers = [
+                    torch.empty(shape, dtype=self.dtype, device=self.pctx.device)
+                    for shape in self._shapes(recv[0], sending=False)
+                ]
+                for index, buffer in enumerate(buffers):
+                    ops.append(("recv", buffer, peer, tag + index))
+                keys.append(("recv", key, buffers))
         if not ops:
             return
         works = self._start(ops)
-        for index, (op, key, tensor) in enumerate(keys):
+        first = 0
+        for op, key, tensors in keys:
             # A coalesced (NCCL) batch may return one handle for all its ops.
-            handles = [works[index]] if len(works) == len(ops) else works
-            if op == "send":
-                self._sends[key] = (handles, tensor)
+            if len(works) == len(ops):
+                handles = works[first : first + len(tensors)]
             else:
-                self._recvs[key] = (tensor, handles)
+                handles = works
+            first += len(tensors)
+            if op == "send":
+                self._sends[key] = (handles, tensors)
+            else:
+                self._recvs[key] = (tensors, handles)
 
-    def recv(self, kind: int, chunk: int, microbatch: int) -> torch.Tensor:
-        """Wait for the tensor (kind, chunk, microbatch), posting the receive if needed."""
+    def recv(self, kind: int, chunk: int, microbatch: int) -> torch.Tensor | list[torch.Tensor]:
+        """Wait for the message (kind, chunk, microbatch), posting the receive if needed: one
+        tensor, or a list with `stage_shapes`."""
         self.post_recv(kind, chunk, microbatch)
-        buffer, works = self._recvs.pop((kind, chunk, microbatch))
+        buffers, works = self._recvs.pop((kind, chunk, microbatch))
         began = time.perf_counter()
         for work in works:
             work.wait()
         self.recv_wait_s += time.perf_counter() - began
         self.poll_sends()
-        return buffer
+        return buffers if self.stage_shapes is not None else buffers[0]
 
     # --- sends -----------------------------------------------------------------------------
     def send(
@@ -243,26 +301,35 @@ class PipelineCommunicator:
         kind: int,
         chunk: int,
         microbatch: int,
-        tensor: torch.Tensor,
-        free_after: torch.Tensor | None = None,
+        tensor: torch.Tensor | list[torch.Tensor],
+        free_after: torch.Tensor | list[torch.Tensor] | None = None,
         then_recv: tuple[int, int, int] | None = None,
     ) -> None:
-        """Start sending `tensor`, and the receive `then_recv` (kind, chunk, microbatch) with it;
-        `free_after` (the stage output) has its storage released as soon as the send completes."""
-        if tuple(tensor.shape) != self.shape:
+        """Start sending `tensor` (or a list of tensors), and the receive `then_recv` (kind,
+        chunk, microbatch) with it; `free_after` (the stage output, or its list) has its storage
+        released as soon as the send completes."""
+        tensors = list(tensor) if isinstance(tensor, (list, tuple)) else [tensor]
+        shapes = [tuple(t.shape) for t in tensors]
+        expected = self._shapes(kind, sending=True)
+        if shapes != expected:
             raise GigatronError(
-                f"pipeline stage output of shape {tuple(tensor.shape)} does not match the shape "
-                f"{self.shape} set by --seq-length / --micro-batch-size / --hidden-size (divided "
-                "by cp, and by tp with --sequence-parallel); stages must return hidden states "
-                "[seq, batch, hidden]"
+                f"pipeline stage output of shape {_shapes_text(shapes)} does not match the "
+                f"shape {_shapes_text(expected)} set by --seq-length / --micro-batch-size / "
+                "--hidden-size (divided by cp, and by tp with --sequence-parallel); stages must "
+                "return hidden states [seq, batch, hidden]"
             )
-        payload = tensor.detach()
-        if payload.dtype != self.dtype or not payload.is_contiguous():
-            payload = payload.to(self.dtype).contiguous()
-        self._start_ops((kind, chunk, microbatch, payload), then_recv)
-        # `payload` shares the output's storage and keeps it alive until the send completes;
+        payloads = []
+        for t in tensors:
+            payload = t.detach()
+            if payload.dtype != self.dtype or not payload.is_contiguous():
+                payload = payload.to(self.dtype).contiguous()
+            payloads.append(payload)
+        self._start_ops((kind, chunk, microbatch, payloads), then_recv)
+        # A payload shares its output's storage and keeps it alive until the send completes;
         # the output itself no longer needs it (see deallocate_output).
-        deallocate_output(free_after)
+        frees = free_after if isinstance(free_after, (list, tuple)) else [free_after]
+        for output in frees:
+            deallocate_output(output)
         self.poll_sends()
 
     def poll_sends(self) -> None:
@@ -289,3 +356,7 @@ class PipelineCommunicator:
             self._finish_send(key, wait=True)
         if self._recvs:
             raise RuntimeError(f"pipeline receives posted but never used: {sorted(self._recvs)}")
+
+
+def _shapes_text(shapes: list[Shape]) -> str:
+    return str(shapes[0]) if len(shapes) == 1 else str(shapes)

@@ -25,6 +25,7 @@ from gigatron.parallel.pipeline import (
     ACTIVATION,
     GRADIENT,
     PipelineCommunicator,
+    StageShapes,
     backward_from_output,
     pipeline_tensor_shape,
 )
@@ -50,6 +51,11 @@ class ScheduleConfig:
     # execution order; `stats` accumulates "compute_s" and "recv_wait_s" (pipelined runs).
     trace: list | None = None
     stats: dict[str, float] | None = None
+    # Models that pass several tensors between stages (T5): stage_shapes(pp_rank) gives the
+    # shapes of what that stage sends forward (a list); stages then receive lists, and
+    # `chunk.set_input_tensor` gets a list. None: one hidden-state tensor of
+    # [seq(/cp)(/tp with SP), micro-batch, hidden] everywhere.
+    stage_shapes: StageShapes | None = None
 
 
 def _no_sync(chunk: nn.Module):
@@ -235,7 +241,7 @@ def _chunk_iterators(data_iterator: Any, num_chunks: int) -> list[Any]:
     return [shared.view(chunk) for chunk in range(num_chunks)]
 
 
-def _set_input_tensor(chunk: nn.Module, tensor: torch.Tensor) -> None:
+def _set_input_tensor(chunk: nn.Module, tensor: torch.Tensor | list[torch.Tensor]) -> None:
     """Hand the received activation to the chunk (through a DDP wrapper when there is one)."""
     target = chunk if hasattr(chunk, "set_input_tensor") else getattr(chunk, "module", None)
     if target is None or not hasattr(target, "set_input_tensor"):
@@ -271,7 +277,9 @@ def forward_backward_pipelining(
         pctx.cp_size,
         config.sequence_parallel,
     )
-    comm = PipelineCommunicator(pctx, shape, config.pipeline_dtype, num_microbatches, num_chunks)
+    comm = PipelineCommunicator(
+        pctx, shape, config.pipeline_dtype, num_microbatches, num_chunks, config.stage_shapes
+    )
 
     def is_first_stage(chunk: int) -> bool:
         return pp_rank == 0 and chunk == 0
@@ -309,7 +317,8 @@ def forward_backward_pipelining(
             if not is_first_stage(chunk_id):
                 input_tensor = comm.recv(ACTIVATION, chunk_id, mb)
                 if not forward_only:
-                    input_tensor.requires_grad_(True)
+                    for received in _as_list(input_tensor):
+                        received.requires_grad_(True)
                 _set_input_tensor(chunk, input_tensor)
             began = time.perf_counter()
             output, loss_fn = forward_step(iterators[chunk_id], chunk)
@@ -341,9 +350,12 @@ def forward_backward_pipelining(
             compute_s += time.perf_counter() - began
             del output, grad_output
             if input_tensor is not None:
-                grad_input = input_tensor.grad
-                if grad_input is None:  # the chunk ignored its input: the gradient is zero
-                    grad_input = torch.zeros_like(input_tensor)
+                # A chunk that ignored an input gives it a zero gradient.
+                grads = [
+                    t.grad if t.grad is not None else torch.zeros_like(t)
+                    for t in _as_list(input_tensor)
+                ]
+                grad_input = grads if isinstance(input_tensor, list) else grads[0]
                 comm.send(GRADIENT, chunk_id, mb, grad_input, then_recv=next_recv[index])
         if next_recv[index] is not None:
             comm.post_recv(*next_recv[index])  # a no-op when the send above started it
@@ -352,6 +364,10 @@ def forward_backward_pipelining(
         config.stats["compute_s"] = config.stats.get("compute_s", 0.0) + compute_s
         config.stats["recv_wait_s"] = config.stats.get("recv_wait_s", 0.0) + comm.recv_wait_s
     return reports
+
+
+def _as_list(tensors: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
 
 
 def forward_backward_pipelining_1f1b(

@@ -104,7 +104,7 @@ def model_flops_per_iteration(
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         kv_channels=m.kv_channels,
-        swiglu=m.swiglu or m.quick_geglu,
+        swiglu=m.swiglu or m.geglu or m.quick_geglu,  # any gated MLP: three matrices
         num_moe_layers=moe_layers,
         moe_active_ffn=active,
         attention_flops=mla_flops_per_token(m) if m.multi_latent_attention else None,

@@ -338,6 +338,11 @@ def pretrain(
             per_token_loss=cfg.parallel.calculate_per_token_loss,
             grad_scale_func=optimizer.scale_loss,
             microbatch_group_size=cfg.parallel.microbatch_group_size_per_vp_stage,
+            stage_shapes=(
+                family.pipeline_stage_shapes(cfg, pctx)
+                if family.pipeline_stage_shapes is not None and pctx.pp_size > 1
+                else None
+            ),
         )
         run = Run(
             cfg=cfg,
