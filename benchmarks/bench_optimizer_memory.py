@@ -48,7 +48,7 @@ def measure(args, pctx: ParallelContext, precision: str, grad_dtype, distributed
     chunk = DistributedDataParallel(model, pctx, cfg.parallel, grad_dtype=grad_dtype)
     optimizer = build_optimizer(cfg, [chunk], pctx)
     tokens = torch.randint(0, VOCAB, (1, 32))
-    loss = chunk(tokens, torch.arange(32).unsqueeze(0), None, tokens).float().mean()
+    loss = chunk(tokens, torch.arange(32).unsqueeze(0)).float().mean()  # logits: any loss
     optimizer.scale_loss(loss).backward()
     chunk.finish_grad_sync()
     success, _, _ = optimizer.step()

@@ -44,6 +44,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gigatron.tasks.evaluate:main",
         "zero-shot WikiText perplexity or LAMBADA accuracy of a checkpoint (--task ...)",
     ),
+    "finetune": (
+        "gigatron.tasks.finetune:main",
+        "fine-tune a BERT checkpoint on MNLI, QQP or RACE (--task ...)",
+    ),
     "lm-eval": (
         "gigatron.integrations.lm_eval:main",
         "lm-evaluation-harness with gigatron checkpoints: gigatron lm-eval --model gigatron ...",

@@ -5,6 +5,8 @@ gradient (gathered to full tensors)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -192,3 +194,60 @@ def _compare_expert_parallel(rank: int, world_size: int) -> None:
 
 def test_gpt_oss_moe_at_ep2_matches_single_process() -> None:
     run_distributed(_compare_expert_parallel, 2)
+
+
+def _mtp_config(pp: int, tied: bool) -> GigatronConfig:
+    cfg = _config("mtp", 1, False)
+    cfg.model.num_layers, cfg.model.untie_embeddings_and_output_weights = 4, not tied
+    cfg.parallel.pipeline_model_parallel_size = pp
+    cfg.training.micro_batch_size, cfg.training.global_batch_size = BATCH, 2 * BATCH
+    return cfg
+
+
+def _mtp_pipeline(rank: int, world_size: int) -> None:
+    """Multi-token prediction on the last of 2 pipeline stages (its own copy of the word
+    embedding, tied to the output layer or not): the 1F1B schedule gives the single-process
+    losses (`lm_loss`, `mtp_loss`) and gradients, embedding copies summed over the stages."""
+    from gigatron.families.gpt import forward_step
+    from gigatron.parallel.schedules import ScheduleConfig, forward_backward
+
+    generator = torch.Generator().manual_seed(11)
+    batches = [
+        {
+            "tokens": torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+            "labels": torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+            "loss_mask": torch.ones(BATCH, SEQ),
+            "position_ids": torch.arange(SEQ).expand(BATCH, SEQ),
+        }
+        for _ in range(2)
+    ]
+    schedule = ScheduleConfig(seq_length=SEQ, micro_batch_size=BATCH, hidden_size=64)
+    pctx = ParallelContext.from_sizes(pp=world_size)
+    for tied in (True, False):
+
+        def run(cfg, context):
+            chunks = build_model(cfg, context)
+            step = partial(forward_step, context, mtp_scaling_factor=0.3)
+            reports = forward_backward(step, iter(batches), chunks, 2, context, schedule)
+            finalize_model_grads(chunks, context)
+            return chunks[0], reports
+
+        reference, ref_reports = run(_mtp_config(1, tied), ParallelContext.single())
+        model, reports = run(_mtp_config(world_size, tied), pctx)
+        if pctx.is_pipeline_last_stage():
+            assert hasattr(model, "embedding") and model.mtp is not None
+            for name in ("lm_loss", "mtp_loss"):
+                got = torch.stack([r[name] for r in reports]).sum(0)
+                expected = torch.stack([r[name] for r in ref_reports]).sum(0)
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=name)
+        ref_params = dict(reference.named_parameters())
+        for name, param in model.named_parameters():
+            expected = ref_params[name]
+            assert torch.equal(param.detach(), expected.detach()), (tied, name)
+            torch.testing.assert_close(
+                param.grad, expected.grad, rtol=1e-4, atol=2e-5, msg=f"tied={tied} {name}"
+            )
+
+
+def test_multi_token_prediction_with_pipeline_parallelism() -> None:
+    run_distributed(_mtp_pipeline, 2)

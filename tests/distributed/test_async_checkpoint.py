@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_data_parallel import Case, build, train_steps
 
-from gigatron.checkpoint import dist_format
+from gigatron.checkpoint import dcp_io
 from gigatron.checkpoint.async_save import AsyncCheckpointSaver
 from gigatron.checkpoint.formats import load_checkpoint
 from gigatron.parallel.context import ParallelContext, run_distributed
@@ -26,7 +26,7 @@ CASE = Case("async", precision="bf16", distributed_optimizer=True)
 STEPS_DURING_SAVE = 3
 
 
-class GatedWriter(dist_format.FileSystemWriter):
+class GatedWriter(dcp_io.FileSystemWriter):
     """Writes only once `gate` is set: a save that takes as long as the test wants."""
 
     def __init__(self, path, gate: threading.Event, started: threading.Event) -> None:
@@ -48,7 +48,7 @@ def run_async(rank: int, world_size: int, out_dir: str) -> None:
     saved_weights = {k: v.clone() for k, v in chunk.state_dict().items()}
 
     gate, started = threading.Event(), threading.Event()
-    dist_format.make_writer = lambda path: GatedWriter(path, gate, started)
+    dcp_io.make_writer = lambda path: GatedWriter(path, gate, started)
     saver = AsyncCheckpointSaver(pctx)
     saver.save(save_dir, 2, [chunk], optimizer, None, cfg)
     assert started.wait(timeout=120)
@@ -93,12 +93,12 @@ KILLED = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from pathlib import Path
     from test_data_parallel import Case, build, train_steps
-    from gigatron.checkpoint import dist_format
+    from gigatron.checkpoint import dcp_io
     from gigatron.checkpoint.async_save import AsyncCheckpointSaver
     from gigatron.checkpoint.formats import save_checkpoint
     from gigatron.parallel.context import ParallelContext
 
-    class Stuck(dist_format.FileSystemWriter):
+    class Stuck(dcp_io.FileSystemWriter):
         def finish(self, metadata, results):  # data files written, index not yet
             written.set()
             threading.Event().wait()
@@ -110,7 +110,7 @@ KILLED = textwrap.dedent(
     cfg.checkpoint.ckpt_format = "torch_dist"
     train_steps(chunk, optimizer, pctx, range(1), use_ddp=True)
     save_checkpoint(save_dir, 1, [chunk], optimizer, None, pctx, cfg)
-    dist_format.make_writer = Stuck
+    dcp_io.make_writer = Stuck
     saver = AsyncCheckpointSaver(pctx)
     train_steps(chunk, optimizer, pctx, range(1, 2), use_ddp=True)
     saver.save(save_dir, 2, [chunk], optimizer, None, cfg)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gigatron.checkpoint.torch_format import save_checkpoint
+from gigatron.checkpoint.formats import save_checkpoint
 from gigatron.data.tokenizers import build_tokenizer
 from gigatron.inference.load import build_engine
 from gigatron.models import build_model
@@ -32,13 +32,14 @@ MODEL_FLAGS = [
 ]  # fmt: skip
 
 
-def save_tiny_checkpoint(directory: Path) -> None:
+def save_tiny_checkpoint(directory: Path, ckpt_format: str = "torch") -> None:
     """An untrained GPT with the GPT-2 tokenizer saved as a training checkpoint (iteration 1)."""
     cfg = parse_pretrain_config(MODEL_FLAGS, world_size=1)
     pctx = ParallelContext.single()
     tokenizer = build_tokenizer(cfg.tokenizer)
     chunks = build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
-    save_checkpoint(directory, 1, chunks, None, None, pctx, cfg, extra={"gigatron_family": "gpt"})
+    save_checkpoint(directory, 1, chunks, None, None, pctx, cfg, extra={"gigatron_family": "gpt"},
+                    ckpt_format=ckpt_format)  # fmt: skip
 
 
 def engine_from_checkpoint(directory: Path, max_batch_size: int = 4):

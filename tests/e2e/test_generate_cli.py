@@ -75,6 +75,14 @@ def test_tensor_and_pipeline_parallel_give_the_same_tokens(checkpoint, reference
                 torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
 
 
+def test_torch_dist_checkpoint_generates_the_same_tokens_at_any_tp(reference, tmp_path):
+    # A torch_dist checkpoint loads at tensor-parallel = the process count: no conversion.
+    save_tiny_checkpoint(tmp_path / "dist", ckpt_format="torch_dist")
+    for nproc in (1, 2):
+        records = run_generate(tmp_path / "dist", tmp_path / f"{nproc}.jsonl", *GREEDY, nproc=nproc)
+        assert [r["tokens"] for r in records] == [r["tokens"] for r in reference["greedy"]]
+
+
 def test_generate_refuses_a_wrong_process_count_and_bad_flags(checkpoint, tmp_path):
     command = [sys.executable, "-m", "gigatron.cli", "generate", "--load", str(checkpoint),
                "--prompt", "x", "--top-p", "1.5"]  # fmt: skip

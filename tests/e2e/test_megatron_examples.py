@@ -70,9 +70,10 @@ FSDP_TUNING = "a Megatron-FSDP NCCL tuning, refused: config/refusals.py"
 CUDA_ONLY = "records CUDA allocations: an error on a CPU"
 REAL_DATA_BRANCH = "the script's real-data branch; the test runs its --mock-data branch"
 WANDB = "Weights & Biases needs an account and the network"
-# Flags other helpers of issue 19 are adding on their branches: delete these drops once merged.
-PENDING_ARCH = "architecture flag of the 'arch' branch (not merged here yet)"
-PENDING_DCP = "torch_dist checkpoints of the 'dcp' branch (not merged here yet)"
+FLASH_ATTN = "the flash-attn package (GPU only) is not installed on the CPU test machine"
+FSDP_DTENSOR = "--ckpt-format fsdp_dtensor (Megatron-FSDP's own format) is not available"
+REFUSED = "refused: config/refusals.py"
+HUB_TOKENIZER = "a Hugging Face hub tokenizer needs the network; NullTokenizer instead"
 FP8_FLAGS = {
     "--fp8-format": FP8,
     "--fp8-amax-history-len": FP8,
@@ -123,21 +124,6 @@ EXAMPLES = {
         drop={"--data-path": "replaced by --mock-data"},
         add=("--mock-data",),
     ),
-    "t5_220m": Example(
-        "examples/t5/train_t5_220m_distributed.sh",
-        "t5",
-        replace={
-            "--vocab-file": str(DATA / "bert-base-uncased-vocab.txt"),
-            "--encoder-num-layers": "2",
-            "--decoder-num-layers": "2",
-            "--encoder-seq-length": "64",
-            "--decoder-seq-length": "32",
-            # 99982,9,9 leaves the 2000 mock documents no validation document
-            "--split": "98,1,1",
-        },
-        drop={"--data-path": "replaced by --mock-data"},
-        add=("--mock-data",),
-    ),
     "mamba": Example(
         "examples/mamba/train.sh",
         "mamba",
@@ -162,8 +148,6 @@ EXAMPLES = {
         drop={
             **FP8_FLAGS,
             **MOCK_BRANCH,
-            "--apply-layernorm-1p": PENDING_ARCH,
-            "--ckpt-format": PENDING_DCP,
         },
         choose={"--tokenizer-type": "NullTokenizer"},
     ),
@@ -174,12 +158,11 @@ EXAMPLES = {
         drop={
             **FP8_FLAGS,
             **MOCK_BRANCH,
-            "--apply-layernorm-1p": PENDING_ARCH,
-            "--ckpt-format": "fsdp_dtensor: Megatron-FSDP's own format, not available",
+            "--ckpt-format": FSDP_DTENSOR,
             "--use-nccl-ub": FSDP_TUNING,
             "--fsdp-double-buffer": FSDP_TUNING,
             "--fsdp-manual-registration": FSDP_TUNING,
-            "--init-model-with-meta-device": "refused: config/refusals.py",
+            "--init-model-with-meta-device": REFUSED,
             "--record-memory-history": CUDA_ONLY,
         },
         choose={"--tokenizer-type": "NullTokenizer"},
@@ -195,11 +178,66 @@ EXAMPLES = {
         },
         drop={
             "--data-path": "replaced by --mock-data",
-            "--no-position-embedding": PENDING_ARCH,
             "--wandb-project": WANDB,
             "--wandb-exp-name": WANDB,
         },
         add=("--mock-data",),
+    ),
+    "t5_220m": Example(
+        "examples/t5/train_t5_220m_distributed.sh",
+        "t5",
+        replace={
+            "--vocab-file": str(DATA / "bert-base-uncased-vocab.txt"),
+            "--encoder-num-layers": "2",
+            "--decoder-num-layers": "2",
+            "--encoder-seq-length": "64",
+            "--decoder-seq-length": "16",
+            "--split": "98,1,1",  # the mock data's sequences must reach each split
+        },
+        drop={"--data-path": "replaced by --mock-data"},
+        add=("--mock-data",),
+    ),
+    "gpt_oss": Example(
+        "examples/gptoss/02_train.sh",
+        "gpt",
+        replace={"--moe-ffn-hidden-size": "64"},
+        drop={**FP8_FLAGS, **MOCK_BRANCH, "--use-flash-attn": FLASH_ATTN},
+        choose={"--tokenizer-type": "NullTokenizer"},
+    ),
+    "deepseek_v3": Example(
+        "examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh",
+        "gpt",
+        replace={
+            "--data-parallel-sharding-strategy": "optim_grads_params",
+            "--tokenizer-type": "NullTokenizer",
+            # 16 experts in 8 groups of 2: the best 4 groups hold the 8 experts to choose.
+            "--num-experts": "16",
+            "--moe-layer-freq": "[0]*1+[1]*1",
+            "--moe-ffn-hidden-size": "64",
+            "--moe-shared-expert-intermediate-size": "64",
+            "--q-lora-rank": "32",
+            "--kv-lora-rank": "16",
+            "--qk-head-dim": "16",
+            "--qk-pos-emb-head-dim": "8",
+            "--v-head-dim": "16",
+            "--make-vocab-size-divisible-by": "128",
+        },
+        drop={
+            "--tokenizer-model": HUB_TOKENIZER,
+            "--data-path": "replaced by --mock-data",
+            "--use-flash-attn": FLASH_ATTN,
+            "--moe-token-dispatcher-type": REFUSED + " (flex: DeepEP / HybridEP)",
+            "--moe-flex-dispatcher-backend": REFUSED,
+            "--moe-router-force-load-balancing": REFUSED,
+            "--init-model-with-meta-device": REFUSED,
+            "--ckpt-format": FSDP_DTENSOR,
+            "--fsdp-double-buffer": FSDP_TUNING,
+            "--use-nccl-ub": FSDP_TUNING,
+            "--megatron-fsdp-main-grads-dtype": REFUSED,
+            "--wandb-project": WANDB,
+            "--wandb-exp-name": WANDB,
+        },
+        add=("--mock-data", "--vocab-size", "512"),
     ),
     "detoxify_1p3b": Example(
         "examples/academic_paper_scripts/detxoify_lm/finetune_gpt_distributed-1.3b.sh",

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TINY = [
     "--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
     "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
@@ -65,9 +67,13 @@ def test_deepseek_style_model_with_mtp_trains_and_logs_mtp_loss(tmp_path):
     assert evals and all("mtp_loss" in r for r in evals)
 
 
-def test_checkpoint_at_tp2_converts_to_tp1_and_evaluates_alike(tmp_path):
-    """MLA, MoE, MTP, sliding windows and sinks at tp = 2 (torchrun, 2 processes), saved,
-    re-split to tp = 1 by `convert-checkpoint`: the test losses (main and MTP) are the same."""
+@pytest.mark.parametrize(
+    "layout", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"]
+)
+def test_checkpoint_converts_to_one_process_and_evaluates_alike(tmp_path, layout):
+    """MLA, MoE, MTP, sliding windows and sinks at tp = 2 or pp = 2 (torchrun, 2 processes),
+    saved, re-split to one process by `convert-checkpoint`: the test losses (main and MTP) are
+    the same."""
     flags = [*DEEPSEEK, "--window-size", "(5,0)", "--softmax-type", "learnable",
              "--vocab-size", "64", "--make-vocab-size-divisible-by", "32",
              "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "2",
@@ -77,7 +83,7 @@ def test_checkpoint_at_tp2_converts_to_tp1_and_evaluates_alike(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                 "2", "-m", "gigatron.cli", "pretrain", "gpt", *TINY, *flags]  # fmt: skip
     result = subprocess.run(
-        [*torchrun, "--tensor-model-parallel-size", "2", "--save", str(source)],
+        [*torchrun, layout, "2", "--save", str(source)],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"

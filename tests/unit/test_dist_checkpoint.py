@@ -201,3 +201,70 @@ def test_checkpoint_flag_rules():
     with pytest.raises(GigatronError, match="--ckpt-convert-save needs --ckpt-convert-format"):
         parse_config(["--ckpt-convert-save", "out"])
     parse_config(["--async-save", "--ckpt-format", "torch_dist"])
+
+
+def test_finetune_and_missing_optimizer_state(tmp_path: Path):
+    cfg, pctx, model, optimizer, scheduler = _run()
+    for i in range(2):
+        _step(model, optimizer, scheduler, i)
+    cfg.checkpoint.no_save_optim = True
+    save_checkpoint(tmp_path, 2, [model], optimizer, scheduler, pctx, cfg)
+    assert not any(k.startswith("optimizer.") for k in dist_format.read_full_tensors(
+        tmp_path / "iter_0000002"))  # fmt: skip
+
+    cfg2, pctx2, model2, optimizer2, scheduler2 = _run(seed=5)
+    with pytest.raises(GigatronError, match="has no optimizer state .* --no-load-optim"):
+        load_checkpoint(tmp_path, [model2], optimizer2, scheduler2, pctx2, cfg2)
+    cfg2.checkpoint.finetune = True
+    info = load_checkpoint(tmp_path, [model2], optimizer2, scheduler2, pctx2, cfg2)
+    assert info["loaded"] and info["iteration"] == 0
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    # the fp32 main copies start from the loaded bf16 weights
+    for param, main in optimizer2.param_pairs:
+        assert torch.equal(main, param.float())
+
+
+def _model_of(layers: int, strictness: str):
+    cfg, pctx, model, optimizer, scheduler = _run(precision="fp32")
+    if layers != 2:
+        from gigatron.models import build_model
+
+        cfg.model.num_layers = layers
+        (model,) = build_model(cfg, pctx, vocab_size=64)
+    cfg.checkpoint.dist_ckpt_strictness = strictness
+    cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = True
+    return cfg, pctx, model
+
+
+def test_dist_ckpt_strictness(tmp_path: Path):
+    cfg, pctx, model, optimizer, scheduler = _run(precision="fp32")
+    save_checkpoint(tmp_path, 1, [model], optimizer, scheduler, pctx, cfg)
+    layer0 = "decoder.layers.0.mlp.linear_fc1.weight"
+
+    # A model with a third layer: its tensors are missing from the checkpoint.
+    for strictness in ("assume_ok_unexpected", "raise_unexpected", "log_unexpected"):
+        cfg3, pctx3, model3 = _model_of(3, strictness)
+        with pytest.raises(GigatronError, match="holds no tensor model.decoder.layers.2"):
+            load_checkpoint(tmp_path, [model3], None, None, pctx3, cfg3)
+    cfg3, pctx3, model3 = _model_of(3, "raise_all")
+    with pytest.raises(GigatronError, match="missing: model.decoder.layers.2.*refuses it"):
+        load_checkpoint(tmp_path, [model3], None, None, pctx3, cfg3)
+    cfg3, pctx3, model3 = _model_of(3, "log_all")
+    initial = model3.state_dict()["decoder.layers.2.mlp.linear_fc1.weight"].clone()
+    with pytest.warns(UserWarning, match="missing: model.decoder.layers.2"):
+        load_checkpoint(tmp_path, [model3], None, None, pctx3, cfg3)
+    state = model3.state_dict()
+    assert torch.equal(state[layer0], model.state_dict()[layer0])
+    assert torch.equal(state["decoder.layers.2.mlp.linear_fc1.weight"], initial)
+
+    # A one-layer model: the checkpoint's second layer is unexpected.
+    cfg1, pctx1, model1 = _model_of(1, "assume_ok_unexpected")
+    load_checkpoint(tmp_path, [model1], None, None, pctx1, cfg1)
+    assert torch.equal(model1.state_dict()[layer0], model.state_dict()[layer0])
+    cfg1, pctx1, model1 = _model_of(1, "raise_unexpected")
+    with pytest.raises(GigatronError, match="unexpected: model.decoder.layers.1"):
+        load_checkpoint(tmp_path, [model1], None, None, pctx1, cfg1)
+    cfg1, pctx1, model1 = _model_of(1, "log_unexpected")
+    with pytest.warns(UserWarning, match="unexpected: model.decoder.layers.1"):
+        load_checkpoint(tmp_path, [model1], None, None, pctx1, cfg1)

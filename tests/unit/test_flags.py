@@ -34,7 +34,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from gigatron.checkpoint import convert, hf_convert
     from gigatron.data import merge, preprocess, train_tokenizer
     from gigatron.inference import generate, server
-    from gigatron.tasks import evaluate
+    from gigatron.tasks import evaluate, finetune
     from gigatron.training import quickstart
 
     return {
@@ -48,6 +48,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "generate": generate.build_parser,
         "serve": server.build_parser,
         "evaluate": evaluate.build_parser,
+        "finetune": finetune.build_parser,
     }
 
 

@@ -57,6 +57,63 @@ CASES = {
     "mixtral": lambda: _llama_like(
         transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2
     ),
+    "gpt-oss": lambda: transformers.GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
+        max_position_embeddings=128,
+        swiglu_limit=0.5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 8.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 32,
+        },
+        attn_implementation="eager",
+    ),
+    "deepseek-v3": lambda: transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "mscale": 0.8,
+            "mscale_all_dim": 0.6,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 32,
+        },
+        tie_word_embeddings=False,
+    ),
     "bert": lambda: transformers.BertConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -182,3 +239,93 @@ def test_tensors_without_a_place_are_refused(tmp_path):
     with pytest.raises(GigatronError, match="o_proj.bias"):
         hf_to_gigatron(folder, tmp_path / "out", log=lambda _: None)
     assert not (tmp_path / "out" / "release").exists()
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt2", "llama3-gqa-rope-scaling", "llama-linear-rope-tied", "qwen2-qkv-bias",
+             "mixtral", "bert"],
+)  # fmt: skip
+def test_export_of_a_model_that_was_not_imported(tmp_path, name):
+    """Without the stored Hugging Face config the adapter writes one from the gigatron config."""
+    hf_dir = tmp_path / "hf"
+    hf = _hf_model(name, hf_dir)
+    release = hf_to_gigatron(hf_dir, tmp_path / "ckpt", log=lambda _: None)
+    path = release / "mp_rank_00" / "model_optim_rng.pt"
+    state = safe_load(path)
+    del state["hf_config"]
+    torch.save(state, path)
+    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["model_type"] == hf.config.model_type
+    auto = AUTO.get(name, transformers.AutoModelForCausalLM)
+    reloaded = auto.from_pretrained(tmp_path / "back").eval()
+    assert _relative_error(_hf_logits(reloaded, name), _hf_logits(hf, name)) < 1e-5
+
+
+def test_mixtral_into_an_expert_parallel_layout_and_back(tmp_path):
+    hf_dir = tmp_path / "hf"
+    _hf_model("mixtral", hf_dir)
+    hf_to_gigatron(hf_dir, tmp_path / "ckpt", tp=2, ep=2, log=lambda _: None)
+    files = sorted(p.name for p in (tmp_path / "ckpt" / "release").iterdir())
+    assert files == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    state = safe_load(tmp_path / "ckpt" / "release" / "mp_rank_01_001" / "model_optim_rng.pt")
+    assert state["model"]["decoder.layers.0.mlp.experts.linear_fc1.weight"].shape[0] == 2
+    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
+    original, exported = _weights(hf_dir), _weights(tmp_path / "back")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
+def test_flags_without_meaning_for_the_pair_are_refused(tmp_path):
+    from gigatron.checkpoint.hf_convert import main
+
+    (tmp_path / "in").mkdir()
+    base = ["--load", str(tmp_path / "in"), "--save", str(tmp_path / "out")]
+    with pytest.raises(GigatronError, match="--target-tensor-parallel-size: no meaning"):
+        main(["--from", "gigatron", "--to", "hf", *base, "--target-tensor-parallel-size", "2"])
+    with pytest.raises(GigatronError, match="--family, --megatron-te-names: no meaning"):
+        main(["--from", "megatron", "--to", "gigatron", *base, "--family", "gpt",
+              "--megatron-te-names"])  # fmt: skip
+    with pytest.raises(GigatronError, match="--max-shard-size: no meaning"):
+        main(["--from", "hf", "--to", "gigatron", *base, "--max-shard-size", "1GB"])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["t5-v1.1", "t5-tied-scaled"])
+def test_t5_through_tensor_parallel_and_back(tmp_path, tied):
+    torch.manual_seed(4)
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        feed_forward_proj="gated-gelu", tie_word_embeddings=tied, dropout_rate=0.0,
+    )  # fmt: skip
+    hf = transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    hf_to_gigatron(tmp_path / "hf", tmp_path / "ckpt", tp=2, log=lambda _: None)
+    state = safe_load(tmp_path / "ckpt" / "release" / "mp_rank_01" / "model_optim_rng.pt")
+    assert state["gigatron_family"] == "t5"
+    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
+    original, exported = _weights(tmp_path / "hf"), _weights(tmp_path / "back")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    reloaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "back").eval()
+    tokens, _ = _inputs()
+    with torch.no_grad():
+        expected = hf(input_ids=tokens, decoder_input_ids=tokens).logits
+        logits = reloaded(input_ids=tokens, decoder_input_ids=tokens).logits
+    assert torch.equal(logits, expected)
+
+
+def test_mamba2_through_tensor_parallel_and_back(tmp_path):
+    torch.manual_seed(5)
+    config = transformers.Mamba2Config(
+        vocab_size=VOCAB, hidden_size=64, num_heads=4, head_dim=32, expand=2, state_size=16,
+        n_groups=2, num_hidden_layers=2, chunk_size=16,
+    )  # fmt: skip
+    hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    hf_to_gigatron(tmp_path / "hf", tmp_path / "ckpt", tp=2, log=lambda _: None)
+    state = safe_load(tmp_path / "ckpt" / "release" / "mp_rank_01" / "model_optim_rng.pt")
+    assert state["gigatron_family"] == "mamba"
+    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
+    original, exported = _weights(tmp_path / "hf"), _weights(tmp_path / "back")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)

@@ -155,6 +155,15 @@ def write_megatron_checkpoint(gigatron_dir: Path, out: Path, te: bool, iteration
         template.update(params=ids_in_group, wd_mult=wd_mult, lr_mult=1.0, max_lr=0.01)
         groups.append(template)
     optimizer = {"state": torch_state, "param_groups": groups}  # FP32Optimizer: torch's own
+    mains = state["optimizer"].get("fp32_from_fp16_params")
+    if mains is not None:  # Float16OptimizerWithFloat16Params: fp32 main copies per group
+        by_name = dict(zip(gigatron_names, mains))
+        optimizer = {
+            "optimizer": optimizer,
+            "fp32_from_fp16_params": [
+                [by_name[n] for n in members] for members in (decay, no_decay)
+            ],
+        }
 
     rng = dict(state["rng_state"])
     np_state = rng["np_rng_state"]
@@ -203,19 +212,41 @@ def _without_shape(flags: list[str]) -> list[str]:
 
 def _run(tmp: Path, *flags: str, shape: bool = True):
     base = FLAGS if shape else _without_shape(FLAGS)
-    cfg = parse_pretrain_config([*base, *flags], world_size=1)
+    metrics = ["--metrics-file", str(tmp / "metrics.jsonl")]
+    cfg = parse_pretrain_config([*base, *flags, *metrics], world_size=1)
     result, _ = pretrain(cfg, stream=io.StringIO())
     return result
 
 
+def _reference(directory: Path, *flags: str):
+    """A run of 6 iterations that saves at iteration 3."""
+    result = _run(
+        directory, "--train-iters", "6", "--save", str(directory / "ckpt"), "--save-interval", "3",
+        *flags,
+    )  # fmt: skip
+    return directory, result
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """A run of 6 iterations that saves at iteration 3."""
-    directory = tmp_path_factory.mktemp("reference")
-    result = _run(
-        directory, "--train-iters", "6", "--save", str(directory / "ckpt"), "--save-interval", "3"
+    return _reference(tmp_path_factory.mktemp("reference"))
+
+
+def test_bf16_resume_maps_the_fp32_main_parameters(tmp_path):
+    directory, full = _reference(tmp_path / "reference", "--bf16")
+    write_megatron_checkpoint(directory / "ckpt", tmp_path / "megatron", False, 3)
+    written = torch.load(
+        tmp_path / "megatron" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt",
+        weights_only=False,
+        pickle_module=_lenient(),
     )
-    return directory, result
+    _forget_megatron()
+    assert len(written["optimizer"]["fp32_from_fp16_params"]) == 2
+    resumed = _run(tmp_path, "--train-iters", "6", "--load", str(tmp_path / "megatron"), "--bf16")
+    for iteration in (4, 5, 6):
+        assert resumed.train_losses[iteration] == pytest.approx(
+            full.train_losses[iteration], rel=1e-6
+        )
 
 
 @pytest.mark.parametrize("te", [False, True], ids=["local-names", "te-names"])
@@ -311,3 +342,47 @@ def test_export_to_megatron_and_import_again(tmp_path, reference):
     again = safe_load(tmp_path / "tp1" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
     assert again["model"].keys() == original.keys()
     assert all(torch.equal(again["model"][k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize("style", ["sequential", "te-grouped"])
+def test_moe_expert_weights_of_both_styles_load(tmp_path, style):
+    from gigatron.checkpoint.torch_format import load_checkpoint
+    from gigatron.config import parse_config
+    from gigatron.families import get_family
+    from gigatron.parallel.context import ParallelContext
+
+    flags = [*FLAGS[1:], "--num-experts", "4", "--moe-router-topk", "2", "--train-iters", "1"]
+    flags += ["--disable-bias-linear"]
+    source_cfg = parse_config([*flags, "--seed", "1"])
+    (source,) = get_family("gpt").build_model(source_cfg, ParallelContext.single(), vocab_size=96)
+    model = {}
+    for name, tensor in source.state_dict().items():
+        if ".mlp.experts.linear_fc" in name:
+            prefix, fc = name.rsplit(".", 2)[0], name.split(".")[-2]
+            for e, weight in enumerate(tensor):
+                key = (
+                    f"{prefix}.local_experts.{e}.{fc}.weight"
+                    if style == "sequential"
+                    else f"{prefix}.{fc}.weight{e}"
+                )
+                model[key] = weight.clone()
+        else:
+            model[name] = tensor
+    _stub_megatron_enums()
+    path = tmp_path / "megatron" / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True)
+    args = argparse.Namespace(num_layers=2, num_experts=4, model_type=sys.modules[
+        "megatron.core.enums"].ModelType.encoder_or_decoder)  # fmt: skip
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 0, "model": model}, path)
+    (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("release")
+    _forget_megatron()
+
+    cfg = parse_config([*flags, "--finetune"])
+    (target,) = get_family("gpt").build_model(cfg, ParallelContext.single(), vocab_size=96)
+    assert not torch.equal(
+        target.state_dict()["decoder.layers.0.mlp.experts.linear_fc1.weight"],
+        source.state_dict()["decoder.layers.0.mlp.experts.linear_fc1.weight"],
+    )
+    load_checkpoint(tmp_path / "megatron", [target], None, None, ParallelContext.single(), cfg)
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name

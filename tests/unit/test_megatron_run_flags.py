@@ -210,3 +210,82 @@ def test_tensorboard_switches(tmp_path, enabled):
     assert ("mem/max_rss_bytes" in writer.scalars) is enabled
     assert writer.scalars["valid lm loss"] == 2.0
     logger.close()
+
+
+# ---- fully sharded data parallelism: flags and rules ---------------------------------------
+def test_megatron_fsdp_strategies_map_to_the_wrappers():
+    from gigatron.parallel.fully_sharded import fsdp_strategy, uses_fully_sharded
+
+    def parallel(*flags):
+        return parse_config(list(flags), world_size=4).parallel
+
+    zero1 = parallel("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim")
+    assert zero1.use_distributed_optimizer and not uses_fully_sharded(zero1, 4)
+    plain = parallel("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard")
+    assert not plain.use_distributed_optimizer and not uses_fully_sharded(plain, 4)
+    zero2 = parallel("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads")
+    assert fsdp_strategy(zero2) == "optim_grads" and uses_fully_sharded(zero2, 4)
+    zero3 = parallel("--use-torch-fsdp2")
+    assert fsdp_strategy(zero3) == "optim_grads_params" and uses_fully_sharded(zero3, 4)
+    assert not uses_fully_sharded(zero3, 1)  # nothing to shard at dp = 1
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--use-torch-fsdp2", "--use-distributed-optimizer"], "drop --use-distributed-optimizer"),
+        (["--use-torch-fsdp2", "--use-megatron-fsdp"], "give one"),
+        (["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2"], "not available yet"),
+        (["--use-torch-fsdp2", "--fp16"], "--fp16 \\(use --bf16\\)"),
+        (["--data-parallel-sharding-strategy", "optim"], "needs --use-megatron-fsdp"),
+        (["--megatron-fsdp-grad-comm-dtype", "bf16"], "needs --use-megatron-fsdp"),
+    ],
+)
+def test_fsdp_rules(flags, message):
+    with pytest.raises(GigatronError, match=message):
+        parse_config(flags, world_size=4)
+
+
+def test_fsdp_at_dp1_warns_that_nothing_is_sharded():
+    with pytest.warns(UserWarning, match="nothing to shard"):
+        parse_config(["--use-torch-fsdp2"], world_size=1)
+
+
+# ---- process settings and memory ------------------------------------------------------------
+def test_logging_level_and_reduced_precision_matmul(monkeypatch):
+    import logging
+
+    from gigatron.training.pretrain import apply_process_settings
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # restored after the test
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_bf16_reduced_precision_reduction
+    try:
+        apply_process_settings(
+            parse_config(["--logging-level", "40", "--disable-bf16-reduced-precision-matmul"])
+        )
+        assert root.level == logging.ERROR
+        assert matmul.allow_bf16_reduced_precision_reduction is False
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+
+
+@pytest.mark.parametrize("level, calls", [(0, 0), (1, 1), (2, 2)])
+def test_empty_unused_memory_levels(monkeypatch, level, calls):
+    from gigatron.training import profiling
+
+    emptied: list[int] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    cuda = torch.device("cuda")
+    profiling.empty_unused_memory(level, 2, cuda)  # after forward-backward
+    profiling.empty_unused_memory(level, 1, cuda)  # after the optimizer step
+    profiling.empty_unused_memory(level, 1, torch.device("cpu"))  # no cache on a CPU
+    assert len(emptied) == calls
+
+
+def test_memory_scalars_on_cpu():
+    from gigatron.training.profiling import memory_scalars
+
+    (value,) = memory_scalars(torch.device("cpu")).values()
+    assert value > 10 * 2**20  # this process holds torch: more than 10 MiB resident

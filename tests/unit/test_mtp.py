@@ -111,6 +111,12 @@ def test_mtp_layers_of_an_moe_model_are_moe_layers():
     assert isinstance(output, tuple) and len(output[1]) == 1
 
 
-def test_mtp_is_refused_with_pipeline_parallelism():
-    with pytest.raises(GigatronError, match="--mtp-num-layers"):
+def test_mtp_rules():
+    with pytest.raises(GigatronError, match="without learned position embeddings"):
         parse_config(["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"])
+    with pytest.raises(GigatronError, match="--context-parallel-size 1"):
+        parse_config(["--mtp-num-layers", "1", "--context-parallel-size", "2"])
+    parse_config(
+        ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2",
+         "--position-embedding-type", "rope"]
+    )  # fmt: skip

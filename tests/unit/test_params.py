@@ -47,7 +47,13 @@ SHAPES = {
         qk_pos_emb_head_dim=8,
         v_head_dim=12,
     ),
-    "mtp": dict(num_attention_heads=4, mtp_num_layers=2),
+    "mtp": dict(num_attention_heads=4, mtp_num_layers=2, position_embedding_type="rope"),
+    "mtp-untied": dict(
+        num_attention_heads=4,
+        mtp_num_layers=1,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+    ),
     "mla-no-q-latent": dict(
         num_attention_heads=4,
         multi_latent_attention=True,

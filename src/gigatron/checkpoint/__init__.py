@@ -1,4 +1,5 @@
-"""Checkpoints: Megatron's per-rank `torch` layout with atomic saves and weights-only loads."""
+"""Checkpoints: Megatron's per-rank `torch` layout (torch_format.py, exported here) and the
+sharded `torch_dist` layout (dist_format.py); checkpoint.formats dispatches between them."""
 
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_VERSION,

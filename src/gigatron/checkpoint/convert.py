@@ -160,8 +160,10 @@ def _target_config(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> A
     target = copy.deepcopy(cfg)
     p = target.parallel
     # Experts stay split over expert-tp like the dense weights over tp, or stay whole.
-    if p.expert_tensor_parallel_size not in (None, p.tensor_model_parallel_size):
-        p.expert_tensor_parallel_size = 1
+    if p.expert_tensor_parallel_size not in (None, p.tensor_model_parallel_size) or (
+        cfg.moe.num_experts and getattr(cfg.model, "add_bias_linear", False)
+    ):
+        p.expert_tensor_parallel_size = 1  # (experts with biases are never split: gpt-oss)
     else:
         p.expert_tensor_parallel_size = tp if cfg.moe.num_experts else None
     p.tensor_model_parallel_size = tp
@@ -202,6 +204,9 @@ def _check_target(
         )
     m = cfg.model
     heads = m.num_attention_heads
+    pattern = getattr(m, "hybrid_layer_pattern", None)
+    if pattern and "*" not in pattern:
+        heads = None  # no attention layer (a pure Mamba stack): the head count sizes nothing
     if heads is not None and heads % tp:
         raise GigatronError(
             f"--target-tensor-parallel-size {tp} does not divide the {heads} attention heads; "
@@ -372,6 +377,8 @@ def source_names(
         sample = next(state for (t, p, e), state in sorted(states.items()) if p == pp_rank)
         for key in _chunk_keys(sample):
             for name in sample[key]:
+                if name == WORD_EMBEDDING and name in names:
+                    continue  # the multi-token prediction stage's copy (kept equal in training)
                 if name in names:
                     if repeats is None:
                         raise GigatronError(f"parameter {name} appears twice in the checkpoint")
@@ -431,8 +438,8 @@ def convert_checkpoint(
     args = first.get("args")
     if isinstance(args, argparse.Namespace):
         raise GigatronError(
-            f"{iteration_dir}: was written by Megatron-LM (flat argparse arguments); only "
-            "gigatron checkpoints can be converted"
+            f"{iteration_dir}: was written by Megatron-LM (flat argparse arguments); convert it "
+            "with `gigatron convert --from megatron --to gigatron` (which also re-splits it)"
         )
     if not isinstance(args, dict) or not args:
         raise GigatronError(f"{iteration_dir}: holds no saved configuration ('args')")

@@ -25,10 +25,7 @@ sizes/dtypes (`SafeFileSystemReader`).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import pickle
 import shutil
 import warnings
 from collections.abc import Callable
@@ -39,24 +36,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from gigatron.checkpoint import dcp_io
+from gigatron.checkpoint.dcp_io import (
+    PieceLoadPlanner,
+    PieceSavePlanner,
+    SafeFileSystemReader,
+    quiet_single_process,
+    read_full_tensors,
+    read_metadata,
+)
 from gigatron.checkpoint.global_view import (
     Piece,
     pieces_of_box,
@@ -208,161 +198,11 @@ def optimizer_pieces(
 
 def optimizer_step(optimizer: Any, pctx: ParallelContext) -> float:
     """The optimizer's step count (the same on every rank; 0 before the first step)."""
-    step = torch.zeros(1, dtype=torch.float64)
-    for entry in _inner(optimizer).state.values():
-        if "step" in entry:
-            step = torch.maximum(step, torch.as_tensor(entry["step"], dtype=torch.float64).cpu())
+    steps = [float(entry["step"]) for entry in _inner(optimizer).state.values() if "step" in entry]
+    step = torch.tensor([max(steps, default=0.0)], dtype=torch.float64, device=pctx.device)
     if pctx.world_size > 1:
         dist.all_reduce(step, op=dist.ReduceOp.MAX)
     return float(step.item())
-
-
-# ---- DCP planners and the safe reader ----------------------------------------------------------
-def _index(pieces: list[Piece]) -> dict[tuple[str, tuple[int, ...]], Piece]:
-    table = {}
-    for piece in pieces:
-        where = (piece.key, tuple(piece.offsets))
-        assert where not in table, f"two local pieces at {where}"
-        table[where] = piece
-    return table
-
-
-class PieceSavePlanner(DefaultSavePlanner):
-    """Writes the given pieces (the state dict DCP passes is empty); DCP's global plan keeps one
-    copy of each replicated piece and checks that every tensor is covered exactly."""
-
-    def __init__(self, pieces: list[Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = _index(pieces)
-
-    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator=False):
-        self.state_dict = {}
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for (key, offsets), piece in self.pieces.items():
-            t = piece.tensor
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(key, torch.Size(offsets)),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=t.size()),
-                        properties=TensorProperties.create_from_tensor(t),
-                        size=torch.Size(piece.global_shape),
-                    ),
-                )
-            )
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        tensor = self.pieces[(index.fqn, tuple(index.offset))].tensor
-        # A view of a larger storage would be written whole by torch.save: copy it out.
-        if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
-            tensor = tensor.contiguous().clone()
-        return tensor
-
-
-class PieceLoadPlanner(DefaultLoadPlanner):
-    """Reads the checkpoint's chunks that overlap each requested piece, straight into it."""
-
-    def __init__(self, pieces: list[Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = _index(pieces)
-
-    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator=False):
-        self.state_dict = {}
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self):
-        from torch.distributed.checkpoint.planner import LoadPlan
-
-        items: list[ReadItem] = []
-        for (key, offsets), piece in self.pieces.items():
-            saved = self.metadata.state_dict_metadata[key]
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=piece.tensor.size())
-            items += create_read_items_for_chunk_list(key, saved, [chunk])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.pieces[(index.fqn, tuple(index.offset))].tensor
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        raise GigatronError(f"{read_item.dest_index.fqn}: refused to unpickle a non-tensor entry")
-
-
-# What DCP's `.metadata` pickle may name besides the classes of its metadata module: sizes,
-# dtypes, the storage-location record, the saved path, and torch's layout-by-name lookup.
-_METADATA_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's metadata classes (plain dataclasses and enums) and nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == _METADATA_MODULE:
-            value = super().find_class(module, name)
-            if isinstance(value, type):
-                return value
-        if module == "torch" and isinstance(
-            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
-        ):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refused global {module}.{name}")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's reader with the `.metadata` pickle read by a restricted unpickler."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as stream:
-                metadata = _MetadataUnpickler(stream).load()
-        except pickle.UnpicklingError as exc:
-            raise GigatronError(
-                f"{path}: refused to load: it names Python objects other than checkpoint "
-                f"metadata ({exc}); gigatron never runs code from a checkpoint"
-            ) from None
-        except (OSError, EOFError, ValueError) as exc:
-            raise GigatronError(
-                f"{path}: not a readable checkpoint index ({type(exc).__name__}: {exc}); load an "
-                "earlier iteration with --ckpt-step"
-            ) from None
-        if not isinstance(metadata, Metadata):
-            raise GigatronError(f"{path}: not a torch.distributed.checkpoint index")
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP warns that it assumes one process when torch.distributed is not initialised: that is
-    meant here (one-process runs pass no_dist)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def make_writer(path: Path) -> FileSystemWriter:
-    """The storage writer of a save (tests replace it to slow a save down)."""
-    return FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
 
 
 # ---- save ------------------------------------------------------------------------------------
@@ -503,21 +343,21 @@ def start_save(
     if with_rng:
         torch.save(get_rng_state(rng_tracker), tmp / RNG_DIR / f"rank_{pctx.rank:05d}.pt")
 
-    def write() -> None:
-        with _quiet_single_process():
+    def write(to_write: list[Piece]) -> None:
+        with quiet_single_process():
             dcp.save(
                 {},
-                storage_writer=make_writer(tmp),
-                planner=PieceSavePlanner(pieces),
+                storage_writer=dcp_io.make_writer(tmp),
+                planner=PieceSavePlanner(to_write),
                 process_group=process_group,
                 no_dist=pctx.world_size == 1,
             )
 
     if run_write is None:
-        write()
+        write(pieces)
         return PendingSave(save_dir, iteration, pctx, None)
-    pieces = _stage(pieces)
-    return PendingSave(save_dir, iteration, pctx, run_write(write))
+    staged = _stage(pieces)  # training may change the originals while the write runs
+    return PendingSave(save_dir, iteration, pctx, run_write(lambda: write(staged)))
 
 
 def save_checkpoint(
@@ -543,6 +383,39 @@ def save_checkpoint(
 
 
 # ---- load ------------------------------------------------------------------------------------
+def apply_strictness(
+    pieces: list[Piece], metadata: Metadata, strictness: str, iteration_dir: Path
+) -> list[Piece]:
+    """--dist-ckpt-strictness (Megatron's names) on the model's tensors: `missing` are this
+    model's tensors the checkpoint lacks, `unexpected` the checkpoint's model tensors this model
+    lacks. raise_*: an error; log_* and return_* (the CLI has no caller to return them to): a
+    warning; *_all and ignore_all: missing tensors keep their initial values; otherwise a missing
+    tensor stays an error and unexpected ones are not read (assume_ok_unexpected: unchecked)."""
+    if strictness == "assume_ok_unexpected":
+        return pieces
+    requested = {piece.key for piece in pieces}
+    stored = {key for key in metadata.state_dict_metadata if key.startswith("model.")}
+    missing, unexpected = sorted(requested - stored), sorted(stored - requested)
+    reported = {"unexpected": unexpected}
+    if strictness.endswith("_all"):
+        reported["missing"] = missing
+    found = {kind: keys for kind, keys in reported.items() if keys}
+    if found:
+        text = "; ".join(f"{kind}: {', '.join(keys)}" for kind, keys in found.items())
+        if strictness.startswith("raise"):
+            raise GigatronError(
+                f"{iteration_dir}: the checkpoint does not match the model ({text}); "
+                f"--dist-ckpt-strictness {strictness} refuses it"
+            )
+        if not strictness.startswith("ignore"):
+            warnings.warn(
+                f"{iteration_dir}: model tensors that do not match ({text})", stacklevel=2
+            )
+    if strictness in ("log_all", "return_all", "ignore_all"):
+        return [piece for piece in pieces if piece.key in stored]
+    return pieces
+
+
 def _check_requests(
     pieces: list[Piece], metadata: Metadata, iteration_dir: Path, hint: str
 ) -> None:
@@ -562,10 +435,8 @@ def _check_requests(
             )
 
 
-def _load_pieces(
-    pieces: list[Piece], iteration_dir: Path, pctx: ParallelContext, metadata: Metadata
-) -> None:
-    with torch.no_grad(), _quiet_single_process():
+def _load_pieces(pieces: list[Piece], iteration_dir: Path, pctx: ParallelContext) -> None:
+    with torch.no_grad(), quiet_single_process():
         dcp.load(
             {},
             storage_reader=SafeFileSystemReader(iteration_dir),
@@ -605,7 +476,7 @@ def _load_optimizer(
             "or pass --no-load-optim"
         )
     stored = metadata.state_dict_metadata
-    if not any(k.startswith(f"optimizer.{keys[0]}.") for k in stored) if keys else False:
+    if keys and not any(k.startswith(f"optimizer.{keys[0]}.") for k in stored):
         keys = []  # saved before the first step: no moments yet
     pieces = optimizer_pieces(optimizer, model_chunks, pctx, keys, for_load=True)
     has_main = any(k.startswith("optimizer.fp32_param.") for k in stored)
@@ -614,7 +485,7 @@ def _load_optimizer(
         optimizer.reload_model_params()
     hint = "it was saved with another model or precision; pass --no-load-optim"
     _check_requests(pieces, metadata, iteration_dir, hint)
-    _load_pieces(pieces, iteration_dir, pctx, metadata)
+    _load_pieces(pieces, iteration_dir, pctx)
     if keys:
         _set_step(optimizer, float(saved["step"]))
     inner = _inner(optimizer)
@@ -629,10 +500,6 @@ def _load_optimizer(
     for chunk in model_chunks:
         if hasattr(chunk, "start_param_sync") and hasattr(optimizer, "shards"):
             chunk.start_param_sync(force_sync=True)
-
-
-def read_metadata(iteration_dir: Path) -> Metadata:
-    return SafeFileSystemReader(iteration_dir).read_metadata()
 
 
 def load_iteration(
@@ -666,9 +533,11 @@ def load_iteration(
             "--no-load-optim or --finetune"
         )
     pieces = model_pieces(model_chunks, pctx, for_load=True)
+    strictness = getattr(ckpt_cfg, "dist_ckpt_strictness", "assume_ok_unexpected")
+    pieces = apply_strictness(pieces, metadata, strictness, iteration_dir)
     _check_requests(pieces, metadata, iteration_dir, "check the model flags against the "
                     "checkpoint's (--num-layers, --num-experts, ...)")  # fmt: skip
-    _load_pieces(pieces, iteration_dir, pctx, metadata)
+    _load_pieces(pieces, iteration_dir, pctx)
 
     if full_state and not no_load_optim:
         if optimizer is not None:
@@ -730,25 +599,6 @@ def _load_rng(
             "--no-save-rng); pass --no-load-rng"
         )
     set_rng_state(safe_load(path), rng_tracker)
-
-
-def read_full_tensors(iteration_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist checkpoint, whole (one process; for tools and tests)."""
-    iteration_dir = Path(iteration_dir)
-    metadata = read_metadata(iteration_dir)
-    pieces = []
-    for key, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-            pieces.append(Piece(key, tensor, (0,) * tensor.dim(), tuple(entry.size)))
-    with _quiet_single_process():
-        dcp.load(
-            {},
-            storage_reader=SafeFileSystemReader(iteration_dir),
-            planner=PieceLoadPlanner(pieces),
-            no_dist=True,
-        )
-    return {piece.key: piece.tensor for piece in pieces}
 
 
 __all__ = [

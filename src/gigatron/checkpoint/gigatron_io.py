@@ -143,8 +143,8 @@ def write_checkpoint(
             part = layout.slice(target_name, full, shape, rank).contiguous()
             path = scratch / f"{rank}.{key}.{target_name}"
             with open(path, "wb") as out:
-                if part.numel():
-                    out.write(part.reshape(-1).view(torch.uint8).numpy().tobytes())
+                if part.numel():  # a view of the tensor's bytes: written without a copy
+                    part.reshape(-1).view(torch.uint8).numpy().tofile(out)
             meta = torch.empty(part.shape, dtype=part.dtype, device="meta")
             written.setdefault(rank, {}).setdefault(key, {})[target_name] = meta
         del full

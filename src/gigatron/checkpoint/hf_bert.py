@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from gigatron.checkpoint.hf_mapping import _pad_rows, fuse_qkv, split_qkv
+from gigatron.errors import GigatronError
 
 StateDict = dict[str, torch.Tensor]
 
@@ -70,6 +71,28 @@ class BertHFAdapter:
             "openai_gelu": c.get("hidden_act", "gelu") in ("gelu_new", "gelu_pytorch_tanh"),
             "post_layernorm": True,
             "vocab_size": c["vocab_size"],
+        }
+
+    def config_to_hf(self, cfg: Any, vocab_size: int) -> dict[str, Any]:
+        """A `config.json` (BertForPreTraining) for a gigatron BERT with the original layout."""
+        m = cfg.model
+        if not m.post_layernorm or not m.bert_binary_head:
+            raise GigatronError(
+                "BertForPreTraining has the original post-norm layout and the sentence-order "
+                "head: export a --post-layernorm BERT without --bert-no-binary-head"
+            )
+        return {
+            "model_type": "bert",
+            "architectures": ["BertForPreTraining"],
+            "vocab_size": vocab_size,
+            "hidden_size": m.hidden_size,
+            "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_attention_heads,
+            "intermediate_size": m.ffn_hidden_size,
+            "max_position_embeddings": m.max_position_embeddings,
+            "layer_norm_eps": m.layernorm_epsilon,
+            "hidden_act": "gelu_new" if m.openai_gelu else "gelu",
+            "type_vocab_size": 2,
         }
 
     def from_hf(self, hf: StateDict, num_layers: int, num_heads: int, padded_vocab: int):

@@ -62,6 +62,22 @@ def copy_tokenizer_files(source: Path, target: Path) -> list[str]:
     return copied
 
 
+def decoded(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's values with transformers' JSON markers for non-finite floats
+    (`{"__float__": "Infinity"}`) turned into floats."""
+
+    def value(v: Any) -> Any:
+        if isinstance(v, dict):
+            if set(v) == {"__float__"}:
+                return float(v["__float__"])
+            return {k: value(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [value(x) for x in v]
+        return v
+
+    return value(raw)
+
+
 def read_hf_config(folder: Path) -> dict[str, Any]:
     path = folder / CONFIG_FILE
     if not path.is_file():
@@ -102,7 +118,8 @@ def hf_to_gigatron(
     """Import a Hugging Face folder as a gigatron `release` checkpoint for the target layout."""
     from gigatron.config import config_from_dict
 
-    hf_config = read_hf_config(load)
+    raw_config = read_hf_config(load)  # kept as written, for the export
+    hf_config = decoded(raw_config)
     family, adapter = _family_adapter(hf_config.get("model_type"), family)
     values = adapter.config_from_hf(hf_config)
     cfg = config_from_dict(values, source=f"{load / CONFIG_FILE} (as gigatron flags)")
@@ -147,7 +164,7 @@ def hf_to_gigatron(
         extra = {
             "gigatron_family": family,
             "converted_from": str(load),
-            "hf_config": hf_config,
+            "hf_config": raw_config,
         }
         final = write_checkpoint(
             save, layout, mapping.outputs(), set(mapping.plan), extra, check=check_all_used
@@ -196,7 +213,11 @@ def gigatron_to_hf(
                 f"{iteration_dir}: was not imported from Hugging Face and the {family} adapter "
                 "cannot write a config.json for it"
             )
-        hf_config = adapter.config_to_hf(cfg)
+        from gigatron.checkpoint.convert import _true_vocab_size
+
+        vocab = _true_vocab_size(cfg) or source.meta(WORD_EMBEDDING).shape[0]
+        hf_config = adapter.config_to_hf(cfg, vocab)
+    raw_config, hf_config = hf_config, decoded(hf_config)
     vocab = hf_config["vocab_size"]
     model = cfg.model
     to_files = getattr(adapter, "to_hf_files", None)
@@ -216,7 +237,7 @@ def gigatron_to_hf(
     save.mkdir(parents=True, exist_ok=True)
     log(f"exporting {iteration_dir} (family {family}) to {save}")
     files = write_safetensors(save, mapping.plan, mapping.outputs(), max_shard_bytes)
-    (save / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    (save / CONFIG_FILE).write_text(json.dumps(raw_config, indent=2) + "\n")
     copied = copy_tokenizer_files(load, save)
     log(f"wrote {', '.join(files)} and {CONFIG_FILE}; tokenizer files: {copied or 'none'}")
     return save
@@ -268,11 +289,41 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=None,
         help="largest safetensors file of a Hugging Face target (default 5GB); larger models "
         "are sharded with an index file",
     )
     return parser
+
+
+_TARGET_FLAGS = (
+    "target_tensor_parallel_size",
+    "target_pipeline_parallel_size",
+    "target_expert_parallel_size",
+    "target_num_virtual_stages_per_pipeline_rank",
+)
+
+
+def _refuse_unused_flags(args: argparse.Namespace) -> None:
+    """Each flag given must mean something for this pair of formats."""
+    unused = []
+    if args.target != "gigatron":
+        unused += [f for f in _TARGET_FLAGS if getattr(args, f) is not None]
+    if args.source != "hf" and args.family is not None:
+        unused.append("family")
+    if args.target != "megatron" and args.megatron_te_names:
+        unused.append("megatron_te_names")
+    if args.target != "hf" and args.max_shard_size is not None:
+        unused.append("max_shard_size")
+    if args.source == "hf" and args.ckpt_step is not None:
+        unused.append("ckpt_step")
+    if unused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        raise GigatronError(
+            f"{flags}: no meaning for --from {args.source} --to {args.target}; drop "
+            + ("it" if len(unused) == 1 else "them")
+            + " (--to megatron keeps the saved layout: re-split first with convert-checkpoint)"
+        )
 
 
 def main(argv: Sequence[str]) -> int:
@@ -284,6 +335,7 @@ def main(argv: Sequence[str]) -> int:
         raise GigatronError(f"--save {save}: is the --load directory; give a new directory")
     log = lambda text: print(text, flush=True)  # noqa: E731
     pair = (args.source, args.target)
+    _refuse_unused_flags(args)
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     if pair == ("hf", "gigatron"):
         hf_to_gigatron(
@@ -297,7 +349,7 @@ def main(argv: Sequence[str]) -> int:
             log,
         )
     elif pair == ("gigatron", "hf"):
-        gigatron_to_hf(load, save, args.ckpt_step, parse_size(args.max_shard_size), log)
+        gigatron_to_hf(load, save, args.ckpt_step, parse_size(args.max_shard_size or "5GB"), log)
     elif pair == ("gigatron", "megatron"):
         from gigatron.checkpoint.megatron_convert import gigatron_to_megatron
 
@@ -305,7 +357,16 @@ def main(argv: Sequence[str]) -> int:
     elif pair == ("megatron", "gigatron"):
         from gigatron.checkpoint.megatron_convert import megatron_to_gigatron
 
-        megatron_to_gigatron(load, save, args.ckpt_step, tp, pp, log)
+        megatron_to_gigatron(
+            load,
+            save,
+            args.ckpt_step,
+            tp,
+            pp,
+            args.target_num_virtual_stages_per_pipeline_rank,
+            args.target_expert_parallel_size or 1,
+            log,
+        )
     else:
         raise GigatronError(
             f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "

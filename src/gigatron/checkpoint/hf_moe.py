@@ -15,6 +15,7 @@ default); Qwen2-MoE without `norm_topk_prob` keeps the full softmax values
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -38,6 +39,52 @@ def moe_layer_flags(c: dict[str, Any]) -> list[bool]:
         step = c.get("decoder_sparse_step", 1)
         return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
     return [c.get("model_type") == "mixtral"] * layers
+
+
+class ExpertFilesView(Mapping):
+    """A state dict read from files where each expert has its own tensors
+    (`mlp.experts.{j}.gate_proj/up_proj/down_proj.weight`, as `save_pretrained` writes
+    DeepSeek-V3 and Qwen2-MoE) that also serves the model's fused `mlp.experts.gate_up_proj`
+    [E, 2F, h] and `mlp.experts.down_proj` [E, h, F]."""
+
+    def __init__(self, hf: Any, experts: int) -> None:
+        self.hf, self.experts = hf, experts
+
+    def _base(self, name: str) -> tuple[str, str] | None:
+        for fused in ("gate_up_proj", "down_proj"):
+            if name.endswith(".experts." + fused):
+                base = name[: -len(fused)]
+                if f"{base}0.down_proj.weight" in self.hf:
+                    return base, fused
+        return None
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name in self.hf:
+            return self.hf[name]
+        found = self._base(name)
+        if found is None:
+            raise KeyError(name)
+        base, fused = found
+        ids = range(self.experts)
+        if fused == "down_proj":
+            return torch.stack([self.hf[f"{base}{j}.down_proj.weight"] for j in ids])
+        return torch.stack(
+            [
+                torch.cat(
+                    [self.hf[f"{base}{j}.gate_proj.weight"], self.hf[f"{base}{j}.up_proj.weight"]]
+                )
+                for j in ids
+            ]
+        )
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.hf or (isinstance(name, str) and self._base(name) is not None)
+
+    def __iter__(self):
+        return iter(self.hf)
+
+    def __len__(self) -> int:
+        return len(self.hf)
 
 
 def _expert_file_names(c: dict[str, Any]) -> tuple[str, tuple[str, str, str]]:
@@ -72,7 +119,7 @@ def state_to_files(hf: StateDict, hf_config: Any) -> StateDict:
     """A Mixtral / Qwen2-MoE state dict with the names `save_pretrained` writes: one tensor per
     expert (Mixtral: `block_sparse_moe.experts.{j}.w1/w3/w2`, `block_sparse_moe.gate`)."""
     c = _hf_dict(hf_config)
-    if c.get("model_type") not in ("mixtral", "qwen2_moe"):
+    if c.get("model_type") not in ("mixtral", "qwen2_moe", "deepseek_v3"):
         return hf
     block, (gate, up, down) = _expert_file_names(c)
     out: StateDict = {}

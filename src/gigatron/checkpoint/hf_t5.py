@@ -47,6 +47,7 @@ class T5HFAdapter:
 
     hf_class_name = "T5ForConditionalGeneration"
     model_types = ("t5",)
+    auto_class = "AutoModelForSeq2SeqLM"
 
     def config_from_hf(self, hf_config: Any) -> dict[str, Any]:
         """gigatron ModelConfig values (plus `vocab_size`) for a Hugging Face T5Config."""

@@ -146,6 +146,8 @@ def megatron_to_gigatron(
     iteration: int | None,
     tp: int | None,
     pp: int | None,
+    vp: int | None = None,
+    ep: int = 1,
     log: Any = print,
 ) -> Path:
     """Import a Megatron-LM torch-format checkpoint as a gigatron checkpoint (weights only),
@@ -177,5 +179,7 @@ def megatron_to_gigatron(
         if sizes is None:
             raise GigatronError(f"{iteration_dir}: holds no mp_rank_*/{CHECKPOINT_FILENAME}")
         (staged / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
-        final = convert_checkpoint(staged, save, tp or sizes[0], pp or sizes[1], log=log)
+        final = convert_checkpoint(
+            staged, save, tp or sizes[0], pp or sizes[1], target_vp=vp, log=log, target_ep=ep
+        )
     return final

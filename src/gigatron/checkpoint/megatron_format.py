@@ -43,6 +43,12 @@ _TE_NORMS = {
     ".mlp.linear_fc1.layer_norm_bias": ".pre_mlp_layernorm.bias",
 }
 _LAYER_PREFIX = re.compile(r"^(.*\.layers\.\d+)(\..*)$")
+_LOCAL_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.mlp\.experts)\.local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.weight$"
+)
+_GROUPED_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<fc>linear_fc[12])\.weight(?P<e>\d+)$"
+)
 # Buffers (not parameters) a Megatron model may save.
 _BUFFERS = re.compile(r"(_extra_state|\.expert_bias|\.local_tokens_per_expert)$")
 
@@ -165,12 +171,31 @@ def megatron_te_name(name: str) -> str:
     return name
 
 
+def _expert_entry(name: str) -> tuple[str, int] | None:
+    """(gigatron name, local expert index) of one expert's weight: SequentialMLP's
+    `experts.local_experts.{e}.linear_fc1.weight` or TEGroupedMLP's `experts.linear_fc1.weight{e}`."""
+    match = _LOCAL_EXPERT.match(name) or _GROUPED_EXPERT.match(name)
+    if match is None:
+        return None
+    return f"{match.group('prefix')}.{match.group('fc')}.weight", int(match.group("e"))
+
+
 def model_to_gigatron(model: dict[str, Any]) -> dict[str, torch.Tensor]:
-    out = {}
+    """A Megatron model state dict with gigatron's names; the experts of a MoE layer are stacked
+    into gigatron's [local experts, ...] weights."""
+    out: dict[str, Any] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in model.items():
+        expert = _expert_entry(name)
+        if expert is not None:
+            experts.setdefault(expert[0], {})[expert[1]] = tensor
+            out.setdefault(expert[0], None)  # keeps the parameter order
+            continue
         target = gigatron_name(name)
         if target is not None and isinstance(tensor, torch.Tensor):
             out[target] = tensor
+    for name, parts in experts.items():
+        out[name] = torch.stack([parts[e] for e in sorted(parts)])
     return out
 
 

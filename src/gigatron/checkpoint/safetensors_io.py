@@ -128,11 +128,12 @@ def _header(names: list[str], plan: dict[str, torch.Tensor], metadata: dict[str,
     return struct.pack("<Q", len(text)) + text
 
 
-def _raw_bytes(t: torch.Tensor) -> bytes:
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes (a view when it is contiguous: nothing is copied)."""
     flat = t.detach().contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
-    return flat.view(torch.uint8).numpy().tobytes()
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def write_safetensors(

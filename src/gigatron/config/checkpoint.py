@@ -30,6 +30,21 @@ class CheckpointConfig:
     auto_detect_ckpt_format: bool = flag_field(
         False, "load a checkpoint in whichever format it was saved (torch or torch_dist)"
     )
+    dist_ckpt_strictness: str = flag_field(
+        "assume_ok_unexpected",
+        "torch_dist loads: what to do with model tensors the checkpoint has and the model lacks "
+        "(unexpected) or the model has and the checkpoint lacks (missing); see docs/checkpoints.md",
+        choices=[
+            "assume_ok_unexpected",
+            "log_unexpected",
+            "log_all",
+            "raise_unexpected",
+            "raise_all",
+            "return_unexpected",
+            "return_all",
+            "ignore_all",
+        ],
+    )
     ckpt_convert_format: Optional[str] = flag_field(
         None,
         "after loading, save the checkpoint in this format to --ckpt-convert-save and exit",

@@ -18,6 +18,11 @@ class DataConfig:
     valid_data_path: Optional[list[str]] = flag_field(None, "validation prefixes", nargs="*")
     test_data_path: Optional[list[str]] = flag_field(None, "test prefixes", nargs="*")
     mock_data: bool = flag_field(False, "synthetic tokens instead of files")
+    sft: bool = flag_field(
+        False,
+        "supervised fine-tuning (GPT): --data-path names JSON-lines files of prompt/response "
+        "pairs or messages; the loss counts the response tokens only",
+    )
     data_cache_path: Optional[str] = flag_field(None, "where dataset indices are cached")
     mid_level_dataset_surplus: float = flag_field(0.005, "extra samples asked of blended members")
     mask_prob: float = flag_field(0.15, "BERT: share of the tokens masked for the masked-LM loss")

@@ -1,5 +1,6 @@
 """Flags of the downstream tasks (Megatron's tasks/main.py): `gigatron evaluate` (zero-shot
-WikiText / LAMBADA). Not a section of GigatronConfig: only the task commands parse them."""
+WikiText / LAMBADA) and `gigatron finetune` (MNLI, QQP, RACE on a BERT checkpoint). Not a section
+of GigatronConfig: only the task commands parse them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Optional
 from gigatron.config.fields import add_dataclass_arguments, flag_field
 
 ZERO_SHOT_TASKS = ["WIKITEXT103", "LAMBADA"]
+FINETUNE_TASKS = ["MNLI", "QQP", "RACE"]
 
 
 @dataclass
@@ -22,6 +24,29 @@ class ZeroShotTaskConfig:
     )
     strict_lambada: bool = flag_field(
         False, "LAMBADA: the target is the whole last word (all of its tokens), not its last token"
+    )
+
+
+@dataclass
+class FinetuneTaskConfig:
+    task: Optional[str] = flag_field(None, "the fine-tuning task", choices=FINETUNE_TASKS)
+    train_data: list[str] = flag_field(
+        [], "training files (MNLI, QQP: TSV files; RACE: directories of article files)", nargs="+"
+    )
+    valid_data: list[str] = flag_field(
+        [], "validation files or directories; accuracy is reported on each", nargs="*"
+    )
+    pretrained_checkpoint: Optional[str] = flag_field(
+        None, "BERT checkpoint directory whose weights start the fine-tuning (weights only)"
+    )
+    epochs: Optional[int] = flag_field(
+        None, "passes over the training data; 0 evaluates the pretrained checkpoint only"
+    )
+    keep_last: bool = flag_field(
+        False, "train on the last, incomplete global batch of each epoch too"
+    )
+    eval_micro_batch_size: Optional[int] = flag_field(
+        None, "validation samples per forward pass", default_help="--micro-batch-size"
     )
 
 

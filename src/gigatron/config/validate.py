@@ -196,10 +196,16 @@ def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
     if m.mtp_num_layers is not None:
         if m.mtp_num_layers < 1:
             problems.append(f"--mtp-num-layers {m.mtp_num_layers} must be at least 1")
-        if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
+        if p.context_parallel_size > 1:
             problems.append(
-                "--mtp-num-layers: multi-token prediction runs with pipeline and context "
-                "parallel sizes 1 so far (its layers need the embedding and whole sequences)"
+                "--mtp-num-layers: multi-token prediction shifts whole sequences; use "
+                "--context-parallel-size 1"
+            )
+        if p.pipeline_model_parallel_size > 1 and m.position_embedding_type == "learned_absolute":
+            problems.append(
+                "--mtp-num-layers with pipeline parallelism embeds tokens on the last stage "
+                "too, without learned position embeddings there; use --position-embedding-type "
+                "rope (or none)"
             )
     if m.rotary_scaling_factor <= 0:
         problems.append(f"--rotary-scaling-factor {m.rotary_scaling_factor} must be positive")
@@ -225,6 +231,14 @@ def _fsdp_rules(cfg: GigatronConfig, problems: list[str], world_size: int | None
     )
     if not sharded:
         return
+    if world_size is not None and data_parallel_size(cfg, world_size) == 1:
+        # DistributedDataParallel runs instead, which composes with everything.
+        warnings.warn(
+            "fully sharded data parallelism at data-parallel size 1 has nothing to shard; the "
+            "model is trained unsharded",
+            stacklevel=2,
+        )
+        return
     for enabled, what in (
         (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
         (p.context_parallel_size > 1, "--context-parallel-size > 1"),
@@ -237,12 +251,6 @@ def _fsdp_rules(cfg: GigatronConfig, problems: list[str], world_size: int | None
                 f"fully sharded data parallelism (--use-torch-fsdp2 / --use-megatron-fsdp) with "
                 f"{what} is not available yet; use --use-distributed-optimizer instead"
             )
-    if world_size is not None and data_parallel_size(cfg, world_size) == 1:
-        warnings.warn(
-            "fully sharded data parallelism at data-parallel size 1 has nothing to shard; the "
-            "model is trained unsharded",
-            stacklevel=2,
-        )
 
 
 def validate_config(

@@ -21,6 +21,8 @@ A dataset class provides (see GPTDataset and BertDataset):
     holds_data(low_level, indices) -> bool               whether a split has anything to read
     build_mock_low_level(cfg, tokenizer) -> low_level    for --mock-data
     cls(low_level, dataset_path, indices, num_samples, index_split, options, cache_dir)
+    open_low_level(path, flag, cfg, tokenizer) -> low_level   optional: how a path is read
+                                                         (default: an IndexedDataset prefix)
 and its instances `path`, `unique_identifiers` (a dict) and `len()`.
 """
 
@@ -233,7 +235,11 @@ class DatasetBuilder:
 
     def low_level(self, prefix: str, flag: str) -> Any:
         if prefix not in self.opened:
-            self.opened[prefix] = open_indexed_dataset(prefix, flag)
+            opener = getattr(self.dataset_class, "open_low_level", None)
+            if opener is not None:
+                self.opened[prefix] = opener(prefix, flag, self.cfg, self.tokenizer)
+            else:
+                self.opened[prefix] = open_indexed_dataset(prefix, flag)
         return self.opened[prefix]
 
     def cache_dir(self, prefix: str) -> str:

@@ -104,6 +104,11 @@ def validate(cfg) -> None:
     refuse_hybrid_flags(cfg, "bert")
     refuse_t5_flags(cfg, "bert")
     refuse_gpt_only_flags(cfg, "bert")
+    if cfg.data.sft:
+        raise GigatronError(
+            "--sft: supervised fine-tuning is built for GPT (gigatron pretrain gpt --sft); drop "
+            "it for gigatron pretrain bert"
+        )
     if cfg.parallel.calculate_per_token_loss:
         raise GigatronError(
             "--calculate-per-token-loss: BERT's losses are per-micro-batch means (mlm + sop); "

@@ -117,6 +117,10 @@ def make_forward_step(cfg, pctx: ParallelContext):
 
 
 def build_datasets(cfg, tokenizer, num_samples, pctx=None):
+    if cfg.data.sft:
+        from gigatron.data.sft_dataset import build_sft_datasets
+
+        return build_sft_datasets(cfg, tokenizer, num_samples, pctx)
     from gigatron.data.gpt_dataset import build_gpt_datasets
 
     return build_gpt_datasets(cfg, tokenizer, num_samples, pctx)

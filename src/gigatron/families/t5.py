@@ -81,6 +81,11 @@ def validate(cfg) -> None:
     """What the T5 model and its data need, and what it cannot do yet."""
     refuse_hybrid_flags(cfg, "t5")
     refuse_gpt_only_flags(cfg, "t5")
+    if cfg.data.sft:
+        raise GigatronError(
+            "--sft: supervised fine-tuning is built for GPT (gigatron pretrain gpt --sft); drop "
+            "it for gigatron pretrain t5"
+        )
     m, p = cfg.model, cfg.parallel
     # The cross-attention is T5's own: these would reach the self-attention layers only.
     unsupported = [

@@ -85,17 +85,15 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
     """Read the checkpoint's configuration, start the process groups for its tensor/pipeline
     layout (under torchrun), build the model and load the weights. With `data_parallel`
     (evaluation) the world may hold several copies of that layout (dp = world / (tp x pp))."""
+    from gigatron.checkpoint.formats import detect_format
     from gigatron.checkpoint.torch_format import (
         CHECKPOINT_FILENAME,
-        load_checkpoint,
         locate_iteration,
         mp_rank_dir_name,
         safe_load,
         saved_layout,
     )
     from gigatron.config import config_from_dict
-    from gigatron.families import get_family
-    from gigatron.training.pretrain import build_run_tokenizer
 
     load_dir = Path(args.load)
     located = locate_iteration(load_dir, args.ckpt_step) if load_dir.is_dir() else None
@@ -105,6 +103,9 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
             "point it at a directory written by `gigatron pretrain ... --save`"
         )
     iteration_dir, iteration, _ = located
+    if detect_format(iteration_dir) == "torch_dist":
+        cfg, family = _torch_dist_config(iteration_dir, load_dir, data_parallel)
+        return _build_and_load(cfg, family, args, load_dir, iteration)
     layout = saved_layout(iteration_dir)
     if layout is None:
         raise GigatronError(f"--load {load_dir}: {iteration_dir} holds no mp_rank_* directories")
@@ -130,11 +131,7 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
             "1: convert it first with gigatron convert-checkpoint --target-expert-parallel-size 1"
         )
     family = first.get("gigatron_family", "gpt")
-    if not get_family(family).generation:
-        raise GigatronError(
-            f"--load {load_dir}: a '{family}' model, which does not generate text; generation "
-            "needs a GPT or hybrid Mamba (family 'mamba') checkpoint"
-        )
+    _check_generates(family, load_dir)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if data_parallel and world % (tp * pp) == 0:
         pass
@@ -144,11 +141,66 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
             f"start {tp * pp} process(es) (torchrun --nproc-per-node {tp * pp} ...), this run "
             f"has {world}, or convert it with gigatron convert-checkpoint"
         )
+    cfg.parallel.num_virtual_stages_per_pipeline_rank = (
+        cfg.parallel.num_virtual_stages_per_pipeline_rank or None
+    )
+    return _build_and_load(cfg, family, args, load_dir, iteration)
+
+
+def _check_generates(family: str, load_dir: Path) -> None:
+    from gigatron.families import get_family
+
+    if not get_family(family).generation:
+        raise GigatronError(
+            f"--load {load_dir}: a '{family}' model, which does not generate text; generation "
+            "needs a GPT or hybrid Mamba (family 'mamba') checkpoint"
+        )
+
+
+def _torch_dist_config(iteration_dir: Path, load_dir: Path, data_parallel: bool) -> tuple[Any, str]:
+    """(config, family) for a torch_dist checkpoint, which loads at any layout: tensor-parallel
+    = the process count (1 with `data_parallel`: one copy per process), pipeline, context and
+    expert parallel 1, and the saved padded vocabulary."""
+    from gigatron.checkpoint.dist_format import COMMON_FILENAME, read_metadata
+    from gigatron.checkpoint.torch_format import safe_load
+    from gigatron.config import config_from_dict
+
+    common = safe_load(iteration_dir / COMMON_FILENAME)
+    saved = common.get("args")
+    if not isinstance(saved, dict) or not saved:
+        raise GigatronError(f"--load {load_dir}: the checkpoint holds no gigatron configuration")
+    family = common.get("gigatron_family", "gpt")
+    _check_generates(family, load_dir)
+    cfg = config_from_dict(saved, source=f"{iteration_dir / COMMON_FILENAME} args")
+    p = cfg.parallel
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    p.tensor_model_parallel_size = 1 if data_parallel else world
+    p.pipeline_model_parallel_size = p.context_parallel_size = 1
+    p.expert_model_parallel_size = 1
+    p.expert_tensor_parallel_size = None
+    p.num_virtual_stages_per_pipeline_rank = p.num_layers_per_virtual_pipeline_stage = None
+    p.decoder_first_pipeline_num_layers = p.decoder_last_pipeline_num_layers = None
+    p.use_distributed_optimizer = False
+    embedding = read_metadata(iteration_dir).state_dict_metadata.get(
+        "model.embedding.word_embeddings.weight"
+    )
+    if embedding is not None:  # the padded size depends on the saved tp: keep the saved one
+        cfg.model.padded_vocab_size = int(embedding.size[0])
+    cfg.checkpoint.ckpt_format = "torch_dist"
+    return cfg, family
+
+
+def _build_and_load(
+    cfg: Any, family: str, args: argparse.Namespace, load_dir: Path, iteration: int
+) -> LoadedModel:
+    from gigatron.checkpoint.formats import load_checkpoint
+    from gigatron.families import get_family
+    from gigatron.training.pretrain import build_run_tokenizer
+
     p = cfg.parallel
     p.sequence_parallel = False  # nothing to split in one-token steps; weights are the same
     p.context_parallel_size = 1  # whole sequences on every rank; the weights do not depend on it
     p.device = args.device
-    p.num_virtual_stages_per_pipeline_rank = p.num_virtual_stages_per_pipeline_rank or None
     cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = True
     for name in ("tokenizer_model", "vocab_file", "merge_file"):
         if getattr(args, name, None):

@@ -141,25 +141,39 @@ class BertModel(nn.Module):
         """`attention_mask`: bool, True = masked, `[b, 1, 1, s]` (padded keys) or `[b, 1, s, s]`.
         Last stage: (masked-LM logits [b, s, vocab/tp] (a transposed view), sentence-order
         logits [b, 2] or None); other stages: hidden states [s(/tp with SP), b, h]."""
+        hidden = self.encode(tokens, position_ids, attention_mask, tokentype_ids)
+        if not self.post_process:
+            return hidden
+        logits = self.output_layer(self.lm_head(hidden), self.output_weight())
+        binary_logits = None
+        if self.add_binary_head:
+            pooled = torch.tanh(self.pooler(self.first_token(hidden)))
+            binary_logits = self.binary_head(pooled)
+        return logits.transpose(0, 1), binary_logits
+
+    def encode(
+        self,
+        tokens: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        tokentype_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The encoder's output [s(/tp with SP), b, h] (after the final norm on the last
+        stage); the heads read it (fine-tuning heads too, tasks/heads.py)."""
         if self.pre_process:
             hidden = self.embedding(tokens, position_ids, tokentype_ids)
         else:
             if self.input_tensor is None:
                 raise RuntimeError("a non-first pipeline chunk needs set_input_tensor() first")
             hidden = self.input_tensor
-        hidden = self.encoder(hidden, attention_mask)
-        if not self.post_process:
-            return hidden
-        logits = self.output_layer(self.lm_head(hidden), self.output_weight())
-        binary_logits = None
-        if self.add_binary_head:
-            # The pooler reads the first ([CLS]) token; under sequence parallelism it lives on
-            # tp rank 0, so gather the sequence (every rank then computes the same pooler).
-            if self.config.sequence_parallel:
-                hidden = gather_from_sequence_parallel_region(hidden, self.pctx, reduce_grads=False)
-            pooled = torch.tanh(self.pooler(hidden[0]))
-            binary_logits = self.binary_head(pooled)
-        return logits.transpose(0, 1), binary_logits
+        return self.encoder(hidden, attention_mask)
+
+    def first_token(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[b, h]: the first ([CLS]) position of `encode`'s output. Under sequence parallelism it
+        lives on tp rank 0, so the sequence is gathered (every rank then computes the same)."""
+        if self.config.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, self.pctx, reduce_grads=False)
+        return hidden[0]
 
 
 def build_bert_model(

@@ -52,14 +52,17 @@ class GPTModel(nn.Module):
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.layer_numbers = layer_numbers
 
-        if pre_process:
+        # Multi-token prediction embeds tokens on the last stage too (Megatron's mtp_process):
+        # there the chunk holds its own copy of the word embedding.
+        mtp = bool(post_process and config.mtp_num_layers)
+        if pre_process or mtp:
             self.embedding = LanguageModelEmbedding(config, pctx, vocab_size, self.rng)
         self.rotary = rotary_embedding(config)
         self.decoder = TransformerBlock(
             config, pctx, layer_numbers, post_process, self.rng, parts, layer_builder
         )
         self.mtp = None
-        if post_process and config.mtp_num_layers:
+        if mtp:
             self.mtp = MultiTokenPredictionBlock(config, pctx, self.rng, parts or LayerParts())
         if post_process:
             self.output_layer = ColumnParallelLinear(
@@ -69,16 +72,19 @@ class GPTModel(nn.Module):
                 bias=False,
                 sequence_parallel=config.sequence_parallel,
                 init_std=config.init_method_std,
-                skip_weight=self.share_embeddings and pre_process,
+                skip_weight=self.share_embeddings and (pre_process or mtp),
                 dtype=config.params_dtype,
             )
-            if self.share_embeddings and not pre_process:
+            if self.share_embeddings and not (pre_process or mtp):
                 # The last stage's copy of the tied weight: drawn from the same generator as the
                 # word embedding, so both copies start equal without any communication.
                 self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
                 self.output_layer.weight.shared_embedding = True
-        if pre_process and self.share_embeddings and pctx.pp_size > 1:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+        # Copies of the word embedding on the first and last stages: gradients summed over the
+        # embedding group (the tied output weight, or the MTP stage's embedding).
+        if pctx.pp_size > 1 and (self.share_embeddings or config.mtp_num_layers):
+            if pre_process or mtp:
+                self.embedding.word_embeddings.weight.shared_embedding = True
 
     def set_input_tensor(self, input_tensor: torch.Tensor | list | tuple | None) -> None:
         """The hidden states from the previous pipeline stage (used instead of `tokens`)."""

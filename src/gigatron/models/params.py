@@ -164,6 +164,8 @@ def count_parameters(
             count += _norm_count(spec) + mtp(tp, ep, etp)
             if not tied or pp > 1:
                 count += vocab * h // tp
+            if spec.mtp_num_layers and pp > 1 and not tied:
+                count += vocab * h // tp  # the MTP stage's copy of the word embedding
         per_stage.append(count)
     return ParameterCounts(
         total=total,

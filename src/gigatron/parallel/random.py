@@ -51,7 +51,8 @@ class ModelParallelRNG:
         self.device = torch.device(device)
         self.seed = seed
         self._depth = 0
-        generator = torch.Generator(device=self.device)
+        # A model built on `meta` (shapes only, e.g. by the checkpoint converters) draws nothing.
+        generator = torch.Generator(device="cpu" if self.device.type == "meta" else self.device)
         generator.manual_seed(seed)
         self._state = generator.get_state()
 

@@ -1,0 +1,197 @@
+"""Supervised fine-tuning data (`--sft`): JSON-lines conversations for GPT, with the loss on the
+response tokens only.
+
+Each line is `{"prompt": ..., "response": ...}` or `{"messages": [{"role": ..., "content": ...},
+...]}` (Megatron's SFT field). The pieces are tokenized one by one and concatenated with no chat
+template (put any role markers in the text); the response (the `assistant` messages) and the
+end-of-document token that closes the conversation are the targets. One line is one sample of
+`--seq-length` tokens: a longer conversation is cut on the right, a shorter one is padded (the
+padding is never a target). Items are GPTDataset's: `tokens`, `labels`, `loss_mask`,
+`position_ids`. A dataset class of `data.builder` (its `open_low_level` reads the file)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gigatron.data.builder import Bookend, build_datasets
+from gigatron.errors import GigatronError
+
+
+@dataclass
+class Conversation:
+    tokens: np.ndarray  # int64 [n]
+    targets: np.ndarray  # bool [n]: the token is part of a response
+
+
+def conversation_from_json(record: Any, tokenizer: Any, where: str) -> Conversation:
+    """The tokens of one JSON line and which of them are response tokens."""
+    if isinstance(record, dict) and "messages" in record:
+        try:
+            pieces = [(m["content"], m["role"] == "assistant") for m in record["messages"]]
+        except (KeyError, TypeError):
+            pieces = None
+    elif isinstance(record, dict) and "prompt" in record and "response" in record:
+        pieces = [(record["prompt"], False), (record["response"], True)]
+    else:
+        pieces = None
+    if not pieces or not all(isinstance(text, str) for text, _ in pieces):
+        raise GigatronError(
+            f'{where}: not an SFT record; give {{"prompt": ..., "response": ...}} or '
+            '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}'
+        )
+    tokens: list[int] = []
+    targets: list[bool] = []
+    for text, is_target in pieces:
+        ids = list(tokenizer.tokenize(text))
+        tokens += ids
+        targets += [is_target] * len(ids)
+    tokens.append(tokenizer.eod)
+    targets.append(pieces[-1][1])  # the closing token is learned after a response
+    return Conversation(np.asarray(tokens, dtype=np.int64), np.asarray(targets, dtype=bool))
+
+
+class SFTConversations:
+    """Every conversation of one JSON-lines file, tokenized (held in memory)."""
+
+    def __init__(self, path: str, tokenizer: Any) -> None:
+        self.path = path
+        self.conversations: list[Conversation] = []
+        try:
+            handle = open(path, encoding="utf-8")  # noqa: SIM115
+        except OSError as error:
+            raise GigatronError(
+                f"--data-path {path}: cannot be read ({error.strerror}); with --sft the data are "
+                "JSON-lines files"
+            ) from None
+        with handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as error:
+                    raise GigatronError(f"{path}: line {number} is not JSON ({error})") from None
+                where = f"{path}: line {number}"
+                self.conversations.append(conversation_from_json(record, tokenizer, where))
+
+    def __len__(self) -> int:
+        return len(self.conversations)
+
+
+@dataclass
+class SFTDatasetOptions:
+    seq_length: int
+    seed: int
+    pad: int
+    split: str | None = None
+    split_matrix: list[Bookend] = field(default_factory=list)
+    tokenizer_identifiers: dict[str, Any] = field(default_factory=dict)
+
+
+class SFTDataset:
+    """One split of one conversation file: `num_samples` samples (None: one pass), the split's
+    conversations in a new order each pass (a permutation seeded by the seed and the pass)."""
+
+    cache_name = "SFTDataset"
+
+    def __init__(
+        self,
+        low_level: SFTConversations,
+        dataset_path: str | None,
+        indices: np.ndarray,
+        num_samples: int | None,
+        index_split: str,
+        options: SFTDatasetOptions,
+        cache_dir: str | None = None,
+    ) -> None:
+        self.dataset, self.path, self.indices = low_level, dataset_path, indices
+        self.options = options
+        self.num_samples = len(indices) if num_samples is None else num_samples
+        if self.num_samples and not len(indices):
+            raise GigatronError(
+                f"--data-path {dataset_path}: the {index_split} split holds no conversations; "
+                "change --split"
+            )
+        digest = hashlib.md5(json.dumps(options.tokenizer_identifiers, sort_keys=True).encode())
+        self.unique_identifiers = {
+            "class": self.cache_name, "path": dataset_path, "split": index_split,
+            "num_samples": self.num_samples, "seed": options.seed,
+            "seq_length": options.seq_length, "tokenizer": digest.hexdigest(),
+        }  # fmt: skip
+        self._orders: dict[int, np.ndarray] = {}
+
+    @staticmethod
+    def open_low_level(path: str, flag: str, cfg: Any, tokenizer: Any) -> SFTConversations:
+        return SFTConversations(path, tokenizer)
+
+    @staticmethod
+    def options_from_config(cfg: Any, tokenizer: Any) -> SFTDatasetOptions:
+        if getattr(tokenizer, "eod", None) is None:
+            raise GigatronError("--sft: the tokenizer has no end-of-document token")
+        if cfg.data.mock_data:
+            raise GigatronError("--sft with --mock-data: give JSON-lines files as --data-path")
+        # One conversation per sample: the document-boundary options have nothing to act on.
+        for name in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
+            if getattr(cfg.data, name):
+                flag = "--" + name.replace("_", "-")
+                raise GigatronError(f"{flag}: not used with --sft (one conversation per sample)")
+        identifiers = getattr(tokenizer, "unique_identifiers", {})
+        pad = tokenizer.pad if getattr(tokenizer, "pad", None) is not None else tokenizer.eod
+        return SFTDatasetOptions(
+            seq_length=cfg.model.seq_length,
+            seed=cfg.training.seed,
+            pad=pad,
+            tokenizer_identifiers=dict(identifiers() if callable(identifiers) else identifiers),
+        )
+
+    @staticmethod
+    def numel_low_level_dataset(low_level: SFTConversations) -> int:
+        return len(low_level)
+
+    @staticmethod
+    def holds_data(low_level: SFTConversations, indices: np.ndarray) -> bool:
+        return len(indices) > 0
+
+    @staticmethod
+    def build_mock_low_level(cfg: Any, tokenizer: Any) -> SFTConversations:
+        raise GigatronError("--sft with --mock-data: give JSON-lines files as --data-path")
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def conversation_index(self, index: int) -> int:
+        epoch, position = divmod(index, len(self.indices))
+        if epoch not in self._orders:
+            rng = np.random.RandomState((self.options.seed + epoch) % 2**32)
+            self._orders[epoch] = rng.permutation(len(self.indices))
+        return int(self.indices[self._orders[epoch][position]])
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        conversation = self.dataset.conversations[self.conversation_index(index)]
+        return sft_sample(conversation, self.options.seq_length, self.options.pad)
+
+
+def sft_sample(conversation: Conversation, seq_length: int, pad: int) -> dict[str, np.ndarray]:
+    """seq_length + 1 tokens (cut or padded): inputs, next-token labels, and the loss mask that
+    is 1 where the label is a response token."""
+    tokens = np.full(seq_length + 1, pad, dtype=np.int64)
+    targets = np.zeros(seq_length + 1, dtype=bool)
+    n = min(len(conversation.tokens), seq_length + 1)
+    tokens[:n] = conversation.tokens[:n]
+    targets[:n] = conversation.targets[:n]
+    return {
+        "tokens": tokens[:-1],
+        "labels": tokens[1:],
+        "loss_mask": targets[1:].astype(np.float32),
+        "position_ids": np.arange(seq_length, dtype=np.int64),
+    }
+
+
+def build_sft_datasets(cfg: Any, tokenizer: Any, num_samples, pctx: Any = None):
+    """(train, valid, test) SFT datasets of the configuration (`--data-path` JSON-lines files)."""
+    return build_datasets(SFTDataset, cfg, tokenizer, num_samples, pctx)

@@ -1,0 +1,440 @@
+"""`gigatron finetune`: fine-tune a BERT checkpoint on MNLI, QQP (classification) or RACE
+(multiple choice), Megatron's tasks/main.py flags: `--task`, `--train-data`, `--valid-data`,
+`--pretrained-checkpoint`, `--epochs`, `--keep-last`, `--eval-micro-batch-size`, plus the model,
+optimizer and parallel flags of `gigatron pretrain bert`.
+
+The pretrained weights are loaded (weights only; the new head is initialised), the training set
+is shuffled every epoch (seed + epoch) and cut into global batches, the generic loop trains each
+epoch, then the accuracy on every `--valid-data` set is logged and written to metrics.jsonl, and
+`--save` keeps the checkpoint of the best mean accuracy so far (the previous best is removed).
+Tensor (and sequence) and data parallelism are supported; pipeline and context parallelism are
+refused."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import shutil
+from collections.abc import Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from gigatron.config.root import add_config_arguments, config_from_namespace
+from gigatron.config.tasks import FinetuneTaskConfig, add_task_arguments, task_config_from_namespace
+from gigatron.errors import GigatronError
+from gigatron.parallel.context import ParallelContext
+
+LOSS_NAMES = ("lm_loss",)  # Megatron's finetuning logs its cross entropy as 'lm loss'
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gigatron finetune",
+        description="fine-tune a BERT checkpoint on MNLI, QQP or RACE",
+        allow_abbrev=False,
+    )
+    add_config_arguments(parser)
+    add_task_arguments(parser, FinetuneTaskConfig)
+    return parser
+
+
+# What a fine-tuning run does not do (a flag -> why); each is refused when set. Every flag of the
+# data section is refused too: the samples come from --train-data and --valid-data.
+_REFUSED = {
+    "load": "resuming a fine-tuning run is not supported; start from --pretrained-checkpoint",
+    "train_iters": "--epochs sets the iterations",
+    "train_samples": "--epochs sets the samples",
+    "save_interval": "the best checkpoint is saved after each epoch",
+    "rampup_batch_size": "fine-tuning keeps one batch size",
+    "eval_interval": "the accuracy is measured after each epoch",
+    "eval_iters": "every validation sample is scored after each epoch",
+    "eval_at_start": "--epochs 0 evaluates the pretrained checkpoint",
+    "full_validation": "every validation sample is scored after each epoch",
+    "skip_train": "--epochs 0 evaluates the pretrained checkpoint",
+    "finetune": "--pretrained-checkpoint is always loaded as weights only",
+    "no_load_optim": "--pretrained-checkpoint is always loaded as weights only",
+    "no_load_rng": "--pretrained-checkpoint is always loaded as weights only",
+    "ckpt_convert_format": "convert checkpoints with gigatron pretrain or convert-checkpoint",
+    "ckpt_convert_save": "convert checkpoints with gigatron pretrain or convert-checkpoint",
+    "async_save": "the best checkpoint is saved synchronously after its epoch",
+}
+
+
+def _refuse(cfg, task: FinetuneTaskConfig) -> None:
+    from gigatron.config.fields import flag_name
+    from gigatron.config.root import SECTIONS, field_section
+
+    fields = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+    defaults = type(cfg)()
+    refused = dict(_REFUSED)
+    for data_field in dataclasses.fields(type(cfg.data)):
+        refused[data_field.name] = "the data are --train-data and --valid-data"
+    if cfg.data.sft:
+        refused["sft"] = "supervised fine-tuning of GPT is gigatron pretrain gpt --sft"
+    for name, why in refused.items():
+        section = field_section(name)
+        if getattr(getattr(cfg, section), name) != getattr(getattr(defaults, section), name):
+            raise GigatronError(f"{flag_name(fields[name])}: not a gigatron finetune flag; {why}")
+    p = cfg.parallel
+    if p.pipeline_model_parallel_size > 1 or p.context_parallel_size > 1:
+        raise GigatronError(
+            "--pipeline-model-parallel-size/--context-parallel-size: gigatron finetune runs "
+            "tensor and data parallelism only; set both to 1"
+        )
+    if p.use_torch_fsdp2 or p.use_megatron_fsdp:
+        raise GigatronError(
+            "--use-torch-fsdp2/--use-megatron-fsdp: gigatron finetune wraps the model in "
+            "DistributedDataParallel (use --use-distributed-optimizer to shard optimizer state)"
+        )
+    if task.task is None:
+        raise GigatronError("--task: missing; give --task MNLI, QQP or RACE")
+    if task.epochs is None or task.epochs < 0:
+        raise GigatronError("--epochs: missing or negative; give --epochs N (0: evaluate only)")
+    if task.epochs > 0 and not task.train_data:
+        raise GigatronError("--train-data: missing; give the training file(s) or directory")
+    if not task.valid_data:
+        raise GigatronError("--valid-data: missing; give the validation file(s) or directory")
+    if task.eval_micro_batch_size is not None and task.eval_micro_batch_size < 1:
+        raise GigatronError(f"--eval-micro-batch-size {task.eval_micro_batch_size}: must be >= 1")
+
+
+def parse_finetune_args(argv: Sequence[str], world_size: int | None = None):
+    """(GigatronConfig, FinetuneTaskConfig) from the command line, validated for training (the
+    iteration count is set later from the data: `--epochs` x batches per epoch)."""
+    from gigatron.config.validate import finalize_config, validate_config
+    from gigatron.families.bert import validate as validate_bert
+    from gigatron.training.pretrain import _world_size
+
+    namespace = build_parser().parse_args(list(argv))
+    cfg = config_from_namespace(namespace)
+    task = task_config_from_namespace(FinetuneTaskConfig, namespace)
+    world_size = _world_size() if world_size is None else world_size
+    _refuse(cfg, task)
+    finalize_config(cfg, world_size=world_size)
+    cfg.training.train_iters = 1  # a placeholder for the rules; the data decide
+    validate_config(cfg, world_size=world_size, for_training=True)
+    validate_bert(cfg)
+    return cfg, task
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def read_samples(task: str, path: str, tokenizer, seq_length: int) -> list[dict[str, Any]]:
+    from gigatron.tasks.glue import glue_samples
+    from gigatron.tasks.race import race_samples
+
+    if task == "RACE":
+        return race_samples(path, tokenizer, seq_length)
+    if not Path(path).is_file():
+        raise GigatronError(f"{path}: no such file; {task} data are GLUE TSV files")
+    return glue_samples(task, path, tokenizer, seq_length)
+
+
+def collate(samples: Sequence[dict[str, Any]], indices: Sequence[int]) -> dict[str, torch.Tensor]:
+    """A micro-batch of `samples[i]`; an index of -1 is padding (a copy of the first sample with
+    weight 0, so that every rank runs the same number of micro-batches)."""
+    picked = [samples[i] if i >= 0 else samples[0] for i in indices]
+    batch = {k: torch.from_numpy(np.stack([s[k] for s in picked])) for k in picked[0]}
+    batch["weight"] = torch.tensor([1.0 if i >= 0 else 0.0 for i in indices])
+    return batch
+
+
+def batches_per_epoch(num_samples: int, global_batch: int, keep_last: bool) -> int:
+    rounding = math.ceil if keep_last else math.floor
+    return int(rounding(num_samples / global_batch))
+
+
+def epoch_batches(
+    samples: Sequence[dict[str, Any]],
+    epoch: int,
+    seed: int,
+    global_batch: int,
+    micro_batch: int,
+    pctx: ParallelContext,
+    keep_last: bool,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of one epoch: the samples in the order of a
+    permutation seeded by seed + epoch, cut into global batches; rank r takes the r-th block of
+    each. The last, incomplete global batch is dropped, or padded with `--keep-last`."""
+    order = np.random.RandomState(seed + epoch).permutation(len(samples))
+    per_rank = global_batch // pctx.dp_size
+    for number in range(batches_per_epoch(len(samples), global_batch, keep_last)):
+        chosen = list(order[number * global_batch : (number + 1) * global_batch])
+        chosen += [-1] * (global_batch - len(chosen))
+        mine = chosen[pctx.dp_rank * per_rank : (pctx.dp_rank + 1) * per_rank]
+        for start in range(0, per_rank, micro_batch):
+            yield collate(samples, mine[start : start + micro_batch])
+
+
+# ---- model --------------------------------------------------------------------------------------
+def classify(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[b, classes] logits; multiple-choice samples ([b, choices, s]) are scored as b x choices
+    sequences and give [b, choices]."""
+    tokens = batch["tokens"]
+    choices = tokens.shape[1] if tokens.dim() == 3 else None
+    seq = tokens.shape[-1]
+    flat = {k: batch[k].reshape(-1, seq) for k in ("tokens", "token_types", "padding_mask")}
+    positions = torch.arange(seq, device=tokens.device).expand(flat["tokens"].shape[0], seq)
+    # Padded keys are masked for every query ([b, 1, 1, s], True = masked), as in pretraining.
+    mask = (flat["padding_mask"] == 0)[:, None, None, :]
+    logits = model(flat["tokens"], positions, mask, tokentype_ids=flat["token_types"])
+    return logits.reshape(-1, choices) if choices is not None else logits
+
+
+def classification_loss(batch: dict[str, torch.Tensor], logits: torch.Tensor):
+    """Summed cross entropy of the real samples (weight 1), their count, and the report."""
+    weight = batch["weight"]
+    losses = F.cross_entropy(logits.float(), batch["label"], reduction="none") * weight
+    total, count = losses.sum(), weight.sum()
+    return total, count.clamp(min=1.0), {"lm_loss": torch.stack([total.detach(), count])}
+
+
+def forward_step(pctx: ParallelContext, data_iterator: Iterator, model: nn.Module):
+    """One micro-batch (the schedule's contract)."""
+    batch = {k: v.to(pctx.device) for k, v in next(data_iterator).items()}
+    return classify(model, batch), partial(classification_loss, batch)
+
+
+@torch.no_grad()
+def accuracy(
+    model: nn.Module, samples: Sequence[dict[str, Any]], micro_batch: int, pctx: ParallelContext
+) -> tuple[int, int]:
+    """(correct, total) over every sample (none dropped), split over data-parallel ranks."""
+    model.eval()
+    n, dp = len(samples), pctx.dp_size
+    per_rank = math.ceil(n / dp / micro_batch) * micro_batch
+    indices = list(range(n)) + [-1] * (per_rank * dp - n)
+    mine = indices[pctx.dp_rank * per_rank : (pctx.dp_rank + 1) * per_rank]
+    counts = torch.zeros(2, dtype=torch.float64, device=pctx.device)
+    try:
+        for start in range(0, per_rank, micro_batch):
+            batch = collate(samples, mine[start : start + micro_batch])
+            batch = {k: v.to(pctx.device) for k, v in batch.items()}
+            right = (classify(model, batch).argmax(-1) == batch["label"]).double()
+            counts += torch.stack([(right * batch["weight"]).sum(), batch["weight"].sum()])
+    finally:
+        model.train()
+    if pctx.size("dp") > 1:
+        dist.all_reduce(counts, group=pctx.group("dp"))
+    return int(counts[0].item()), int(counts[1].item())
+
+
+def build_classifier(cfg, pctx: ParallelContext, vocab_size: int, task: FinetuneTaskConfig):
+    """The BERT chunk with the pretrained weights loaded (if any), under the task's head."""
+    from gigatron.checkpoint.formats import load_checkpoint
+    from gigatron.models.bert import build_bert_model
+    from gigatron.tasks.glue import NUM_CLASSES
+    from gigatron.tasks.heads import BertClassifier
+
+    (bert,) = build_bert_model(cfg, pctx, vocab_size=vocab_size)
+    if task.pretrained_checkpoint:
+        if not Path(task.pretrained_checkpoint).is_dir():
+            raise GigatronError(
+                f"--pretrained-checkpoint {task.pretrained_checkpoint}: no such directory"
+            )
+        weights_only = dataclasses.replace(
+            cfg.checkpoint, finetune=True, load=task.pretrained_checkpoint, save=None
+        )
+        try:
+            load_checkpoint(
+                task.pretrained_checkpoint, [bert], None, None, pctx,
+                dataclasses.replace(cfg, checkpoint=weights_only),
+            )  # fmt: skip
+        except GigatronError as error:  # name the flag the user gave
+            raise GigatronError(
+                str(error).replace("--load ", "--pretrained-checkpoint ", 1)
+            ) from None
+    outputs = 1 if task.task == "RACE" else NUM_CLASSES[task.task]
+    return BertClassifier(bert, outputs, cfg.model.hidden_dropout, cfg.training.seed)
+
+
+# ---- the run ------------------------------------------------------------------------------------
+def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any]:
+    """Fine-tune (or, with --epochs 0, evaluate); returns the accuracies of every epoch and the
+    best one (every rank)."""
+    from gigatron.optim import build_optimizer
+    from gigatron.optim.batch_schedule import build_num_microbatches_calculator
+    from gigatron.optim.lr_schedule import build_lr_scheduler
+    from gigatron.parallel.data_parallel import DistributedDataParallel
+    from gigatron.parallel.random import seed_everything
+    from gigatron.parallel.schedules import ScheduleConfig
+    from gigatron.training.flops import model_flops_per_iteration
+    from gigatron.training.loop import Run, TrainState, train
+    from gigatron.training.metrics import MetricsLogger, default_metrics_path
+    from gigatron.training.pretrain import (
+        _grad_dtype,
+        apply_process_settings,
+        build_run_tokenizer,
+        set_determinism,
+    )
+
+    set_determinism(cfg)
+    apply_process_settings(cfg)
+    pctx = ParallelContext.from_config(cfg)
+    owns_process_group = dist.is_initialized() and pctx.world_size > 1
+    metrics = None
+    try:
+        t, ckpt = cfg.training, cfg.checkpoint
+        seed_everything(t.seed, pctx)
+        tokenizer = build_run_tokenizer(cfg)
+        for name in ("cls", "sep", "pad"):
+            if getattr(tokenizer, name, None) is None:
+                raise GigatronError(
+                    f"--tokenizer-type {cfg.tokenizer.tokenizer_type}: has no [{name.upper()}] "
+                    "token; fine-tuning BERT needs a WordPiece tokenizer (BertWordPieceLowerCase)"
+                )
+        seq = cfg.model.seq_length
+        read = partial(read_samples, task.task, tokenizer=tokenizer, seq_length=seq)
+        train_samples = [s for path in task.train_data for s in read(path)] if task.epochs else []
+        valid_sets = [(path, read(path)) for path in task.valid_data]
+        calculator = build_num_microbatches_calculator(cfg, pctx.dp_size)
+        global_batch = calculator.global_batch_size
+        per_epoch = batches_per_epoch(len(train_samples), global_batch, task.keep_last)
+        if task.epochs and per_epoch == 0:
+            raise GigatronError(
+                f"--train-data: {len(train_samples)} samples, fewer than one global batch of "
+                f"{global_batch}; lower --global-batch-size or add --keep-last"
+            )
+        t.train_iters = max(1, task.epochs * per_epoch)  # the lr schedule's length
+
+        classifier = build_classifier(cfg, pctx, tokenizer.vocab_size, task)
+        model = [DistributedDataParallel(classifier, pctx, cfg.parallel, _grad_dtype(cfg))]
+        optimizer = build_optimizer(cfg, model, pctx)
+        scheduler = build_lr_scheduler(cfg, optimizer)
+        metrics = MetricsLogger(
+            default_metrics_path(cfg.logging.metrics_file, ckpt.save), pctx,
+            train_iters=t.train_iters, tensorboard_dir=cfg.logging.tensorboard_dir,
+            wandb_project=cfg.logging.wandb_project, wandb_exp_name=cfg.logging.wandb_exp_name,
+            progress_bar=False if cfg.logging.no_progress_bar else None, stream=stream,
+            loss_names=LOSS_NAMES, log_throughput=cfg.logging.log_throughput,
+            timing_log_level=cfg.logging.timing_log_level,
+            tensorboard_timers=cfg.logging.log_timers_to_tensorboard,
+            tensorboard_validation_ppl=cfg.logging.log_validation_ppl_to_tensorboard,
+        )  # fmt: skip
+        metrics.message(
+            f"finetune {task.task}: {len(train_samples)} training samples, {per_epoch} "
+            f"iterations per epoch of {global_batch}; validation sets: "
+            + ", ".join(f"{path} ({len(s)})" for path, s in valid_sets)
+        )
+        choices = 4 if task.task == "RACE" else 1
+        run = Run(
+            cfg=cfg, pctx=pctx, model=model, optimizer=optimizer, scheduler=scheduler,
+            batch_calculator=calculator, forward_step=partial(forward_step, pctx),
+            schedule_config=ScheduleConfig(
+                seq_length=seq, micro_batch_size=t.micro_batch_size * choices,
+                hidden_size=cfg.model.hidden_size, grad_scale_func=optimizer.scale_loss,
+            ),
+            metrics=metrics, train_iters=0, vocab_size=classifier.vocab_size,
+            flops_per_iteration=lambda batch: model_flops_per_iteration(
+                cfg.model, batch * choices, 0
+            ),
+            loss_names=LOSS_NAMES, state=TrainState(),
+        )  # fmt: skip
+        eval_micro = task.eval_micro_batch_size or t.micro_batch_size
+
+        history: list[dict[str, Any]] = []
+        best: dict[str, Any] | None = None
+
+        def evaluate_now(epoch: int) -> dict[str, Any]:
+            return evaluate_epoch(
+                classifier, valid_sets, epoch, run.state.iteration, eval_micro, pctx, metrics,
+                task.task,
+            )  # fmt: skip
+
+        if task.epochs == 0:
+            history.append(evaluate_now(0))
+        for epoch in range(1, task.epochs + 1):
+            run.train_iterator = epoch_batches(
+                train_samples, epoch, t.seed, global_batch, t.micro_batch_size, pctx,
+                task.keep_last,
+            )  # fmt: skip
+            run.train_iters = epoch * per_epoch
+            result = train(run)
+            record = evaluate_now(epoch)
+            history.append(record)
+            if best is None or record["mean_accuracy"] > best["mean_accuracy"]:
+                previous, best = best, record
+                if ckpt.save:
+                    _save_best(run, task, record, previous)
+            if result.exit_reason != "finished":
+                break
+        return {"task": task.task, "epochs": history, "best": best}
+    finally:
+        if metrics is not None:
+            metrics.close()
+        if owns_process_group:
+            dist.destroy_process_group()
+
+
+def evaluate_epoch(
+    classifier: nn.Module,
+    valid_sets: list[tuple[str, list[dict[str, Any]]]],
+    epoch: int,
+    iteration: int,
+    micro_batch: int,
+    pctx: ParallelContext,
+    metrics: Any,
+    task_name: str,
+) -> dict[str, Any]:
+    """The accuracy on every validation set, logged and written to metrics.jsonl."""
+    scores = {}
+    for path, samples in valid_sets:
+        correct, total = accuracy(classifier, samples, micro_batch, pctx)
+        scores[path] = correct / max(total, 1)
+        metrics.write(
+            {"type": "eval", "split": "valid", "task": task_name, "valid_data": path,
+             "epoch": epoch, "iteration": iteration, "correct": correct, "total": total,
+             "accuracy": scores[path]}
+        )  # fmt: skip
+        metrics.message(
+            f" > |epoch: {epoch}| metrics for {path}: correct / total = {correct} / {total} = "
+            f"{100 * scores[path]:.4f} %"
+        )
+    return {
+        "epoch": epoch,
+        "iteration": iteration,
+        "accuracy": scores,
+        "mean_accuracy": sum(scores.values()) / len(scores),
+    }
+
+
+def _save_best(run: Any, task: FinetuneTaskConfig, record: dict, previous: dict | None) -> None:
+    """Save the new best checkpoint, then remove the previous best (rank 0)."""
+    from gigatron.checkpoint.formats import save_checkpoint
+    from gigatron.checkpoint.torch_format import iteration_dir_name
+
+    cfg, save_dir = run.cfg, run.cfg.checkpoint.save
+    extra = {
+        "consumed_train_samples": run.state.consumed_train_samples,
+        "consumed_valid_samples": 0,
+        "gigatron_finetune": {
+            "task": task.task,
+            "epoch": record["epoch"],
+            "accuracy": record["accuracy"],
+        },
+    }
+    save_checkpoint(
+        save_dir, run.state.iteration, run.model, run.optimizer, run.scheduler, run.pctx, cfg,
+        extra=extra, rng_tracker=run.model[0].module.rng,
+    )  # fmt: skip
+    if previous is not None and run.pctx.rank == 0 and previous["iteration"] != record["iteration"]:
+        shutil.rmtree(
+            Path(save_dir) / iteration_dir_name(previous["iteration"]), ignore_errors=True
+        )
+    run.metrics.message(
+        f"saved the best checkpoint (epoch {record['epoch']}, mean accuracy "
+        f"{record['mean_accuracy']:.4f}) to {save_dir}"
+    )
+
+
+def main(argv: Sequence[str]) -> int:
+    cfg, task = parse_finetune_args(argv)
+    finetune(cfg, task)
+    return 0

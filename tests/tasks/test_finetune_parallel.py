@@ -1,0 +1,72 @@
+"""`gigatron finetune` under torchrun: data parallelism (2 ranks) and tensor parallelism (2 ranks,
+with sequence parallelism) give the one-process losses and accuracies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from finetune_helpers import MNLI, finetune_flags, save_pretrained
+
+
+def _run(flags: list[str], nproc: int) -> None:
+    command = [sys.executable, "-m", "gigatron.cli", "finetune", *flags]
+    if nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), "-m", "gigatron.cli", "finetune", *flags]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+
+
+def _summary(directory: Path) -> tuple[list[float], list[tuple[int, int]]]:
+    records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["lm_loss"] for r in records if r["type"] == "train"]
+    scores = [(r["correct"], r["total"]) for r in records if r["type"] == "eval"]
+    return losses, scores
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune-parallel")
+    save_pretrained(root / "pretrained")
+    # The same weights split for tensor parallelism 2 (a torch checkpoint loads in its layout).
+    subprocess.run(
+        [sys.executable, "-m", "gigatron.cli", "convert-checkpoint", "--load",
+         str(root / "pretrained"), "--save", str(root / "pretrained-tp2"),
+         "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "1"],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    files = f"{MNLI / 'dev_matched.tsv'} {MNLI / 'dev_mismatched.tsv'}"
+
+    def flags(name: str, *extra: str) -> list[str]:
+        pretrained = root / (
+            "pretrained-tp2" if "--tensor-model-parallel-size" in extra else "pretrained"
+        )
+        return finetune_flags(
+            "MNLI", pretrained, root / name, 32, train_data=files, valid_data=files,
+            epochs="2", global_batch_size="4", eval_micro_batch_size="1",
+        ) + list(extra)  # fmt: skip
+
+    _run(flags("one"), 1)
+    return root, flags, _summary(root / "one")
+
+
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("dp2", []),
+        ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ],
+)
+def test_parallel_layouts_match_one_process(setup, name, extra):
+    root, flags, (losses, scores) = setup
+    _run(flags(name, *extra), 2)
+    parallel_losses, parallel_scores = _summary(root / name)
+    assert len(losses) == 2
+    assert parallel_losses == pytest.approx(losses, rel=1e-5)
+    assert parallel_scores == scores
