@@ -46,8 +46,8 @@ class T5HFAdapter:
     """The T5 family's Hugging Face adapter (`T5ForConditionalGeneration`, gated-gelu)."""
 
     hf_class_name = "T5ForConditionalGeneration"
-    model_types = ("t5",)
     auto_class = "AutoModelForSeq2SeqLM"
+    model_types = ("t5",)
 
     def config_from_hf(self, hf_config: Any) -> dict[str, Any]:
         """gigatron ModelConfig values (plus `vocab_size`) for a Hugging Face T5Config."""
