@@ -124,21 +124,6 @@ EXAMPLES = {
         drop={"--data-path": "replaced by --mock-data"},
         add=("--mock-data",),
     ),
-    "t5_220m": Example(
-        "examples/t5/train_t5_220m_distributed.sh",
-        "t5",
-        replace={
-            "--vocab-file": str(DATA / "bert-base-uncased-vocab.txt"),
-            "--encoder-num-layers": "2",
-            "--decoder-num-layers": "2",
-            "--encoder-seq-length": "64",
-            "--decoder-seq-length": "32",
-            # 99982,9,9 leaves the 2000 mock documents no validation document
-            "--split": "98,1,1",
-        },
-        drop={"--data-path": "replaced by --mock-data"},
-        add=("--mock-data",),
-    ),
     "mamba": Example(
         "examples/mamba/train.sh",
         "mamba",
