@@ -183,6 +183,20 @@ EXAMPLES = {
         },
         add=("--mock-data",),
     ),
+    "t5_220m": Example(
+        "examples/t5/train_t5_220m_distributed.sh",
+        "t5",
+        replace={
+            "--vocab-file": str(DATA / "bert-base-uncased-vocab.txt"),
+            "--encoder-num-layers": "2",
+            "--decoder-num-layers": "2",
+            "--encoder-seq-length": "64",
+            "--decoder-seq-length": "16",
+            "--split": "98,1,1",  # the mock data's sequences must reach each split
+        },
+        drop={"--data-path": "replaced by --mock-data"},
+        add=("--mock-data",),
+    ),
     "gpt_oss": Example(
         "examples/gptoss/02_train.sh",
         "gpt",
