@@ -15,6 +15,13 @@ On load each rank asks for the pieces of its own layout, so any tp / pp / vpp / 
 layout, with or without the distributed optimizer, loads any saved one. The tied output weight
 (pp > 1) is not stored: it loads from the word embedding (it holds the same values).
 
+Fully sharded data parallelism (parallel/fully_sharded.py) keeps each parameter and moment as a
+DTensor: its local shard is the box at its dim-0 offset of the tensor-parallel tensor. An FSDP
+run stores the names of a distributed-optimizer run of its precision: `model.<name>` in the
+compute dtype and, under --bf16, `optimizer.fp32_param.<name>` from the fp32 shard (which loads
+from `fp32_param` when the checkpoint has it, else from `model`). So checkpoints move between
+FSDP and the distributed optimizer at any dp size.
+
 Saving is atomic as in the torch format: everything goes to `iter_N.tmp/`, `metadata.json` is
 written once all ranks finished, then rank 0 renames the directory and replaces the tracker file.
 Loading runs no code from the files: `common.pt` and the random states load with
@@ -37,6 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from gigatron.checkpoint import dcp_io
 from gigatron.checkpoint.dcp_io import (
@@ -66,6 +74,12 @@ from gigatron.checkpoint.torch_format import (
 )
 from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.fully_sharded import FullyShardedDataParallel
+
+try:  # torch's own rule for where a DTensor's local shard sits (torch 2.11 and later)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - older torch: FSDP2's torch.chunk rule below
+    compute_local_shape_and_global_offset = None
 
 FORMAT_MARKER = "metadata.json"
 COMMON_FILENAME = "common.pt"
@@ -95,6 +109,39 @@ def _modules(model_chunks: list[nn.Module]) -> list[nn.Module]:
     return [getattr(chunk, "module", chunk) for chunk in model_chunks]
 
 
+def _local_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's memory of `tensor` and its offsets in the tensor-parallel (local) tensor: a
+    DTensor's local shard (FSDP: Shard(0) over dp) sits at its dim-0 offset, else all of it."""
+    if not isinstance(tensor, DTensor):
+        view = tensor.detach()
+        return view, (0,) * view.dim()
+    local = tensor.to_local().detach()
+    if compute_local_shape_and_global_offset is not None:
+        shape, offsets = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
+    else:  # torch.chunk over the mesh: chunks of ceil(n / size) rows, the last ones maybe empty
+        rows, size = tensor.shape[0], tensor.device_mesh.size()
+        chunk = -(-rows // size)
+        first = min(rows, tensor.device_mesh.get_coordinate()[0] * chunk)
+        shape = (min(rows, first + chunk) - first, *tensor.shape[1:])
+        offsets = (first,) + (0,) * (tensor.dim() - 1)
+    if tuple(shape) != tuple(local.shape):
+        raise RuntimeError(f"a DTensor shard of shape {tuple(local.shape)} is not {tuple(shape)}")
+    return local, tuple(offsets)
+
+
+def _fsdp_dtypes(model_chunks: list[nn.Module]) -> dict[int, torch.dtype]:
+    """The compute dtype of every parameter of FSDP-wrapped chunks (their fp32 shards are the
+    main parameters), keyed by id."""
+    return {
+        id(param): chunk.compute_dtype
+        for chunk in model_chunks
+        if isinstance(chunk, FullyShardedDataParallel)
+        for param in chunk.module.parameters()
+    }
+
+
 def _stored_name(name: str, tensor: torch.Tensor) -> str:
     """The checkpoint name of a model tensor: the tied output weight is the word embedding."""
     if name == TIED_OUTPUT and getattr(tensor, "shared_embedding", False):
@@ -102,12 +149,16 @@ def _stored_name(name: str, tensor: torch.Tensor) -> str:
     return name
 
 
-def _model_tensors(model_chunks: list[nn.Module]) -> list[tuple[str, str, torch.Tensor]]:
-    """(name, stored name, tensor) for every entry of the model state dicts of this rank."""
+def _model_tensors(
+    model_chunks: list[nn.Module],
+) -> list[tuple[str, str, torch.Tensor, torch.dtype | None]]:
+    """(name, stored name, tensor, dtype to store it in or None: as it is) for every entry of
+    the model state dicts of this rank (FSDP chunks store their compute dtype)."""
     entries = []
-    for module in _modules(model_chunks):
+    for chunk, module in zip(model_chunks, _modules(model_chunks)):
+        dtype = chunk.compute_dtype if isinstance(chunk, FullyShardedDataParallel) else None
         for name, tensor in module.state_dict(keep_vars=True).items():
-            entries.append((name, _stored_name(name, tensor), tensor))
+            entries.append((name, _stored_name(name, tensor), tensor, dtype))
     return entries
 
 
@@ -151,7 +202,8 @@ def _slot_pieces(
 ) -> list[Piece]:
     layout = tensor_layout(param, tuple(param.shape), pctx)
     if start is None:
-        return pieces_of_box(key, tensor.detach(), (0,) * tensor.dim(), layout)
+        view, offsets = _local_box(tensor)
+        return pieces_of_box(key, view, offsets, layout)
     return pieces_of_flat_shard(key, tensor.detach(), tuple(param.shape), start, layout)
 
 
@@ -159,12 +211,14 @@ def model_pieces(model_chunks: list[nn.Module], pctx: ParallelContext, for_load:
     """Pieces of every model tensor (saving skips the tied output weight, loading reads it from
     the word embedding)."""
     pieces = []
-    for name, stored, tensor in _model_tensors(model_chunks):
+    for name, stored, tensor, dtype in _model_tensors(model_chunks):
         if stored != name and not for_load:
             continue
         layout = tensor_layout(tensor, tuple(tensor.shape), pctx)
-        view = tensor.detach()
-        pieces.extend(pieces_of_box(f"model.{stored}", view, (0,) * view.dim(), layout))
+        view, offsets = _local_box(tensor)
+        if not for_load and dtype is not None and torch.is_floating_point(view):
+            view = view.to(dtype)  # FSDP's fp32 shards are stored as the run's model weights
+        pieces.extend(pieces_of_box(f"model.{stored}", view, offsets, layout))
     return pieces
 
 
@@ -178,6 +232,7 @@ def optimizer_pieces(
     """Pieces of the fp32 main parameters (mixed precision) and the `keys` moments. For
     loading, missing moment tensors are created (zeros) first so that there is memory to fill."""
     names = _param_names(model_chunks)
+    fsdp_dtypes = _fsdp_dtypes(model_chunks)
     inner = _inner(optimizer)
     pieces = []
     for param, main, start in _optimizer_slots(optimizer):
@@ -185,7 +240,8 @@ def optimizer_pieces(
         stored = _stored_name(name, param)
         if stored != name and not for_load:
             continue
-        if param.dtype != torch.float32 and main is not param:
+        compute_dtype = fsdp_dtypes.get(id(param), param.dtype)
+        if compute_dtype != torch.float32 and (main is not param or id(param) in fsdp_dtypes):
             pieces += _slot_pieces(f"optimizer.fp32_param.{stored}", param, main, start, pctx)
         state = inner.state.setdefault(main, {}) if for_load else inner.state.get(main, {})
         for key in keys:
@@ -483,6 +539,9 @@ def _load_optimizer(
     if not has_main:  # saved from fp32 parameters: main parameters come from the weights
         pieces = [p for p in pieces if not p.key.startswith("optimizer.fp32_param.")]
         optimizer.reload_model_params()
+    elif _fsdp_dtypes(model_chunks):  # FSDP shards hold the loaded weights already
+        pieces = [p for p in pieces if not p.key.startswith("optimizer.fp32_param.") or p.key
+                  in stored]  # fmt: skip
     hint = "it was saved with another model or precision; pass --no-load-optim"
     _check_requests(pieces, metadata, iteration_dir, hint)
     _load_pieces(pieces, iteration_dir, pctx)

@@ -244,7 +244,6 @@ def _fsdp_rules(cfg: GigatronConfig, problems: list[str], world_size: int | None
         (p.context_parallel_size > 1, "--context-parallel-size > 1"),
         (bool(cfg.moe.num_experts), "--num-experts (expert parallelism)"),
         (t.fp16, "--fp16 (use --bf16)"),
-        (cfg.checkpoint.ckpt_format == "torch_dist", "--ckpt-format torch_dist (use torch)"),
     ):
         if enabled:
             problems.append(

@@ -8,6 +8,8 @@ Checkpoints use the distributed optimizer's layout (optim/distributed_optimizer.
 file's `optimizer` entry holds the group hyper-parameters and `save_sharded_state` writes
 `distrib_optim.pt` with full fp32 parameters and moments per parameter name, gathered over dp.
 So a checkpoint resumes at any data-parallel size, with FSDP or with the distributed optimizer.
+(`--ckpt-format torch_dist` reads the DTensor shards and their moments directly instead:
+checkpoint/dist_format.py.)
 """
 
 from __future__ import annotations

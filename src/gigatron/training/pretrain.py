@@ -217,6 +217,7 @@ def pretrain(
             state = _state_from_loaded(loaded, cfg)
             if ckpt.ckpt_convert_format is not None:
                 # Megatron's convert-on-load: write the loaded state in the other format, stop.
+                _gather_for_save(model, ckpt.ckpt_convert_format)
                 save_checkpoint(
                     ckpt.ckpt_convert_save, state.iteration, model, optimizer, scheduler, pctx,
                     cfg, extra={**_state_to_saved(state), "gigatron_family": family.name},
@@ -313,9 +314,7 @@ def pretrain(
             )
 
         def save(current: TrainState) -> str | None:
-            for chunk in model:  # FSDP: every dp rank gathers the full weights
-                if hasattr(chunk, "gather_for_save"):
-                    chunk.gather_for_save()
+            _gather_for_save(model, ckpt.ckpt_format)
             extra = {**_state_to_saved(current), "gigatron_family": family.name}
             if saver is not None:
                 saver.save(
@@ -406,6 +405,16 @@ def _state_from_loaded(loaded: Any, cfg: GigatronConfig) -> TrainState:
             values.get("num_floating_point_operations_so_far", 0)
         ),
     )
+
+
+def _gather_for_save(model: list[Any], ckpt_format: str) -> None:
+    """FSDP chunks gather their full weights on every dp rank before a torch-format save (whose
+    writers then call `state_dict()` alone); torch_dist writes each rank's shards instead."""
+    if ckpt_format == "torch_dist":
+        return
+    for chunk in model:
+        if hasattr(chunk, "gather_for_save"):
+            chunk.gather_for_save()
 
 
 def _state_to_saved(state: TrainState) -> dict[str, Any]:
