@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from gigatron.errors import GigatronError
 from gigatron.inference.engine import Completion, SamplingParams
 from gigatron.inference.load import add_load_arguments, engine_from_args, load_for_inference
+from gigatron.parallel.context import destroy
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,6 +138,13 @@ def main(argv: Sequence[str]) -> int:
         raise GigatronError(f"--prompts-file {args.prompts_file}: holds no prompts")
     params = sampling_params(args)  # bad flags fail before the model is loaded
     loaded = load_for_inference(args)
+    try:
+        return _generate(args, loaded, prompts, params)
+    finally:
+        destroy(loaded.pctx)
+
+
+def _generate(args, loaded, prompts: list[str], params) -> int:
     engine = engine_from_args(loaded, args)
     if loaded.pctx.rank != 0:
         engine.runner.follow()

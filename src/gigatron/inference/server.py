@@ -373,17 +373,22 @@ def main(argv: Sequence[str]) -> int:
         raise GigatronError(
             "gigatron serve needs FastAPI and uvicorn: pip install 'gigatron[serve]'"
         ) from None
+    from gigatron.parallel.context import destroy
+
     loaded = load_for_inference(args)
-    engine = engine_from_args(loaded, args)
-    if loaded.pctx.rank != 0:
-        engine.runner.follow()
+    try:
+        engine = engine_from_args(loaded, args)
+        if loaded.pctx.rank != 0:
+            engine.runner.follow()
+            return 0
+        app = create_app(engine, loaded.tokenizer, args.model_name)
+        print(
+            f"gigatron serve: {args.load} (iteration {loaded.iteration}) on "
+            f"http://{args.host}:{args.port}  (PUT /api, POST /v1/completions, "
+            "POST /v1/chat/completions)",
+            flush=True,
+        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
         return 0
-    app = create_app(engine, loaded.tokenizer, args.model_name)
-    print(
-        f"gigatron serve: {args.load} (iteration {loaded.iteration}) on "
-        f"http://{args.host}:{args.port}  (PUT /api, POST /v1/completions, "
-        "POST /v1/chat/completions)",
-        flush=True,
-    )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    finally:
+        destroy(loaded.pctx)

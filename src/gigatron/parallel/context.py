@@ -375,8 +375,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def destroy(ctx: ParallelContext | None = None) -> None:
-    """Tear down the default process group (end of a run or a test)."""
+    """Tear down the default process group once every rank has arrived (end of a command): a
+    rank that exits while a peer still finishes closes the connections under it, and Gloo
+    aborts that peer (SIGABRT)."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
