@@ -12,6 +12,8 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from test_hf_deepseek import _hf_config as deepseek_config
+from test_hf_gpt_oss import _hf_config as gpt_oss_config
 
 from gigatron.checkpoint.hf_convert import gigatron_to_hf, hf_to_gigatron
 from gigatron.checkpoint.safetensors_io import INDEX_FILE, SafetensorsFolder
@@ -57,63 +59,9 @@ CASES = {
     "mixtral": lambda: _llama_like(
         transformers.MixtralConfig, num_local_experts=4, num_experts_per_tok=2
     ),
-    "gpt-oss": lambda: transformers.GptOssConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=5,
-        max_position_embeddings=128,
-        swiglu_limit=0.5,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "beta_fast": 8.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 32,
-        },
-        attn_implementation="eager",
-    ),
-    "deepseek-v3": lambda: transformers.DeepseekV3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=24,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        n_shared_experts=1,
-        routed_scaling_factor=2.5,
-        first_k_dense_replace=1,
-        max_position_embeddings=128,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "mscale": 0.8,
-            "mscale_all_dim": 0.6,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "original_max_position_embeddings": 32,
-        },
-        tie_word_embeddings=False,
-    ),
+    # The parity tests' configurations (the same small random models).
+    "gpt-oss": gpt_oss_config,
+    "deepseek-v3": deepseek_config,
     "bert": lambda: transformers.BertConfig(
         vocab_size=VOCAB,
         hidden_size=64,
