@@ -22,8 +22,8 @@ import time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gigatron.checkpoint.hf_mapping import gpt2_to_gigatron, model_config_from_hf
 from gigatron.config.root import GigatronConfig
+from gigatron.families.hf_mapping import gpt2_to_gigatron, model_config_from_hf
 from gigatron.inference import InferenceEngine, ModelRunner, SamplingParams
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext

@@ -15,7 +15,7 @@ from gigatron.errors import GigatronError
 # name -> (module:function, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": (
-        "gigatron.training.quickstart:main",
+        "gigatron.quickstart:main",
         "train a small GPT on a built-in corpus, end to end",
     ),
     "preprocess": ("gigatron.data.preprocess:main", "tokenize JSON lines into .bin/.idx datasets"),

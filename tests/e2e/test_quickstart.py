@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from gigatron.training.quickstart import log_interval
+from gigatron.quickstart import log_interval
 
 
 def test_quickstart_tiny(tmp_path):

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from gigatron.checkpoint.hf_mapping import llama_to_gigatron
 from gigatron.config.root import GigatronConfig, parse_config
 from gigatron.config.validate import finalize_config
 from gigatron.errors import GigatronError
+from gigatron.families.hf_mapping import llama_to_gigatron
 from gigatron.inference.kv_cache import KVCache
 from gigatron.models import build_model
 from gigatron.models.transformer import CoreAttention, Norm

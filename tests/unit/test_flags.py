@@ -31,11 +31,11 @@ def _pretrain_parser() -> argparse.ArgumentParser:
 
 
 def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
+    from gigatron import quickstart
     from gigatron.checkpoint import convert, hf_convert
     from gigatron.data import merge, preprocess, train_tokenizer
     from gigatron.inference import generate, server
     from gigatron.tasks import evaluate, finetune
-    from gigatron.training import quickstart
 
     return {
         "quickstart": quickstart.build_parser,
@@ -233,7 +233,7 @@ def test_every_flag_has_help_and_its_default(command):
 
 
 def test_quickstart_help_shows_the_defaults(capsys):
-    from gigatron.training.quickstart import build_parser
+    from gigatron.quickstart import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])

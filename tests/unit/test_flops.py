@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gigatron.config import parse_config
-from gigatron.training.flops import (
+from gigatron.models.flops import (
     device_peak_flops,
     forward_flops_per_token,
     mfu,

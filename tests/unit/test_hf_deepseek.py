@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from gigatron.checkpoint.hf_deepseek import DeepseekV3HFAdapter
 from gigatron.config.root import GigatronConfig
 from gigatron.config.validate import finalize_config, validate_config
+from gigatron.families.gpt.hf_deepseek import DeepseekV3HFAdapter
 from gigatron.inference.kv_cache import KVCache
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext

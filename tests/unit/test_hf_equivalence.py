@@ -6,15 +6,15 @@ import torch
 import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from gigatron.checkpoint.hf_mapping import (
+from gigatron.config.root import GigatronConfig
+from gigatron.families.gpt import token_losses
+from gigatron.families.hf_mapping import (
     gigatron_to_gpt2,
     gigatron_to_llama,
     gpt2_to_gigatron,
     llama_to_gigatron,
     model_config_from_hf,
 )
-from gigatron.config.root import GigatronConfig
-from gigatron.families.gpt import token_losses
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from gigatron.checkpoint.hf_gpt_oss import GptOssHFAdapter
 from gigatron.config.root import GigatronConfig
 from gigatron.config.validate import finalize_config, validate_config
+from gigatron.families.gpt.hf_gpt_oss import GptOssHFAdapter
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
 

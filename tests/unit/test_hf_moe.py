@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from gigatron.checkpoint.hf_moe import config_from_hf, gigatron_to_hf, hf_to_gigatron
 from gigatron.config.root import GigatronConfig
 from gigatron.config.validate import finalize_config, validate_config
+from gigatron.families.gpt.hf_moe import config_from_hf, gigatron_to_hf, hf_to_gigatron
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from gigatron.checkpoint.hf_mapping import gpt2_to_gigatron, llama_to_gigatron, model_config_from_hf
 from gigatron.config.root import GigatronConfig
+from gigatron.families.hf_mapping import gpt2_to_gigatron, llama_to_gigatron, model_config_from_hf
 from gigatron.inference import InferenceEngine, KVCache, ModelRunner, SamplingParams
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext

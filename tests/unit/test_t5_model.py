@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from gigatron.checkpoint.hf_t5 import T5HFAdapter
 from gigatron.config import parse_config
+from gigatron.families.t5.hf_t5 import T5HFAdapter
 from gigatron.models.t5 import build_t5_model, relative_position_buckets, t5_stage_layout
 from gigatron.parallel.context import ParallelContext
 

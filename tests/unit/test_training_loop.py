@@ -19,11 +19,11 @@ from torch import nn
 from gigatron.config import parse_config
 from gigatron.errors import GigatronError
 from gigatron.families.gpt import make_forward_step
+from gigatron.models.flops import model_flops_per_iteration
 from gigatron.optim import build_lr_scheduler, build_num_microbatches_calculator, build_optimizer
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.data_parallel import DistributedDataParallel
 from gigatron.parallel.schedules import ScheduleConfig
-from gigatron.training.flops import model_flops_per_iteration
 from gigatron.training.loop import Run, evaluate, train
 from gigatron.training.metrics import MetricsLogger
 

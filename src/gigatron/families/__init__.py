@@ -1,6 +1,6 @@
-"""Model families: one small record per family (families/<name>.py) in one registry.
+"""Model families: one small record per family (families/<name>/__init__.py) in one registry.
 
-Adding a family is one new module and one `register_family` line below (or a call from user
+Adding a family is one new folder and one `register_family` line below (or a call from user
 code, e.g. a test registering a toy family).
 """
 

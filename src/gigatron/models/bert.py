@@ -4,7 +4,7 @@ optionally, the pooler and the binary sentence-order head; split into pipeline c
 The encoder is the shared `TransformerBlock` with `causal_attention=False`; the layer layout is
 pre-norm (Megatron's default) or, with `--post-layernorm`, BERT's original post-norm layout
 (norms after each residual addition and on the embeddings), which Hugging Face BERT weights need.
-The model returns logits; the losses are the family's (families/bert.py).
+The model returns logits; the losses are the family's (families/bert/).
 """
 
 from __future__ import annotations

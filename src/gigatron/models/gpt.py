@@ -2,7 +2,7 @@
 
 One `GPTModel` is one model chunk: the first chunk holds the embedding (`pre_process`), the last
 the final norm and output layer (`post_process`), and each holds a range of layers named by
-their global index. The model returns logits; the loss is the family's (families/gpt.py).
+their global index. The model returns logits; the loss is the family's (families/gpt/).
 `build_model(cfg, pctx)` returns this rank's chunks.
 """
 

@@ -8,7 +8,7 @@ positions hold token 0), and computes
     h_k = final_layernorm(layer(eh_proj([enorm(embed(tokens << k)); hnorm(h)])))
 
 with `layer` a transformer layer like the decoder's last one (its MoE or dense MLP); the shared
-output layer turns each h_k into logits. The GPT family's loss (families/gpt.py) compares depth
+output layer turns each h_k into logits. The GPT family's loss (families/gpt/) compares depth
 k's logits with the labels shifted k positions left (the loss mask shifted likewise), adds
 `--mtp-loss-scaling-factor` / D x the sum of the depths' mean losses to the main loss and reports
 `mtp_loss`. Names are Megatron's: `mtp.layers.{k-1}.enorm`, `.hnorm`, `.eh_proj`,

@@ -7,7 +7,7 @@ Two variants, chosen by flags:
 - The Hugging Face T5 v1.1 layout: `--position-embedding-type relative` (bucketed relative
   position biases, one table per stack shared by its layers, added to the attention scores),
   `--normalization RMSNorm --disable-bias-linear --geglu --openai-gelu` (gated-gelu), so that
-  `T5ForConditionalGeneration` weights can be used (checkpoint/hf_t5.py).
+  `T5ForConditionalGeneration` weights can be used (families/t5/hf_t5.py).
 
 Layers are pre-norm. Encoder layers are `TransformerLayer`s; a decoder layer adds, between its
 self-attention and its MLP, a cross-attention over the encoder output
@@ -18,7 +18,7 @@ Masks are built here from the padding masks (1 = real token): encoder self-atten
 padded keys; decoder self-attention is causal and masks padded keys; cross-attention masks the
 padded encoder keys. With relative positions the masks become float biases.
 
-A chunk on a pipeline stage holds encoder layers or decoder layers (families/t5.py places them);
+A chunk on a pipeline stage holds encoder layers or decoder layers (families/t5/ places them);
 with both, it runs the whole model.
 """
 

@@ -259,13 +259,13 @@ def build_classifier(cfg, pctx: ParallelContext, vocab_size: int, task: Finetune
 def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any]:
     """Fine-tune (or, with --epochs 0, evaluate); returns the accuracies of every epoch and the
     best one (every rank)."""
+    from gigatron.models.flops import model_flops_per_iteration
     from gigatron.optim import build_optimizer
     from gigatron.optim.batch_schedule import build_num_microbatches_calculator
     from gigatron.optim.lr_schedule import build_lr_scheduler
     from gigatron.parallel.data_parallel import DistributedDataParallel
     from gigatron.parallel.random import seed_everything
     from gigatron.parallel.schedules import ScheduleConfig
-    from gigatron.training.flops import model_flops_per_iteration
     from gigatron.training.loop import Run, TrainState, train
     from gigatron.training.metrics import MetricsLogger, default_metrics_path
     from gigatron.training.pretrain import (

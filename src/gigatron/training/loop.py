@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from gigatron.errors import GigatronError
+from gigatron.models.flops import mfu
 from gigatron.optim.clip_grads import get_params_norm
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.grad_sync import finalize_model_grads
 from gigatron.parallel.schedules import ScheduleConfig, forward_backward
-from gigatron.training.flops import mfu
 from gigatron.training.metrics import MetricsLogger
 from gigatron.training.profiling import ManualGC, StepProfiler, empty_unused_memory, memory_scalars
 from gigatron.training.timers import Timers

@@ -26,10 +26,10 @@ from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
 from gigatron.faults import name_distributed_failures
 from gigatron.models.embedding import resolve_vocab_size
+from gigatron.models.flops import device_peak_flops, precision_name
 from gigatron.models.moe.spec import MoESpec
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.schedules import ScheduleConfig
-from gigatron.training.flops import device_peak_flops, precision_name
 from gigatron.training.loop import Run, TrainResult, TrainState, train
 from gigatron.training.metrics import (
     MetricsLogger,

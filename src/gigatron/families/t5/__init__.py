@@ -13,16 +13,16 @@ from functools import partial
 
 from torch import nn
 
-from gigatron.checkpoint.hf_t5 import T5HFAdapter
+from gigatron.data.batch import get_batch
 from gigatron.errors import GigatronError
 from gigatron.families.gpt import language_model_loss
 from gigatron.families.registry import ModelFamily
+from gigatron.families.t5.hf_t5 import T5HFAdapter
+from gigatron.models.flops import forward_flops_per_token
 from gigatron.models.hybrid_layout import refuse_gpt_only_flags, refuse_hybrid_flags
 from gigatron.models.t5 import build_t5_model, t5_stage_layout
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.pipeline import pipeline_tensor_shape
-from gigatron.training.batch import get_batch
-from gigatron.training.flops import forward_flops_per_token
 
 BATCH_KEYS = ("text_enc", "text_dec", "labels", "loss_mask", "enc_mask", "dec_mask")
 

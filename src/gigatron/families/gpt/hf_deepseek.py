@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from gigatron.checkpoint.hf_mapping import _pad_rows
 from gigatron.errors import GigatronError
+from gigatron.families.hf_mapping import _pad_rows
 
 StateDict = dict[str, torch.Tensor]
 

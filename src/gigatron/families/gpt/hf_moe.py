@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from gigatron.checkpoint.hf_mapping import _pad_rows, fuse_qkv, split_qkv
 from gigatron.errors import GigatronError
+from gigatron.families.hf_mapping import _pad_rows, fuse_qkv, split_qkv
 
 Tensor = torch.Tensor
 StateDict = dict[str, Tensor]

@@ -15,17 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gigatron.checkpoint.hf_bert import BertHFAdapter
+from gigatron.data.batch import get_batch
 from gigatron.errors import GigatronError
+from gigatron.families.bert.hf_bert import BertHFAdapter
 from gigatron.families.gpt import token_losses
 from gigatron.families.registry import ModelFamily
 from gigatron.models.bert import build_bert_model
+from gigatron.models.flops import model_flops_per_iteration
 from gigatron.models.hybrid_layout import refuse_gpt_only_flags, refuse_hybrid_flags
 from gigatron.models.t5 import refuse_t5_flags
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import sequence_positions
-from gigatron.training.batch import get_batch
-from gigatron.training.flops import model_flops_per_iteration
 
 BATCH_KEYS = ("tokens", "token_types", "labels", "loss_mask", "padding_mask", "is_random")
 

@@ -12,8 +12,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from gigatron.checkpoint.hf_gpt import GPTHFAdapter
+from gigatron.data.batch import get_batch
+from gigatron.families.gpt.hf_gpt import GPTHFAdapter
 from gigatron.families.registry import ModelFamily
+from gigatron.models.flops import model_flops_per_iteration
 from gigatron.models.gpt import build_model
 from gigatron.models.hybrid_layout import refuse_hybrid_flags
 from gigatron.models.moe import MoESpec, collect_moe_reports, update_expert_bias
@@ -21,8 +23,6 @@ from gigatron.models.moe import report_names as moe_report_names
 from gigatron.models.t5 import refuse_t5_flags
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
-from gigatron.training.batch import get_batch
-from gigatron.training.flops import model_flops_per_iteration
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from gigatron.checkpoint import hf_mapping, hf_moe
-from gigatron.checkpoint.hf_deepseek import DeepseekV3HFAdapter
-from gigatron.checkpoint.hf_gpt_oss import GptOssHFAdapter
 from gigatron.errors import GigatronError
+from gigatron.families import hf_mapping
+from gigatron.families.gpt import hf_moe
+from gigatron.families.gpt.hf_deepseek import DeepseekV3HFAdapter
+from gigatron.families.gpt.hf_gpt_oss import GptOssHFAdapter
 
 _LLAMA_LIKE = ("llama", "mistral", "qwen2")
 _MOE = ("mixtral", "qwen2_moe")

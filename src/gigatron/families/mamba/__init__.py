@@ -6,15 +6,15 @@
 
 from __future__ import annotations
 
-from gigatron.checkpoint.hf_mamba import Mamba2HFAdapter
 from gigatron.errors import GigatronError
 from gigatron.families import gpt
+from gigatron.families.mamba.hf_mamba import Mamba2HFAdapter
 from gigatron.families.registry import ModelFamily
+from gigatron.models.flops import forward_flops_per_token
 from gigatron.models.hybrid import build_model, hybrid_pattern
 from gigatron.models.hybrid_layout import ATTENTION, MAMBA, MLP, refuse_gpt_only_flags
 from gigatron.models.mamba import MambaSpec
 from gigatron.models.t5 import refuse_t5_flags
-from gigatron.training.flops import forward_flops_per_token
 
 
 def mamba_forward_flops_per_token(hidden_size: int, mamba: MambaSpec) -> float:
