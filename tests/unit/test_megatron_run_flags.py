@@ -23,7 +23,7 @@ from gigatron.optim.batch_schedule import (
 from gigatron.optim.optimizer import get_param_groups, make_torch_optimizer
 from gigatron.parallel.context import ParallelContext
 from gigatron.training.metrics import MetricsLogger
-from gigatron.training.pretrain import _grad_dtype, parse_pretrain_config
+from gigatron.training.pretrain import grad_dtype, parse_pretrain_config
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--padded-vocab-size", "128",
@@ -152,8 +152,8 @@ def test_checkpoint_activations_is_full_uniform_recompute():
 # ---- precision, tokenizer -----------------------------------------------------------------------
 def test_grad_reduce_in_bf16():
     cfg = parse_config(["--bf16", "--grad-reduce-in-bf16"])
-    assert _grad_dtype(cfg) == torch.bfloat16
-    assert _grad_dtype(parse_config(["--bf16"])) == torch.float32
+    assert grad_dtype(cfg) == torch.bfloat16
+    assert grad_dtype(parse_config(["--bf16"])) == torch.float32
     with pytest.raises(GigatronError, match="--grad-reduce-in-bf16 needs --bf16"):
         parse_config(["--grad-reduce-in-bf16"])
 

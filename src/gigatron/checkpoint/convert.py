@@ -93,7 +93,7 @@ def _resolve_iteration(load_dir: Path, iteration: int | None) -> tuple[Path, int
     return located
 
 
-def _read_source(
+def read_source(
     iteration_dir: Path, mmap: bool = False
 ) -> tuple[tuple[int, int, int], dict[tuple[int, int, int], dict]]:
     """((tp, pp, ep) sizes, {(tp, pp, ep) rank: state} for every file there). With ep > 1 and
@@ -144,12 +144,12 @@ def _source_part(states: dict, tp_rank: int, pp_rank: int, ep_rank: int | None, 
     return None
 
 
-def _true_vocab_size(cfg: Any) -> int | None:
+def true_vocab_size(cfg: Any) -> int | None:
     """The tokenizer's (unpadded) vocabulary, or None when it cannot be built here."""
     if cfg.model.padded_vocab_size is not None:
         return None
     try:
-        from gigatron.training.pretrain import build_run_tokenizer
+        from gigatron.data.tokenizers import build_run_tokenizer
 
         return int(build_run_tokenizer(copy.deepcopy(cfg)).vocab_size)
     except Exception:  # noqa: BLE001 - any failure: fall back to keeping the padded size
@@ -191,7 +191,7 @@ def _own_layout_family(family: str | None):
     return record if record.pipeline_stage_shapes is not None else None
 
 
-def _check_target(
+def check_target(
     cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1, family: str | None = None
 ) -> None:
     if tp < 1 or pp < 1 or ep < 1 or (vp is not None and vp < 1):
@@ -433,7 +433,7 @@ def convert_checkpoint(
         raise GigatronError(
             f"--save {save_dir}: already holds {final.name}; give a new directory or remove it"
         )
-    (src_tp, src_pp, src_ep), states = _read_source(iteration_dir)
+    (src_tp, src_pp, src_ep), states = read_source(iteration_dir)
     first = states[min(states)]
     args = first.get("args")
     if isinstance(args, argparse.Namespace):
@@ -445,7 +445,7 @@ def convert_checkpoint(
         raise GigatronError(f"{iteration_dir}: holds no saved configuration ('args')")
     cfg = config_from_dict(args, source=f"{iteration_dir} args")
     family = first.get("gigatron_family", "gpt")
-    _check_target(cfg, target_tp, target_pp, target_vp, target_ep, family)
+    check_target(cfg, target_tp, target_pp, target_vp, target_ep, family)
     say(
         f"converting {iteration_dir} (tensor-parallel {src_tp}, pipeline-parallel {src_pp}"
         + (f", expert-parallel {src_ep}" if src_ep > 1 else "")
@@ -455,7 +455,7 @@ def convert_checkpoint(
     )
 
     layout = build_target_layout(
-        cfg, target_tp, target_pp, target_vp, target_ep, _true_vocab_size(cfg), family
+        cfg, target_tp, target_pp, target_vp, target_ep, true_vocab_size(cfg), family
     )
     attributes = layout.attributes
     src_etp = cfg.parallel.expert_tensor_parallel_size or src_tp

@@ -22,9 +22,9 @@ from gigatron.checkpoint.convert import (
     OUTPUT_WEIGHT,
     WORD_EMBEDDING,
     TargetLayout,
-    _read_source,
     build_target_layout,
     merge_name,
+    read_source,
     source_names,
 )
 from gigatron.checkpoint.torch_format import (
@@ -43,7 +43,7 @@ class CheckpointSource:
 
     def __init__(self, iteration_dir: Path, cfg: Any, family: str) -> None:
         self.where = iteration_dir
-        self.sizes, self.states = _read_source(iteration_dir, mmap=True)
+        self.sizes, self.states = read_source(iteration_dir, mmap=True)
         tp, pp, ep = self.sizes
         self.first = self.states[min(self.states)]
         self.locations = {

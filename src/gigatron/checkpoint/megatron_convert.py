@@ -121,12 +121,12 @@ def gigatron_to_megatron(
 
 def _gigatron_config_dict(args: argparse.Namespace) -> dict[str, Any]:
     """gigatron configuration values from Megatron-LM's `args` (same names; plain values)."""
-    from gigatron.config.root import _FIELD_SECTION, config_from_dict
+    from gigatron.config.root import FIELD_SECTION, config_from_dict
 
     values = vars(args)
     out: dict[str, Any] = {}
     for name, value in values.items():
-        if name not in _FIELD_SECTION or not isinstance(value, (bool, int, float, str, list)):
+        if name not in FIELD_SECTION or not isinstance(value, (bool, int, float, str, list)):
             continue
         try:
             config_from_dict({name: value})

@@ -23,11 +23,7 @@ learning-rate schedule carry over, so a run continues where Megatron stopped.
 from __future__ import annotations
 
 import argparse
-import io
-import pickle
 import re
-import signal
-import types
 from pathlib import Path
 from typing import Any
 
@@ -51,101 +47,6 @@ _GROUPED_EXPERT = re.compile(
 )
 # Buffers (not parameters) a Megatron model may save.
 _BUFFERS = re.compile(r"(_extra_state|\.expert_bias|\.local_tokens_per_expert)$")
-
-
-class StoredValue:
-    """An instance of a class gigatron does not import (a Megatron enum value): its class name
-    and the arguments it was stored with; nothing of it runs."""
-
-    def __init__(self, qualified_name: str, args: tuple = ()) -> None:
-        self.qualified_name, self.args = qualified_name, args
-
-    @property
-    def value(self) -> Any:
-        return self.args[0] if len(self.args) == 1 else self.args
-
-    def __repr__(self) -> str:
-        return f"{self.qualified_name}({', '.join(map(repr, self.args))})"
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-def _inert_class(qualified_name: str) -> type:
-    """A stand-in for an unknown Megatron class: calling it (how enum values are unpickled)
-    or creating it gives a StoredValue."""
-
-    class Inert(StoredValue):
-        def __new__(cls, *args: Any) -> StoredValue:
-            value = StoredValue.__new__(StoredValue)
-            StoredValue.__init__(value, qualified_name, args)
-            return value
-
-        def __init__(self, *args: Any) -> None:  # the value is built by __new__
-            pass
-
-    Inert.__qualname__ = Inert.__name__ = qualified_name.rsplit(".", 1)[-1]
-    return Inert
-
-
-def _allowed_globals() -> dict[str, Any]:
-    from torch import _weights_only_unpickler
-
-    allowed = dict(_weights_only_unpickler._get_allowed_globals())
-    numpy_core = getattr(np, "_core", None) or np.core
-    allowed.update(
-        {
-            "argparse.Namespace": argparse.Namespace,
-            "_io.BytesIO": io.BytesIO,  # Transformer Engine's _extra_state (older versions)
-            "signal.Signals": signal.Signals,
-            "builtins.frozenset": frozenset,
-            "builtins.bytes": bytes,
-            "builtins.slice": slice,
-            "numpy.ndarray": np.ndarray,
-            "numpy.dtype": np.dtype,
-            "numpy.core.multiarray._reconstruct": numpy_core.multiarray._reconstruct,
-            "numpy._core.multiarray._reconstruct": numpy_core.multiarray._reconstruct,
-            "numpy.core.multiarray.scalar": numpy_core.multiarray.scalar,
-            "numpy._core.multiarray.scalar": numpy_core.multiarray.scalar,
-        }
-    )
-    for dtype_class in vars(np.dtypes).values():
-        if isinstance(dtype_class, type):
-            allowed[f"numpy.dtypes.{dtype_class.__name__}"] = dtype_class
-    return allowed
-
-
-class _MegatronUnpickler(pickle.Unpickler):
-    allowed: dict[str, Any] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        module = "builtins" if module == "__builtin__" else module  # protocol-2 pickles
-        qualified = f"{module}.{name}"
-        if qualified in self.allowed:
-            return self.allowed[qualified]
-        if module == "megatron" or module.startswith("megatron."):
-            return _inert_class(qualified)
-        raise pickle.UnpicklingError(f"GLOBAL {qualified} is not allowed")
-
-
-def _pickle_module() -> types.ModuleType:
-    module = types.ModuleType("gigatron_megatron_unpickler")
-    _MegatronUnpickler.allowed = _allowed_globals()
-    module.Unpickler = _MegatronUnpickler  # type: ignore[attr-defined]
-    module.load = lambda file, **kw: _MegatronUnpickler(file, **kw).load()  # type: ignore[attr-defined]
-    module.__dict__["UnpicklingError"] = pickle.UnpicklingError
-    return module
-
-
-def load_megatron_file(path: Path, mmap: bool = False) -> dict[str, Any]:
-    """Read a Megatron-LM `model_optim_rng.pt` with the allow-list above. Raises
-    pickle.UnpicklingError for anything else (other globals, or `args` not a Namespace)."""
-    state = torch.load(
-        path, map_location="cpu", weights_only=False, pickle_module=_pickle_module(), mmap=mmap
-    )
-    if not isinstance(state, dict) or not isinstance(state.get("args"), argparse.Namespace):
-        raise pickle.UnpicklingError("objects outside a Megatron-LM checkpoint")
-    return state
 
 
 def is_megatron_state(state: dict[str, Any]) -> bool:

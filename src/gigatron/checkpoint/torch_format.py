@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import pickle
 import random
 import re
 import shutil
@@ -40,11 +39,12 @@ from torch import nn
 
 from gigatron.checkpoint.megatron_format import (
     is_megatron_state,
-    load_megatron_file,
     to_gigatron_state,
 )
 from gigatron.errors import GigatronError
+from gigatron.parallel.checkpoint_writer import writes_checkpoint
 from gigatron.parallel.context import ParallelContext
+from gigatron.torch_files import safe_load
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -188,18 +188,6 @@ def _barrier(pctx: ParallelContext) -> None:
         pctx.barrier()
 
 
-def writes_checkpoint(pctx: ParallelContext) -> bool:
-    """One rank per (tp, pp, ep) position writes: the first of its data x context-parallel
-    group with its expert-parallel rank (data- and context-parallel rank 0 when ep = 1)."""
-    if pctx.ep_size == 1:
-        return pctx.rank_in("dp_cp") == 0
-    mine = pctx.grid.expert_coords_of(pctx.rank)["ep"]
-    for rank in pctx.group_ranks["dp_cp"]:
-        if pctx.grid.expert_coords_of(rank)["ep"] == mine:
-            return rank == pctx.rank
-    return False
-
-
 def _model_state(model_chunks: list[nn.Module]) -> dict[str, Any]:
     if len(model_chunks) == 1:
         return {"model": model_chunks[0].state_dict()}
@@ -334,38 +322,6 @@ def saved_layout(iteration_dir: Path, expert_parallel: bool = False) -> tuple[in
     if not ranks:
         return None
     return tuple(max(r[i] for r in ranks) + 1 for i in range(3))  # type: ignore[return-value]
-
-
-def safe_load(path: Path, mmap: bool = False) -> dict[str, Any]:
-    """torch.load with weights_only=True; anything needing arbitrary unpickling is refused.
-    `mmap`: tensors stay in the file until read (for converting one tensor at a time)."""
-    try:
-        # argparse.Namespace is plain data (Megatron-written files keep their args in one).
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError:
-        # A file Megatron-LM wrote (enums, numpy and signals in its args) has its own allow-list.
-        try:
-            return load_megatron_file(path, mmap=mmap)
-        except pickle.UnpicklingError as megatron_exc:
-            if "GLOBAL" in str(megatron_exc):
-                exc = megatron_exc  # the global that no allow-list admits
-        # torch's message also suggests weights_only=False; keep only the line naming the culprit.
-        lines = [line.strip() for line in str(exc).splitlines() if "GLOBAL" in line]
-        culprit = f" ({lines[0]})" if lines else ""
-        raise GigatronError(
-            f"{path}: refused to load: the file contains pickled Python objects or code, not "
-            f"only tensors and plain values{culprit}. gigatron never runs code from a "
-            "checkpoint; if you trust the file, re-save its tensors with a trusted tool"
-        ) from None
-    except (RuntimeError, OSError, EOFError, ValueError) as exc:
-        raise GigatronError(
-            f"{path}: not a readable checkpoint file ({type(exc).__name__}: {exc}); it may be "
-            "truncated or corrupt: load an earlier iteration with --ckpt-step"
-        ) from None
-    if not isinstance(state, dict):
-        raise GigatronError(f"{path}: not a gigatron/Megatron checkpoint (top level is not a dict)")
-    return state
 
 
 def _parallel_sizes(args: Any) -> dict[str, int | None]:

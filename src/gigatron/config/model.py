@@ -308,7 +308,7 @@ def parse_window_skip_freq(text: str | None, num_layers: int) -> int | tuple[int
     """`--window-attn-skip-freq`: an int N, or a list pattern of one 0/1 per layer."""
     if text is None:
         return None
-    from gigatron.config.moe import _evaluate_pattern
+    from gigatron.config.moe import evaluate_pattern
     from gigatron.errors import GigatronError
 
     text = str(text).strip()
@@ -324,7 +324,7 @@ def parse_window_skip_freq(text: str | None, num_layers: int) -> int | tuple[int
             )
         return value
     try:
-        pattern = _evaluate_pattern(text)
+        pattern = evaluate_pattern(text)
     except GigatronError:
         pattern = [-1]
     if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):

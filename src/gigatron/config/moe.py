@@ -123,7 +123,7 @@ def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
                 "2 (every other layer) or '[1,0,1,1]'"
             )
         return [i % step == 0 for i in range(num_layers)]
-    pattern = _evaluate_pattern(text)
+    pattern = evaluate_pattern(text)
     if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
         raise GigatronError(
             f"--moe-layer-freq {text}: gives {len(pattern)} entries {pattern}; it needs one 0 or 1 "
@@ -132,7 +132,7 @@ def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
     return [bool(v) for v in pattern]
 
 
-def _evaluate_pattern(text: str) -> list[int]:
+def evaluate_pattern(text: str) -> list[int]:
     """A list expression of integer literals joined by `+` and `*` (never Python's eval)."""
     import ast
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.errors import GigatronError
 
 
 @dataclass
@@ -103,3 +104,37 @@ class ParallelConfig:
     calculate_per_token_loss: bool = flag_field(
         False, "average the loss over all tokens of the global batch instead of per micro-batch"
     )
+
+
+def check_pipeline_schedule(
+    pp_size: int, num_microbatches: int, num_chunks: int = 1, group_size: int | None = None
+) -> int:
+    """Validate a pipeline schedule's sizes; returns the micro-batch group size G."""
+    if num_microbatches < 1:
+        raise GigatronError(
+            f"number of micro-batches {num_microbatches}: must be at least 1; raise "
+            "--global-batch-size or lower --micro-batch-size"
+        )
+    group = pp_size if group_size is None else group_size
+    if num_chunks == 1:
+        return group
+    if not pp_size <= group <= num_microbatches:
+        raise GigatronError(
+            f"--microbatch-group-size-per-virtual-pipeline-stage {group} must lie between the "
+            f"pipeline size {pp_size} and the number of micro-batches {num_microbatches} "
+            "(global batch / (micro-batch size x data-parallel size)) for the interleaved "
+            "schedule (smaller groups deadlock: the first stage would wait for an output still "
+            "going round the pipeline); change it, or the batch sizes"
+        )
+    remainder = num_microbatches % group
+    if remainder and remainder < pp_size:
+        raise GigatronError(
+            f"number of micro-batches {num_microbatches} leaves a last group of {remainder} "
+            f"with micro-batch groups of {group}; the interleaved schedule needs every group to "
+            f"hold at least the pipeline size {pp_size} micro-batches (a smaller group waits for "
+            "outputs still going round the pipeline and loses the benefit of interleaving). "
+            "Make the number of "
+            f"micro-batches a multiple of {group} (global batch / (micro-batch size x "
+            "data-parallel size)) or change --microbatch-group-size-per-virtual-pipeline-stage"
+        )
+    return group

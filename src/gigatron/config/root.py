@@ -40,16 +40,16 @@ class GigatronConfig:
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(GigatronConfig)}
 
 # field name -> section name; field names are unique across sections (checked below).
-_FIELD_SECTION: dict[str, str] = {}
+FIELD_SECTION: dict[str, str] = {}
 for _section, _cls in SECTIONS.items():
     for _f in dataclasses.fields(_cls):
-        assert _f.name not in _FIELD_SECTION, f"config field {_f.name} declared twice"
-        _FIELD_SECTION[_f.name] = _section
+        assert _f.name not in FIELD_SECTION, f"config field {_f.name} declared twice"
+        FIELD_SECTION[_f.name] = _section
 
 
 def field_section(name: str) -> str:
     """The section (`model`, `training`, ...) that declares configuration field `name`."""
-    return _FIELD_SECTION[name]
+    return FIELD_SECTION[name]
 
 
 def add_config_arguments(
@@ -81,14 +81,14 @@ def config_from_dict(
                 flat[sub_key.replace("-", "_")] = sub_value
         else:
             flat[key_norm] = value
-    unknown = sorted(k for k in flat if k not in _FIELD_SECTION)
+    unknown = sorted(k for k in flat if k not in FIELD_SECTION)
     if unknown:
         raise GigatronError(
             f"{source}: unknown configuration key(s) {', '.join(unknown)}; "
             "keys are Megatron flag names with underscores (see `gigatron pretrain gpt --help`)"
         )
     for key, value in flat.items():
-        section = getattr(cfg, _FIELD_SECTION[key])
+        section = getattr(cfg, FIELD_SECTION[key])
         setattr(section, key, coerce_value(type(section), key, value, source))
     return cfg
 
@@ -122,8 +122,8 @@ def config_from_namespace(
     if getattr(namespace, "config", None):
         cfg = config_from_dict(load_yaml(namespace.config), source=namespace.config, base=cfg)
     for key, value in vars(namespace).items():
-        if key in _FIELD_SECTION:
-            setattr(getattr(cfg, _FIELD_SECTION[key]), key, value)
+        if key in FIELD_SECTION:
+            setattr(getattr(cfg, FIELD_SECTION[key]), key, value)
     return cfg
 
 

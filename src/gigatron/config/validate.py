@@ -8,6 +8,8 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
+from gigatron.config.data import parse_split
+from gigatron.config.parallel import check_pipeline_schedule
 from gigatron.config.refusals import refused_settings
 from gigatron.errors import GigatronError
 
@@ -344,8 +346,6 @@ def validate_config(
     if not 0.0 <= cfg.data.short_seq_prob <= 1.0:
         problems.append(f"--short-seq-prob {cfg.data.short_seq_prob} must lie in [0, 1]")
     if cfg.data.split is not None:
-        from gigatron.data.builder import parse_split
-
         try:
             parse_split(cfg.data.split)
         except GigatronError as error:
@@ -426,8 +426,6 @@ def validate_config(
                 p.pipeline_model_parallel_size > 1
                 and (p.num_virtual_stages_per_pipeline_rank or 1) > 1
             ):
-                from gigatron.parallel.schedules import check_pipeline_schedule
-
                 try:
                     check_pipeline_schedule(
                         p.pipeline_model_parallel_size,

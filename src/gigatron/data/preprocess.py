@@ -170,7 +170,7 @@ def _init_worker(options: Options, tokenizer: Any, in_subprocess: bool) -> None:
         _worker["split"] = sentence_splitter(options.lang)
 
 
-def _parse_line(raw: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None, str | None]:
+def parse_line(raw: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None, str | None]:
     """The texts of each key (a list: one text, or pre-split sentences), or an error reason."""
     try:
         text = raw.decode("utf-8")
@@ -215,7 +215,7 @@ def encode_chunk(chunk: Chunk) -> ChunkResult:
         if not raw.strip():
             result.skipped_empty += 1
             continue
-        values, reason = _parse_line(raw, keys)
+        values, reason = parse_line(raw, keys)
         if reason is not None:
             result.invalid.append((line_number, reason))
             if not options.skip_invalid:
@@ -377,7 +377,7 @@ def resolve_inputs(patterns: Sequence[str]) -> list[str]:
     return files
 
 
-def _open(path: str) -> BinaryIO:
+def open_input(path: str) -> BinaryIO:
     if path.endswith(".gz"):
         return gzip.open(path, "rb")  # type: ignore[return-value]
     return open(path, "rb")
@@ -388,7 +388,7 @@ def _count_lines(files: Sequence[str]) -> int:
     total = 0
     for path in files:
         last = b""
-        with _open(path) as stream:
+        with open_input(path) as stream:
             for block in iter(lambda stream=stream: stream.read(1 << 22), b""):
                 total += block.count(b"\n")
                 last = block
@@ -405,7 +405,7 @@ def read_chunks(files: Sequence[str], partition_starts: Sequence[int]) -> Iterat
     global_line = 0
     partition = 0
     for file_index, path in enumerate(files):
-        with _open(path) as stream:
+        with open_input(path) as stream:
             lines: list[bytes] = []
             size = 0
             first_line = 1

@@ -584,3 +584,18 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
 
 def _extra_ids(cfg: TokenizerConfig) -> int:
     return int(getattr(cfg, "vocab_extra_ids", 0) or 0)
+
+
+def build_run_tokenizer(cfg: Any) -> Any:
+    """The tokenizer of a run (a GigatronConfig); --mock-data with --vocab-size needs no files
+    (NullTokenizer)."""
+    tok = cfg.tokenizer
+    if tok.tokenizer_type is None:
+        if cfg.data.mock_data and tok.vocab_size is not None:
+            tok.tokenizer_type = "NullTokenizer"
+        else:
+            raise GigatronError(
+                "--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file and "
+                "--merge-file), or use --mock-data --vocab-size N"
+            )
+    return build_tokenizer(tok)

@@ -55,14 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def iterate_texts(files: Sequence[str], keys: Sequence[str], skip_invalid: bool) -> Iterator[str]:
     """The texts of every key of every line, streamed; bad lines stop with file:line."""
-    from gigatron.data.preprocess import _open, _parse_line
+    from gigatron.data.preprocess import open_input, parse_line
 
     for path in files:
-        with _open(path) as stream:
+        with open_input(path) as stream:
             for line_number, raw in enumerate(stream, start=1):
                 if not raw.strip():
                     continue
-                values, reason = _parse_line(raw, keys)
+                values, reason = parse_line(raw, keys)
                 if reason is not None:
                     if skip_invalid:
                         continue

@@ -78,7 +78,7 @@ def model_config_from_hf(hf_config: Any) -> dict[str, Any]:
     )
 
 
-def _pad_rows(weight: Tensor, rows: int) -> Tensor:
+def pad_rows(weight: Tensor, rows: int) -> Tensor:
     if weight.shape[0] > rows:
         raise GigatronError(
             f"the checkpoint's vocabulary ({weight.shape[0]}) exceeds the padded vocabulary "
@@ -120,7 +120,7 @@ def gpt2_to_gigatron(
 ) -> StateDict:
     """GPT2LMHeadModel state dict -> gigatron GPT state dict (tied embeddings)."""
     out: StateDict = {
-        "embedding.word_embeddings.weight": _pad_rows(
+        "embedding.word_embeddings.weight": pad_rows(
             hf["transformer.wte.weight"], padded_vocab_size
         ),
         "embedding.position_embeddings.weight": hf["transformer.wpe.weight"].clone(),
@@ -187,13 +187,13 @@ def llama_to_gigatron(
 ) -> StateDict:
     """LlamaForCausalLM (or Mistral) state dict -> gigatron GPT state dict."""
     out: StateDict = {
-        "embedding.word_embeddings.weight": _pad_rows(
+        "embedding.word_embeddings.weight": pad_rows(
             hf["model.embed_tokens.weight"], padded_vocab_size
         ),
         "decoder.final_layernorm.weight": hf["model.norm.weight"].clone(),
     }
     if not tied:
-        out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded_vocab_size)
+        out["output_layer.weight"] = pad_rows(hf["lm_head.weight"], padded_vocab_size)
     for i in range(num_layers):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()

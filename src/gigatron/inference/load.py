@@ -194,8 +194,8 @@ def _build_and_load(
     cfg: Any, family: str, args: argparse.Namespace, load_dir: Path, iteration: int
 ) -> LoadedModel:
     from gigatron.checkpoint.formats import load_checkpoint
+    from gigatron.data.tokenizers import build_run_tokenizer
     from gigatron.families import get_family
-    from gigatron.training.pretrain import build_run_tokenizer
 
     p = cfg.parallel
     p.sequence_parallel = False  # nothing to split in one-token steps; weights are the same

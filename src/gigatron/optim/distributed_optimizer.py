@@ -43,7 +43,9 @@ from gigatron.optim.optimizer import (
     make_torch_optimizer,
     param_groups_for,
 )
+from gigatron.parallel.checkpoint_writer import writes_checkpoint
 from gigatron.parallel.context import ParallelContext
+from gigatron.torch_files import safe_load
 
 # Dense gradients are sharded over dp x cp, expert gradients over expert-dp (DDP's buffer groups);
 # the global statistics (optim/clip_grads.py) reduce the expert part over expert-dp.
@@ -193,8 +195,6 @@ class DistributedOptimizer(GigatronOptimizer):
             if "step" in entry:
                 step = torch.maximum(step, torch.as_tensor(entry["step"], dtype=torch.float64))
         self.pctx.all_reduce(step, SHARDED_GROUP, op=torch.distributed.ReduceOp.MAX)
-        from gigatron.checkpoint.torch_format import writes_checkpoint
-
         full: dict[str, dict[str, torch.Tensor]] = {}
         # The rank that writes this (tp, pp, ep) position's checkpoint file; every rank of a
         # buffer's group gets the full tensors from the all-reduce below.
@@ -240,8 +240,6 @@ class DistributedOptimizer(GigatronOptimizer):
 
     def load_sharded_state(self, directory: str | Path) -> None:
         """Read `distrib_optim.pt` from `directory` and keep this rank's shards of it."""
-        from gigatron.checkpoint.torch_format import safe_load
-
         path = Path(directory) / DISTRIB_OPTIM_FILENAME
         if not path.is_file():
             raise GigatronError(

@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from gigatron.errors import GigatronError
 from gigatron.optim.distributed_optimizer import DISTRIB_OPTIM_FILENAME
 from gigatron.optim.optimizer import FP32Optimizer
+from gigatron.parallel.checkpoint_writer import writes_checkpoint
+from gigatron.torch_files import safe_load
 
 
 class FullyShardedOptimizer(FP32Optimizer):
@@ -64,8 +66,6 @@ class FullyShardedOptimizer(FP32Optimizer):
 
     def save_sharded_state(self, directory: str | Path) -> None:
         """Write `distrib_optim.pt` (collective over dp: full tensors; dp rank 0 writes)."""
-        from gigatron.checkpoint.torch_format import writes_checkpoint
-
         keys = self._state_keys()
         step = 0.0
         full: dict[str, dict[str, torch.Tensor]] = {}
@@ -89,8 +89,6 @@ class FullyShardedOptimizer(FP32Optimizer):
 
     def load_sharded_state(self, directory: str | Path) -> None:
         """Read `distrib_optim.pt` and keep this rank's shards (no communication)."""
-        from gigatron.checkpoint.torch_format import safe_load
-
         path = Path(directory) / DISTRIB_OPTIM_FILENAME
         if not path.is_file():
             raise GigatronError(

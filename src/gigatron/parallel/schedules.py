@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gigatron.errors import GigatronError
+from gigatron.config.parallel import check_pipeline_schedule
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.pipeline import (
     ACTIVATION,
@@ -121,40 +121,6 @@ def forward_backward_no_pipelining(
 #   micro-batches in groups of G (default pp): chunk 0 runs the group's micro-batches, then chunk
 #   1 the same ones, ...; backwards walk the same table with the chunks reversed. Warm-up is
 #   2 * (pp - rank - 1) + (num_chunks - 1) * G forwards (capped at the total).
-
-
-def check_pipeline_schedule(
-    pp_size: int, num_microbatches: int, num_chunks: int = 1, group_size: int | None = None
-) -> int:
-    """Validate a pipeline schedule's sizes; returns the micro-batch group size G."""
-    if num_microbatches < 1:
-        raise GigatronError(
-            f"number of micro-batches {num_microbatches}: must be at least 1; raise "
-            "--global-batch-size or lower --micro-batch-size"
-        )
-    group = pp_size if group_size is None else group_size
-    if num_chunks == 1:
-        return group
-    if not pp_size <= group <= num_microbatches:
-        raise GigatronError(
-            f"--microbatch-group-size-per-virtual-pipeline-stage {group} must lie between the "
-            f"pipeline size {pp_size} and the number of micro-batches {num_microbatches} "
-            "(global batch / (micro-batch size x data-parallel size)) for the interleaved "
-            "schedule (smaller groups deadlock: the first stage would wait for an output still "
-            "going round the pipeline); change it, or the batch sizes"
-        )
-    remainder = num_microbatches % group
-    if remainder and remainder < pp_size:
-        raise GigatronError(
-            f"number of micro-batches {num_microbatches} leaves a last group of {remainder} "
-            f"with micro-batch groups of {group}; the interleaved schedule needs every group to "
-            f"hold at least the pipeline size {pp_size} micro-batches (a smaller group waits for "
-            "outputs still going round the pipeline and loses the benefit of interleaving). "
-            "Make the number of "
-            f"micro-batches a multiple of {group} (global batch / (micro-batch size x "
-            "data-parallel size)) or change --microbatch-group-size-per-virtual-pipeline-stage"
-        )
-    return group
 
 
 def forward_table(num_microbatches: int, num_chunks: int, group_size: int) -> list[tuple[int, int]]:

@@ -111,12 +111,12 @@ def parse_finetune_args(argv: Sequence[str], world_size: int | None = None):
     iteration count is set later from the data: `--epochs` x batches per epoch)."""
     from gigatron.config.validate import finalize_config, validate_config
     from gigatron.families.bert import validate as validate_bert
-    from gigatron.training.pretrain import _world_size
+    from gigatron.training.pretrain import launch_world_size
 
     namespace = build_parser().parse_args(list(argv))
     cfg = config_from_namespace(namespace)
     task = task_config_from_namespace(FinetuneTaskConfig, namespace)
-    world_size = _world_size() if world_size is None else world_size
+    world_size = launch_world_size() if world_size is None else world_size
     _refuse(cfg, task)
     finalize_config(cfg, world_size=world_size)
     cfg.training.train_iters = 1  # a placeholder for the rules; the data decide
@@ -269,9 +269,9 @@ def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any
     from gigatron.training.loop import Run, TrainState, train
     from gigatron.training.metrics import MetricsLogger, default_metrics_path
     from gigatron.training.pretrain import (
-        _grad_dtype,
         apply_process_settings,
         build_run_tokenizer,
+        grad_dtype,
         set_determinism,
     )
 
@@ -305,7 +305,7 @@ def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any
         t.train_iters = max(1, task.epochs * per_epoch)  # the lr schedule's length
 
         classifier = build_classifier(cfg, pctx, tokenizer.vocab_size, task)
-        model = [DistributedDataParallel(classifier, pctx, cfg.parallel, _grad_dtype(cfg))]
+        model = [DistributedDataParallel(classifier, pctx, cfg.parallel, grad_dtype(cfg))]
         optimizer = build_optimizer(cfg, model, pctx)
         scheduler = build_lr_scheduler(cfg, optimizer)
         metrics = MetricsLogger(

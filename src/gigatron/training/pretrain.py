@@ -22,6 +22,7 @@ import torch.distributed as dist
 from gigatron.checkpoint.megatron_args import parse_config_with_checkpoint_args
 from gigatron.config import GigatronConfig, validate_config
 from gigatron.config.validate import params_dtype
+from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
 from gigatron.faults import name_distributed_failures
@@ -41,7 +42,7 @@ from gigatron.training.metrics import (
 )
 
 
-def _world_size() -> int:
+def launch_world_size() -> int:
     if dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -52,7 +53,7 @@ def parse_pretrain_config(
 ) -> GigatronConfig:
     """Flags of `gigatron pretrain <family>`, validated for a training run."""
     family = get_family(family) if isinstance(family, str) else family
-    world_size = _world_size() if world_size is None else world_size
+    world_size = launch_world_size() if world_size is None else world_size
     # A Megatron-LM checkpoint under --load gives the model shape the flags leave out.
     cfg = parse_config_with_checkpoint_args(
         list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size
@@ -102,22 +103,6 @@ def apply_process_settings(cfg: GigatronConfig) -> None:
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
-def build_run_tokenizer(cfg: GigatronConfig) -> Any:
-    """The tokenizer of the run; --mock-data with --vocab-size needs no files (NullTokenizer)."""
-    from gigatron.data.tokenizers import build_tokenizer
-
-    tok = cfg.tokenizer
-    if tok.tokenizer_type is None:
-        if cfg.data.mock_data and tok.vocab_size is not None:
-            tok.tokenizer_type = "NullTokenizer"
-        else:
-            raise GigatronError(
-                "--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file and "
-                "--merge-file), or use --mock-data --vocab-size N"
-            )
-    return build_tokenizer(tok)
-
-
 def dataset_sample_counts(cfg: GigatronConfig, train_iters: int, global_batch: int):
     """(train, valid, test) samples to ask of the datasets (Megatron's formulas)."""
     t = cfg.training
@@ -129,7 +114,7 @@ def dataset_sample_counts(cfg: GigatronConfig, train_iters: int, global_batch: i
     return train, valid, test
 
 
-def _grad_dtype(cfg: GigatronConfig) -> torch.dtype:
+def grad_dtype(cfg: GigatronConfig) -> torch.dtype:
     t = cfg.training
     if t.fp16 and not cfg.parallel.accumulate_allreduce_grads_in_fp32:
         return torch.float16
@@ -153,10 +138,10 @@ def wrap_for_data_parallel(cfg: GigatronConfig, pctx: ParallelContext, chunk: An
     if uses_fully_sharded(p, pctx.dp_size):
         comm = p.megatron_fsdp_grad_comm_dtype
         reduce_dtype = (
-            COMM_DTYPES[comm] if comm != "auto" else _grad_dtype(cfg)  # auto: as DDP would
+            COMM_DTYPES[comm] if comm != "auto" else grad_dtype(cfg)  # auto: as DDP would
         )
         return FullyShardedDataParallel(chunk, pctx, p, params_dtype(cfg), reduce_dtype)
-    return DistributedDataParallel(chunk, pctx, p, grad_dtype=_grad_dtype(cfg))
+    return DistributedDataParallel(chunk, pctx, p, grad_dtype=grad_dtype(cfg))
 
 
 def pretrain(

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import _pad_rows, fuse_qkv, split_qkv
+from gigatron.families.hf_mapping import fuse_qkv, pad_rows, split_qkv
 
 StateDict = dict[str, torch.Tensor]
 
@@ -98,10 +98,10 @@ class BertHFAdapter:
     def from_hf(self, hf: StateDict, num_layers: int, num_heads: int, padded_vocab: int):
         """BertForPreTraining state dict -> gigatron BERT state dict."""
         sd: StateDict = {
-            "embedding.word_embeddings.weight": _pad_rows(
+            "embedding.word_embeddings.weight": pad_rows(
                 hf["bert.embeddings.word_embeddings.weight"], padded_vocab
             ),
-            "output_layer.bias": _pad_rows(hf["cls.predictions.bias"], padded_vocab),
+            "output_layer.bias": pad_rows(hf["cls.predictions.bias"], padded_vocab),
         }
         for ours, theirs in _OTHER_NAMES.items():
             if theirs in hf:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import _pad_rows
+from gigatron.families.hf_mapping import pad_rows
 
 StateDict = dict[str, torch.Tensor]
 
@@ -200,14 +200,14 @@ class DeepseekV3HFAdapter:
         """DeepseekV3ForCausalLM state dict -> gigatron GPT state dict."""
         c = _hf_dict(hf_config)
         sd = {
-            "embedding.word_embeddings.weight": _pad_rows(
+            "embedding.word_embeddings.weight": pad_rows(
                 hf["model.embed_tokens.weight"], padded_vocab_size
             ),
             "decoder.final_layernorm.weight": hf["model.norm.weight"],
             **self._convert(hf, c, to_hf=False),
         }
         if not c.get("tie_word_embeddings", False):
-            sd["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded_vocab_size)
+            sd["output_layer.weight"] = pad_rows(hf["lm_head.weight"], padded_vocab_size)
         return {name: tensor.contiguous().clone() for name, tensor in sd.items()}
 
     def to_hf(self, sd: StateDict, hf_config: Any) -> StateDict:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import _pad_rows, fuse_qkv, split_qkv
+from gigatron.families.hf_mapping import fuse_qkv, pad_rows, split_qkv
 
 StateDict = dict[str, torch.Tensor]
 QUICK_GELU_ALPHA = 1.702
@@ -99,13 +99,13 @@ class GptOssHFAdapter:
         c = _hf_dict(hf_config)
         groups = c.get("num_key_value_heads") or c["num_attention_heads"]
         sd: StateDict = {
-            "embedding.word_embeddings.weight": _pad_rows(
+            "embedding.word_embeddings.weight": pad_rows(
                 hf["model.embed_tokens.weight"], padded_vocab_size
             ),
             "decoder.final_layernorm.weight": hf["model.norm.weight"],
         }
         if not c.get("tie_word_embeddings", False):
-            sd["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded_vocab_size)
+            sd["output_layer.weight"] = pad_rows(hf["lm_head.weight"], padded_vocab_size)
         for i in range(c["num_hidden_layers"]):
             src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
             attn, mlp = src + "self_attn.", src + "mlp.experts."

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import _pad_rows, fuse_qkv, split_qkv
+from gigatron.families.hf_mapping import fuse_qkv, pad_rows, split_qkv
 
 Tensor = torch.Tensor
 StateDict = dict[str, Tensor]
@@ -198,13 +198,13 @@ def hf_to_gigatron(hf: StateDict, hf_config: Any, padded_vocab_size: int) -> Sta
     c = _hf_dict(hf_config)
     groups = c.get("num_key_value_heads") or c["num_attention_heads"]
     out: StateDict = {
-        "embedding.word_embeddings.weight": _pad_rows(
+        "embedding.word_embeddings.weight": pad_rows(
             hf["model.embed_tokens.weight"], padded_vocab_size
         ),
         "decoder.final_layernorm.weight": hf["model.norm.weight"].clone(),
     }
     if not c.get("tie_word_embeddings", False):
-        out["output_layer.weight"] = _pad_rows(hf["lm_head.weight"], padded_vocab_size)
+        out["output_layer.weight"] = pad_rows(hf["lm_head.weight"], padded_vocab_size)
     for i, is_moe in enumerate(moe_layer_flags(c)):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import _pad_rows
+from gigatron.families.hf_mapping import pad_rows
 
 StateDict = dict[str, torch.Tensor]
 
@@ -69,12 +69,12 @@ class Mamba2HFAdapter:
         mixer's layouts need no regrouping)."""
         embedding = hf["backbone.embeddings.weight"]
         sd: StateDict = {
-            "embedding.word_embeddings.weight": _pad_rows(embedding, padded_vocab),
+            "embedding.word_embeddings.weight": pad_rows(embedding, padded_vocab),
             "decoder.final_layernorm.weight": hf["backbone.norm_f.weight"],
         }
         head = hf.get("lm_head.weight")
         if head is not None and not torch.equal(head, embedding):
-            sd["output_layer.weight"] = _pad_rows(head, padded_vocab)
+            sd["output_layer.weight"] = pad_rows(head, padded_vocab)
         for i in range(num_layers):
             src, dst = f"backbone.layers.{i}.", f"decoder.layers.{i}."
             sd[dst + "norm.weight"] = hf[src + "norm.weight"]

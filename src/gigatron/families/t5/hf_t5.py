@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import _pad_rows, fuse_qkv, split_qkv
+from gigatron.families.hf_mapping import fuse_qkv, pad_rows, split_qkv
 
 StateDict = dict[str, torch.Tensor]
 
@@ -100,14 +100,14 @@ class T5HFAdapter:
         if hf_config is not None:
             scale_decoder_outputs, tied = _tying(hf_config)
         shared = hf["shared.weight"]
-        sd: StateDict = {"embedding.word_embeddings.weight": _pad_rows(shared, padded_vocab)}
+        sd: StateDict = {"embedding.word_embeddings.weight": pad_rows(shared, padded_vocab)}
         head = hf.get("lm_head.weight")
         if tied is None:
             tied = head is None or torch.equal(head, shared)
         if tied:
             sd["output_layer.bias"] = shared.new_zeros(padded_vocab)
         else:
-            sd["output_layer.weight"] = _pad_rows(head, padded_vocab)
+            sd["output_layer.weight"] = pad_rows(head, padded_vocab)
         kv = hf["encoder.block.0.layer.0.SelfAttention.q.weight"].shape[0] // num_heads
         q_scale = math.sqrt(kv)
         for stack in ("encoder", "decoder"):
