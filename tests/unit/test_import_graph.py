@@ -1,12 +1,22 @@
-"""The package's imports form no cycle: module-level ones and lazy ones inside functions alike
-(imports under `if TYPE_CHECKING:` are for annotations only and do not count)."""
+"""The package's imports form no cycle and follow the layer order: module-level ones and lazy
+ones inside functions alike (imports under `if TYPE_CHECKING:` are for annotations only and do not
+count). The order is the import-linter contract in pyproject.toml (`lint-imports` in .ci/run)
+and the block at the top of docs/architecture.md; these tests keep the three in step."""
 
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: import-linter depends on tomli there
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
 
 
 def _module_name(path: Path) -> str:
@@ -76,3 +86,48 @@ def test_no_import_cycle():
 def test_the_checker_finds_a_cycle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _contract_layers() -> list[list[str]]:
+    """The layers of pyproject.toml's contract, top first, each a list of sibling names."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    contracts = config["tool"]["importlinter"]["contracts"]
+    (layers,) = [c for c in contracts if c["type"] == "layers" and c["containers"] == ["gigatron"]]
+    return [[name.strip() for name in layer.split("|")] for layer in layers["layers"]]
+
+
+def _top_level_names() -> set[str]:
+    """Every module and package directly under gigatron/."""
+    package = SRC / "gigatron"
+    modules = {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    return modules | {p.parent.name for p in package.glob("*/__init__.py")}
+
+
+def test_the_contract_names_every_top_level_module_once():
+    named = [name for layer in _contract_layers() for name in layer]
+    assert len(named) == len(set(named)), named
+    assert set(named) == _top_level_names()
+
+
+def test_no_module_imports_a_higher_layer():
+    rank = {name: i for i, layer in enumerate(_contract_layers()) for name in layer}
+    broken = []
+    for module, targets in _graph().items():
+        mine = module.split(".")[1] if "." in module else None
+        for target in targets:
+            theirs = target.split(".")[1] if "." in target else None
+            if mine and theirs and mine != theirs and rank[theirs] < rank[mine]:
+                broken.append(f"{module} -> {target}")
+    assert not broken, broken
+
+
+def test_the_architecture_page_states_the_contract_order():
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = re.search(r"## Layer order\n.*?```\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md: no `## Layer order` block"
+    stated = [
+        [name.strip() for name in line.split("(")[0].replace(",", "|").split("|")]
+        for line in block.group(1).splitlines()
+        if line.strip()
+    ]
+    assert stated == _contract_layers()
