@@ -10,7 +10,10 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from gigatron import __version__
+from gigatron.console import one_line_warnings
 from gigatron.errors import GigatronError
+from gigatron.faults import report_error
 
 # name -> (module:function, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -81,8 +84,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     if args[0] in ("-V", "--version"):
-        from gigatron import __version__
-
         print(f"gigatron {__version__}")
         return 0
     name, rest = args[0], args[1:]
@@ -90,9 +91,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gigatron: unknown command '{name}'\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, function_name = COMMANDS[name][0].split(":")
-    from gigatron.console import one_line_warnings
-    from gigatron.faults import report_error
-
     try:
         with one_line_warnings():
             function = getattr(importlib.import_module(module_name), function_name)

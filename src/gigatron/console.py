@@ -19,6 +19,7 @@ from typing import Any, TextIO
 def process_rank() -> int:
     """This process's global rank: torch.distributed's when initialised, else torchrun's RANK."""
     try:
+        # why: torch loads only in commands that use it (gigatron --help stays fast)
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():

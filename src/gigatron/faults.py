@@ -56,6 +56,7 @@ def run_store(timeout_s: float = STORE_TIMEOUT_S) -> Any | None:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not address or not port:
         return None
     try:
+        # why: torch loads only in commands that use it (gigatron --help stays fast)
         import torch.distributed as dist
 
         return dist.TCPStore(
@@ -198,6 +199,7 @@ def _caller_in_gigatron(tb: types.TracebackType | None) -> str | None:
 
 def _group_ranks(frame: types.FrameType | None) -> list[int] | None:
     """Global ranks of the group the failed collective ran in (None when unknown)."""
+    # why: torch loads only in commands that use it (gigatron --help stays fast)
     import torch.distributed as dist
 
     if frame is None:
@@ -232,6 +234,7 @@ def describe_distributed_failure(
     error: BaseException, rank: int | None = None, store: Any = None
 ) -> DistributedFault:
     """A DistributedFault naming the collective, its group and the ranks that did not answer."""
+    # why: torch loads only in commands that use it (gigatron --help stays fast)
     import torch.distributed as dist
 
     tb = error.__traceback__
@@ -285,6 +288,7 @@ def _die_with_parent(parent_pid: int) -> None:
     connection errors); elsewhere torch's own watchdog stops the worker a little later."""
     if sys.platform.startswith("linux"):
         try:
+            # why: ctypes: Linux only
             import ctypes
 
             libc = ctypes.CDLL(None, use_errno=True)

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- step 1: the corpus ---------------------------------------------------------------------
 def write_corpus(path: str) -> int:
     """Python's own help topics as JSON lines ({"title", "text"}); returns the number written."""
+    # why: the corpus (Python's help topics) loads only when writing it
     from pydoc_data.topics import topics
 
     temporary = path + ".tmp"
@@ -89,6 +90,7 @@ def _step(number: int, text: str) -> None:
 
 def main(argv: Sequence[str]) -> int:
     """`gigatron quickstart [options]`."""
+    # why: the whole stack loads when run, not for `quickstart --help`
     from gigatron.data import preprocess, train_tokenizer
     from gigatron.data.tokenizers import build_tokenizer
     from gigatron.inference import SamplingParams

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import _weights_only_unpickler
 
 from gigatron.errors import GigatronError
 
@@ -58,8 +59,6 @@ def _inert_class(qualified_name: str) -> type:
 
 
 def _allowed_globals() -> dict[str, Any]:
-    from torch import _weights_only_unpickler
-
     allowed = dict(_weights_only_unpickler._get_allowed_globals())
     numpy_core = getattr(np, "_core", None) or np.core
     allowed.update(

@@ -39,7 +39,10 @@ from gigatron.checkpoint.torch_format import (
     safe_load,
     saved_layout,
 )
+from gigatron.config import config_from_dict
+from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
+from gigatron.families import get_family
 from gigatron.parallel.context import GROUP_NAMES, Grid, ParallelContext
 from gigatron.parallel.tensor_parallel import merge_partitions, slice_for_rank
 
@@ -149,8 +152,6 @@ def true_vocab_size(cfg: Any) -> int | None:
     if cfg.model.padded_vocab_size is not None:
         return None
     try:
-        from gigatron.data.tokenizers import build_run_tokenizer
-
         return int(build_run_tokenizer(copy.deepcopy(cfg)).vocab_size)
     except Exception:  # noqa: BLE001 - any failure: fall back to keeping the padded size
         return cfg.tokenizer.vocab_size
@@ -185,7 +186,6 @@ def _own_layout_family(family: str | None):
     else None; its `validate` then checks (and completes) a target layout."""
     if family is None:
         return None
-    from gigatron.families import get_family
 
     record = get_family(family)
     return record if record.pipeline_stage_shapes is not None else None
@@ -235,8 +235,6 @@ def check_target(
 def _build_rank_model(
     cfg: Any, grid: Grid, rank: int, vocab: int | None, family: str = "gpt"
 ) -> list[Any]:
-    from gigatron.families import get_family
-
     build_model = get_family(family).build_model
     try:
         return build_model(cfg, offline_context(grid, rank, "meta"), vocab_size=vocab)
@@ -421,7 +419,6 @@ def convert_checkpoint(
     """Write the model weights of `load_dir`'s checkpoint (latest, or `iteration`) to `save_dir`
     split for tensor-parallel `target_tp`, pipeline-parallel `target_pp` (`target_vp` virtual
     stages per rank) and expert-parallel `target_ep`. Returns the new iteration directory."""
-    from gigatron.config import config_from_dict
 
     say = log or (lambda text: None)
     load_dir, save_dir = Path(load_dir), Path(save_dir)

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from gigatron.errors import GigatronError
+from gigatron.families import family_names, get_family
 
 Tensor = torch.Tensor
 _WINDOW = re.compile(r"^(.*?\.\d+)\.")
@@ -139,7 +140,6 @@ def call_map(method: Callable, *args: Any, hf_config: dict[str, Any] | None) -> 
 
 def adapter_for(model_type: str) -> tuple[str, Any]:
     """(family name, adapter) of the family whose adapter reads `model_type`."""
-    from gigatron.families import family_names, get_family
 
     known = []
     for name in family_names():

@@ -21,16 +21,24 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gigatron.checkpoint.convert import WORD_EMBEDDING, build_target_layout, check_target
+from gigatron.checkpoint.convert import (
+    WORD_EMBEDDING,
+    build_target_layout,
+    check_target,
+    true_vocab_size,
+)
 from gigatron.checkpoint.gigatron_io import CheckpointSource, write_checkpoint
 from gigatron.checkpoint.hf_adapter import WindowedMap, adapter_for, call_map
+from gigatron.checkpoint.megatron_convert import gigatron_to_megatron, megatron_to_gigatron
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
     locate_iteration,
     safe_load,
 )
+from gigatron.config import config_from_dict
 from gigatron.errors import GigatronError
+from gigatron.families import get_family
 
 CONFIG_FILE = "config.json"
 # Files a Hugging Face folder keeps next to the weights that belong to the tokenizer.
@@ -91,7 +99,6 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
 def _family_adapter(model_type: str | None, family: str | None) -> tuple[str, Any]:
     if family is None:
         return adapter_for(str(model_type))
-    from gigatron.families import get_family
 
     adapter = get_family(family).hf_adapter
     if adapter is None:
@@ -116,7 +123,6 @@ def hf_to_gigatron(
     log: Any = print,
 ) -> Path:
     """Import a Hugging Face folder as a gigatron `release` checkpoint for the target layout."""
-    from gigatron.config import config_from_dict
 
     raw_config = read_hf_config(load)  # kept as written, for the export
     hf_config = decoded(raw_config)
@@ -175,8 +181,6 @@ def hf_to_gigatron(
 
 
 def _checkpoint_config(iteration_dir: Path) -> tuple[Any, str, dict[str, Any], dict]:
-    from gigatron.config import config_from_dict
-
     first = next(iter(sorted(iteration_dir.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}"))), None)
     if first is None:
         raise GigatronError(f"{iteration_dir}: holds no mp_rank_*/{CHECKPOINT_FILENAME}")
@@ -201,7 +205,6 @@ def gigatron_to_hf(
         raise GigatronError(f"--load {load}: no latest_checkpointed_iteration.txt there")
     iteration_dir = located[0]
     cfg, family, hf_config, _ = _checkpoint_config(iteration_dir)
-    from gigatron.families import get_family
 
     adapter = get_family(family).hf_adapter
     if adapter is None:
@@ -213,7 +216,6 @@ def gigatron_to_hf(
                 f"{iteration_dir}: was not imported from Hugging Face and the {family} adapter "
                 "cannot write a config.json for it"
             )
-        from gigatron.checkpoint.convert import true_vocab_size
 
         vocab = true_vocab_size(cfg) or source.meta(WORD_EMBEDDING).shape[0]
         hf_config = adapter.config_to_hf(cfg, vocab)
@@ -351,12 +353,8 @@ def main(argv: Sequence[str]) -> int:
     elif pair == ("gigatron", "hf"):
         gigatron_to_hf(load, save, args.ckpt_step, parse_size(args.max_shard_size or "5GB"), log)
     elif pair == ("gigatron", "megatron"):
-        from gigatron.checkpoint.megatron_convert import gigatron_to_megatron
-
         gigatron_to_megatron(load, save, args.ckpt_step, args.megatron_te_names, log)
     elif pair == ("megatron", "gigatron"):
-        from gigatron.checkpoint.megatron_convert import megatron_to_gigatron
-
         megatron_to_gigatron(
             load,
             save,

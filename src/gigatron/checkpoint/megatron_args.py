@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gigatron.checkpoint.megatron_format import is_megatron_state
+from gigatron.checkpoint.torch_format import CHECKPOINT_FILENAME, locate_iteration, safe_load
 from gigatron.config import GigatronConfig
 from gigatron.config.fields import flag_name
 from gigatron.config.root import (
@@ -22,6 +24,7 @@ from gigatron.config.root import (
     config_from_namespace,
     load_yaml,
 )
+from gigatron.config.validate import finalize_config, validate_config
 from gigatron.errors import GigatronError
 
 # gigatron field -> Megatron's `args` attribute (the same name unless listed)
@@ -63,8 +66,6 @@ _FLAGS = {
 def stored_megatron_args(load_dir: str | Path, iteration: int | None) -> dict[str, Any] | None:
     """The saved `args` of the Megatron-LM checkpoint in `load_dir` (None when there is none or
     it is not Megatron's)."""
-    from gigatron.checkpoint.megatron_format import is_megatron_state
-    from gigatron.checkpoint.torch_format import CHECKPOINT_FILENAME, locate_iteration, safe_load
 
     load_dir = Path(load_dir)
     if not load_dir.is_dir():
@@ -116,7 +117,6 @@ def parse_config_with_checkpoint_args(
 ) -> GigatronConfig:
     """`parse_config`, with the model shape of a Megatron-LM checkpoint under `--load` filling
     what the flags leave out."""
-    from gigatron.config.validate import finalize_config, validate_config
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     add_config_arguments(parser)

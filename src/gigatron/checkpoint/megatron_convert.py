@@ -33,6 +33,7 @@ from gigatron.checkpoint.torch_format import (
     locate_iteration,
     safe_load,
 )
+from gigatron.config.root import FIELD_SECTION, config_from_dict
 from gigatron.errors import GigatronError
 
 _TE_MODULES = (
@@ -121,7 +122,6 @@ def gigatron_to_megatron(
 
 def _gigatron_config_dict(args: argparse.Namespace) -> dict[str, Any]:
     """gigatron configuration values from Megatron-LM's `args` (same names; plain values)."""
-    from gigatron.config.root import FIELD_SECTION, config_from_dict
 
     values = vars(args)
     out: dict[str, Any] = {}

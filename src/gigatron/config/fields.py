@@ -12,6 +12,8 @@ import types
 import typing
 from typing import Any
 
+from gigatron.errors import GigatronError
+
 
 def flag_field(
     default: Any = None,
@@ -102,7 +104,6 @@ def add_dataclass_arguments(
 
 def coerce_value(cls: type, name: str, value: Any, source: str) -> Any:
     """Check and convert a value read from YAML for field `name` of `cls`."""
-    from gigatron.errors import GigatronError
 
     hints = field_types(cls)
     tp, optional = _unwrap_optional(hints[name])

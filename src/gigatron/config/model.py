@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.config.moe import evaluate_pattern
+from gigatron.errors import GigatronError
 
 
 @dataclass
@@ -296,8 +298,6 @@ def parse_window_size(text: str | None) -> tuple[int, int] | None:
     except ValueError:
         values = ()
     if len(values) != 2 or any(v < -1 for v in values):
-        from gigatron.errors import GigatronError
-
         raise GigatronError(
             f"--window-size {text}: not a pair of integers >= -1; give e.g. '(127,0)'"
         )
@@ -308,8 +308,6 @@ def parse_window_skip_freq(text: str | None, num_layers: int) -> int | tuple[int
     """`--window-attn-skip-freq`: an int N, or a list pattern of one 0/1 per layer."""
     if text is None:
         return None
-    from gigatron.config.moe import evaluate_pattern
-    from gigatron.errors import GigatronError
 
     text = str(text).strip()
     if "[" not in text:

@@ -6,10 +6,12 @@ lives with the other parallel sizes in config/parallel.py.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.errors import GigatronError
 
 
 @dataclass
@@ -109,7 +111,6 @@ def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
     An integer N makes layer i (0-based) an MoE layer when i % N == 0; a list pattern gives one
     0/1 entry per layer and may be written with `+` and `*` (e.g. `([1]*3+[0])*2`).
     """
-    from gigatron.errors import GigatronError
 
     text = str(freq).strip()
     if "[" not in text:
@@ -134,9 +135,6 @@ def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
 
 def evaluate_pattern(text: str) -> list[int]:
     """A list expression of integer literals joined by `+` and `*` (never Python's eval)."""
-    import ast
-
-    from gigatron.errors import GigatronError
 
     def value(node: ast.AST):
         if isinstance(node, ast.Constant) and type(node.value) is int:

@@ -21,6 +21,7 @@ from gigatron.config.optimizer import OptimizerConfig
 from gigatron.config.parallel import ParallelConfig
 from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.config.training import TrainingConfig
+from gigatron.config.validate import finalize_config, validate_config
 from gigatron.errors import GigatronError
 
 
@@ -134,7 +135,6 @@ def parse_config(
     world_size: int | None = None,
 ) -> GigatronConfig:
     """Parse flags (and `--config`) into a finalized, validated config."""
-    from gigatron.config.validate import finalize_config, validate_config
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     add_config_arguments(parser)

@@ -5,11 +5,15 @@ Each rule that fails adds one line naming the flags and the fix; all lines are r
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import TYPE_CHECKING
 
 from gigatron.config.data import parse_split
+from gigatron.config.model import parse_window_size, parse_window_skip_freq
+from gigatron.config.moe import MoEConfig, moe_layer_pattern
 from gigatron.config.parallel import check_pipeline_schedule
+from gigatron.config.presets import apply_preset
 from gigatron.config.refusals import refused_settings
 from gigatron.errors import GigatronError
 
@@ -43,8 +47,6 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
     """Fill the values Megatron derives from others (ffn size, kv channels, batch sizes, ...)."""
     m, t, p = cfg.model, cfg.training, cfg.parallel
     if m.model_preset:
-        from gigatron.config.presets import apply_preset
-
         apply_preset(cfg, m.model_preset)
     if m.recompute_activations:
         m.recompute_granularity = "selective"
@@ -156,7 +158,6 @@ def _checkpoint_rules(cfg: GigatronConfig, problems: list[str]) -> None:
 
 def _attention_variant_rules(cfg: GigatronConfig, problems: list[str]) -> None:
     """Sliding windows, softmax sinks, gated activations, YaRN and multi-latent attention."""
-    from gigatron.config.model import parse_window_size, parse_window_skip_freq
 
     m, p = cfg.model, cfg.parallel
     try:
@@ -445,9 +446,6 @@ def validate_config(
 
 def moe_problems(cfg: GigatronConfig, world_size: int | None = None) -> list[str]:
     """The Mixture-of-Experts rules (Megatron's, plus what gigatron does not implement)."""
-    import dataclasses
-
-    from gigatron.config.moe import MoEConfig, moe_layer_pattern
 
     m, e, p = cfg.model, cfg.moe, cfg.parallel
     problems: list[str] = []

@@ -39,6 +39,7 @@ import numpy as np
 
 from gigatron.config.data import parse_split
 from gigatron.data.blend import BlendedDataset, member_sample_counts, normalize_weights
+from gigatron.data.indexed import IndexedDataset, dataset_exists, missing_files
 from gigatron.errors import GigatronError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -94,7 +95,6 @@ def parse_blend(values: list[str] | None, flag: str) -> tuple[list[str], list[fl
 def _check_no_bad_weight(items: list[str], flag: str) -> None:
     """Prefixes only, e.g. 'abc data/x': when every second item is a dataset but an item before
     one is not, that item was meant as a weight and is not a number."""
-    from gigatron.data.indexed import dataset_exists
 
     if len(items) % 2:
         return
@@ -124,8 +124,6 @@ def default_cache_dir(prefix: str, cache_name: str) -> str:
 
 
 def open_indexed_dataset(prefix: str, flag: str) -> Any:
-    from gigatron.data.indexed import IndexedDataset, missing_files
-
     missing = missing_files(prefix)
     if missing:
         raise GigatronError(

@@ -65,6 +65,7 @@ def unicode_classes_agree() -> bool:
 def same_class_members(tiktoken_class: str, hf_class: str) -> bool:
     """Whether the character class `tiktoken_class` in tiktoken's engine has exactly the
     members of `hf_class` in HF tokenizers' engine, over every Unicode scalar value."""
+    # why: optional fast tokenizer libraries, loaded when used
     import tiktoken
     from tokenizers import Regex, normalizers
 
@@ -91,6 +92,7 @@ def same_class_members(tiktoken_class: str, hf_class: str) -> bool:
 def build_tiktoken_bpe(hf_tokenizer: Any, name: str = "gpt2-bpe") -> tuple[Any | None, str]:
     """A tiktoken Encoding whose `encode_ordinary` equals `hf_tokenizer.encode(text,
     add_special_tokens=False).ids` on every text, or (None, the reason it cannot be proven)."""
+    # why: optional fast tokenizer libraries, loaded when used
     import tiktoken
 
     spec = json.loads(hf_tokenizer.to_str())

@@ -11,6 +11,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+from gigatron.data.indexed import (
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    data_file_path,
+    index_file_path,
+)
 from gigatron.errors import GigatronError
 
 
@@ -57,12 +63,6 @@ def prefixes_in_directory(directory: str) -> list[str]:
 
 def merge_datasets(prefixes: Sequence[str], output_prefix: str, multimodal: bool = False) -> None:
     """Write `output_prefix`.bin/.idx holding every dataset of `prefixes` in order."""
-    from gigatron.data.indexed import (
-        IndexedDataset,
-        IndexedDatasetBuilder,
-        data_file_path,
-        index_file_path,
-    )
 
     output = os.path.abspath(output_prefix)
     for prefix in prefixes:
@@ -90,8 +90,6 @@ def merge_datasets(prefixes: Sequence[str], output_prefix: str, multimodal: bool
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gigatron.data.indexed import IndexedDataset
-
     args = build_parser().parse_args(argv)
     if args.input_dir is not None:
         prefixes = prefixes_in_directory(args.input_dir)

@@ -26,7 +26,14 @@ import numpy as np
 
 from gigatron.config.fields import add_dataclass_arguments
 from gigatron.config.tokenizer import TokenizerConfig
+from gigatron.data.indexed import (
+    IndexedDatasetBuilder,
+    data_file_path,
+    index_file_path,
+    optimal_dtype,
+)
 from gigatron.data.sentences import SPLITTERS, sentence_splitter
+from gigatron.data.tokenizers import build_tokenizer
 from gigatron.errors import GigatronError
 
 # A chunk (the unit of work sent to a worker) closes at this many bytes or lines: big enough
@@ -156,7 +163,6 @@ _worker: dict[str, Any] = {}
 def _init_worker(options: Options, tokenizer: Any, in_subprocess: bool) -> None:
     """Set up a worker; `tokenizer` is the parent's (inherited, not pickled, under fork) or
     None to build one here."""
-    from gigatron.data.tokenizers import build_tokenizer
 
     if in_subprocess:
         # One tokenizing thread per worker process: the processes already fill the cores.
@@ -445,6 +451,7 @@ class Progress:
         self._next_log = self.log_interval
         self._bar = None
         if sys.stderr.isatty():
+            # why: tqdm loads only for a terminal's progress bar
             from tqdm import tqdm
 
             self._bar = tqdm(
@@ -486,14 +493,6 @@ def _dataset_prefixes(args: argparse.Namespace, level: str) -> dict[str, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gigatron.data.indexed import (
-        IndexedDatasetBuilder,
-        data_file_path,
-        index_file_path,
-        optimal_dtype,
-    )
-    from gigatron.data.tokenizers import build_tokenizer
-
     args = build_parser().parse_args(argv)
     if args.workers < 1:
         raise GigatronError(f"--workers {args.workers}: must be at least 1")

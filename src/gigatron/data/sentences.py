@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from gigatron.errors import GigatronError
+
 # Abbreviations after which a period almost never ends a sentence (compared lower-case, without
 # their final period). "etc." is left out on purpose: it often ends a sentence.
 ABBREVIATIONS = frozenset(
@@ -104,7 +106,6 @@ SPLITTERS = {"english": split_sentences}
 
 def sentence_splitter(language: str):
     """The splitter for `language` (see SPLITTERS)."""
-    from gigatron.errors import GigatronError
 
     if language not in SPLITTERS:
         raise GigatronError(

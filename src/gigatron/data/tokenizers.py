@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gigatron.config.tokenizer import TokenizerConfig
+from gigatron.data.gpt2_tiktoken import build_tiktoken_bpe
 from gigatron.errors import GigatronError
 
 
@@ -77,10 +78,9 @@ class GPT2BPETokenizer(Tokenizer):
     """
 
     def __init__(self, vocab_file: str, merge_file: str, backend: str = "auto") -> None:
+        # why: tokenizer libraries load only for the tokenizer type chosen
         from tokenizers import Tokenizer as HFTokenizer
         from tokenizers import decoders, models, pre_tokenizers
-
-        from gigatron.data.gpt2_tiktoken import build_tiktoken_bpe
 
         if backend not in ("auto", "hf"):
             raise ValueError(f"backend {backend!r}: expected 'auto' or 'hf'")
@@ -139,6 +139,7 @@ class BertWordPieceTokenizer(Tokenizer):
     """
 
     def __init__(self, vocab_file: str, lower_case: bool, vocab_extra_ids: int = 0) -> None:
+        # why: tokenizer libraries load only for the tokenizer type chosen
         from tokenizers.implementations import BertWordPieceTokenizer as HFBert
 
         super().__init__(
@@ -324,6 +325,7 @@ def _or_none(value: int) -> int | None:
 
 
 def _load_sentencepiece(model_file: str) -> Any:
+    # why: tokenizer libraries load only for the tokenizer type chosen
     import sentencepiece
 
     try:
@@ -343,6 +345,7 @@ class HuggingFaceTokenizer(Tokenizer):
     """
 
     def __init__(self, path: str, include_special_tokens: bool = True) -> None:
+        # why: tokenizer libraries load only for the tokenizer type chosen
         from tokenizers import Tokenizer as HFTokenizer
 
         if os.path.isdir(path):
@@ -441,6 +444,7 @@ class TikTokenizer(Tokenizer):
         vocab_size: int | None,
         num_special_tokens: int,
     ) -> None:
+        # why: tokenizer libraries load only for the tokenizer type chosen
         import tiktoken
 
         super().__init__(

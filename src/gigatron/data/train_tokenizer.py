@@ -11,6 +11,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 
+from gigatron.data.preprocess import open_input, parse_line, resolve_inputs
 from gigatron.errors import GigatronError
 
 TYPES = ["GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"]
@@ -55,7 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def iterate_texts(files: Sequence[str], keys: Sequence[str], skip_invalid: bool) -> Iterator[str]:
     """The texts of every key of every line, streamed; bad lines stop with file:line."""
-    from gigatron.data.preprocess import open_input, parse_line
 
     for path in files:
         with open_input(path) as stream:
@@ -74,8 +74,6 @@ def iterate_texts(files: Sequence[str], keys: Sequence[str], skip_invalid: bool)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gigatron.data.preprocess import resolve_inputs
-
     args = build_parser().parse_args(argv)
     files = resolve_inputs(args.input)
     is_bpe = args.tokenizer_type == "GPT2BPETokenizer"
@@ -99,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scratch = tempfile.mkdtemp(prefix=".train-tokenizer-", dir=args.output_dir)
     try:
         if is_bpe:
+            # why: the tokenizers library loads only when training one
             from tokenizers.implementations import ByteLevelBPETokenizer
 
             tokenizer = ByteLevelBPETokenizer(add_prefix_space=False)
@@ -112,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokenizer.save_model(scratch)
             outputs = ["vocab.json", "merges.txt"]
         else:
+            # why: the tokenizers library loads only when training one
             from tokenizers.implementations import BertWordPieceTokenizer
 
             lower_case = args.tokenizer_type == "BertWordPieceLowerCase"

@@ -219,6 +219,7 @@ def render_chat(messages: list[tuple[str, str]], tokenizer, template: str | None
     if template is None:
         lines = [f"{role}: {content}" for role, content in messages]
         return "\n".join(lines) + "\nassistant:"
+    # why: jinja2 (chat templates) loads only for the chat endpoint
     import jinja2.sandbox
 
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

@@ -11,7 +11,19 @@ from typing import Any
 
 from torch import nn
 
+from gigatron.checkpoint.dist_format import COMMON_FILENAME, read_metadata
+from gigatron.checkpoint.formats import detect_format, load_checkpoint
+from gigatron.checkpoint.torch_format import (
+    CHECKPOINT_FILENAME,
+    locate_iteration,
+    mp_rank_dir_name,
+    safe_load,
+    saved_layout,
+)
+from gigatron.config import config_from_dict
+from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
+from gigatron.families import get_family
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
 from gigatron.parallel.context import ParallelContext
@@ -85,15 +97,6 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
     """Read the checkpoint's configuration, start the process groups for its tensor/pipeline
     layout (under torchrun), build the model and load the weights. With `data_parallel`
     (evaluation) the world may hold several copies of that layout (dp = world / (tp x pp))."""
-    from gigatron.checkpoint.formats import detect_format
-    from gigatron.checkpoint.torch_format import (
-        CHECKPOINT_FILENAME,
-        locate_iteration,
-        mp_rank_dir_name,
-        safe_load,
-        saved_layout,
-    )
-    from gigatron.config import config_from_dict
 
     load_dir = Path(args.load)
     located = locate_iteration(load_dir, args.ckpt_step) if load_dir.is_dir() else None
@@ -148,8 +151,6 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
 
 
 def _check_generates(family: str, load_dir: Path) -> None:
-    from gigatron.families import get_family
-
     if not get_family(family).generation:
         raise GigatronError(
             f"--load {load_dir}: a '{family}' model, which does not generate text; generation "
@@ -161,9 +162,6 @@ def _torch_dist_config(iteration_dir: Path, load_dir: Path, data_parallel: bool)
     """(config, family) for a torch_dist checkpoint, which loads at any layout: tensor-parallel
     = the process count (1 with `data_parallel`: one copy per process), pipeline, context and
     expert parallel 1, and the saved padded vocabulary."""
-    from gigatron.checkpoint.dist_format import COMMON_FILENAME, read_metadata
-    from gigatron.checkpoint.torch_format import safe_load
-    from gigatron.config import config_from_dict
 
     common = safe_load(iteration_dir / COMMON_FILENAME)
     saved = common.get("args")
@@ -193,10 +191,6 @@ def _torch_dist_config(iteration_dir: Path, load_dir: Path, data_parallel: bool)
 def _build_and_load(
     cfg: Any, family: str, args: argparse.Namespace, load_dir: Path, iteration: int
 ) -> LoadedModel:
-    from gigatron.checkpoint.formats import load_checkpoint
-    from gigatron.data.tokenizers import build_run_tokenizer
-    from gigatron.families import get_family
-
     p = cfg.parallel
     p.sequence_parallel = False  # nothing to split in one-token steps; weights are the same
     p.context_parallel_size = 1  # whole sequences on every rank; the weights do not depend on it

@@ -20,8 +20,10 @@ import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
+from gigatron.errors import GigatronError
 from gigatron.inference import api_openai as oai
 from gigatron.inference.api_megatron import (
     RequestError,
@@ -29,6 +31,8 @@ from gigatron.inference.api_megatron import (
     parse_megatron_request,
 )
 from gigatron.inference.engine import Completion, InferenceEngine, SamplingParams
+from gigatron.inference.load import add_load_arguments, engine_from_args, load_for_inference
+from gigatron.parallel.context import destroy
 
 log = logging.getLogger("gigatron.serve")
 
@@ -112,8 +116,8 @@ def _with_seed(params: SamplingParams, index: int) -> SamplingParams:
 
 def create_app(engine: InferenceEngine, tokenizer, model_name: str = "gigatron"):
     """The FastAPI application (the engine thread starts and stops with it)."""
-    from contextlib import asynccontextmanager
 
+    # why: fastapi is the optional `serve` extra
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
@@ -343,8 +347,6 @@ async def _stream(bridge, tokenizer, jobs, parsed, chat: bool, model: str) -> As
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gigatron.inference.load import add_load_arguments
-
     parser = argparse.ArgumentParser(
         prog="gigatron serve",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -360,8 +362,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     """`gigatron serve --load DIR [--port 5000]`."""
-    from gigatron.errors import GigatronError
-    from gigatron.inference.load import engine_from_args, load_for_inference
 
     args = build_parser().parse_args(list(argv))
     if not 0 < args.port < 65536:
@@ -373,7 +373,6 @@ def main(argv: Sequence[str]) -> int:
         raise GigatronError(
             "gigatron serve needs FastAPI and uvicorn: pip install 'gigatron[serve]'"
         ) from None
-    from gigatron.parallel.context import destroy
 
     loaded = load_for_inference(args)
     try:

@@ -19,6 +19,9 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from gigatron.config.validate import params_dtype
+from gigatron.inference import SamplingParams
+from gigatron.inference.load import build_engine, load_for_inference
 from gigatron.tasks.scoring import Sample, score_samples
 
 
@@ -46,8 +49,6 @@ class GigatronLM(LM):
         max_gen_toks: int = 256,
         **_harness_kwargs: Any,
     ) -> None:
-        from gigatron.inference.load import load_for_inference
-
         super().__init__()
         args = argparse.Namespace(
             load=load, ckpt_step=None if ckpt_step is None else int(ckpt_step), device=device,
@@ -79,7 +80,6 @@ class GigatronLM(LM):
 
     def score(self, samples: Sequence[Sample]) -> np.ndarray:
         """[n, 3]: summed loss, tokens, greedy. Samples of similar length are batched together."""
-        from gigatron.config.validate import params_dtype
 
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].loss_mask))
         out = np.zeros((len(samples), 3))
@@ -122,9 +122,6 @@ class GigatronLM(LM):
 
     # ---- generation -----------------------------------------------------------------------------
     def generate_until(self, requests) -> list[str]:
-        from gigatron.inference import SamplingParams
-        from gigatron.inference.load import build_engine
-
         if self.loaded.pctx.world_size > 1:
             raise NotImplementedError("generate_until runs in one process (no torchrun)")
         if self._engine is None:
@@ -152,6 +149,7 @@ class GigatronLM(LM):
 
 def main(argv: Sequence[str]) -> int:
     """The harness's command line, with the `gigatron` model registered."""
+    # why: lm_eval is the optional `lm-eval` extra
     from lm_eval.__main__ import cli_evaluate
 
     saved = sys.argv

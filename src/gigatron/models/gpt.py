@@ -15,6 +15,8 @@ from torch import nn
 
 from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
+from gigatron.models.mla import MLASelfAttention
+from gigatron.models.moe.layer import moe_layer_parts
 from gigatron.models.mtp import MultiTokenPredictionBlock
 from gigatron.models.transformer import LayerParts, TransformerBlock
 from gigatron.models.transformer_config import TransformerConfig
@@ -154,13 +156,10 @@ def build_model(
 
     `vocab_size` is the tokenizer's vocabulary (unpadded); see `resolve_vocab_size`.
     """
-    from gigatron.models.moe.layer import moe_layer_parts
 
     config = TransformerConfig.from_config(cfg)
     parts = layer_parts_for_run(cfg, pctx, moe_layer_parts(cfg, parts))
     if config.multi_latent_attention and parts.self_attention is None:
-        from gigatron.models.mla import MLASelfAttention
-
         parts = dataclasses.replace(parts, self_attention=MLASelfAttention)
 
     def make_chunk(padded, pre_process, post_process, layers, rng):

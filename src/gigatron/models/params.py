@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gigatron.models.embedding import resolve_vocab_size
+from gigatron.models.moe.spec import MoESpec
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.pipeline import chunk_layer_ranges
@@ -99,7 +101,6 @@ def count_parameters(
 ) -> ParameterCounts:
     """Count without building: the layout comes from `pctx` when given, else from
     cfg.parallel (rank 0). `vocab_size` is the tokenizer's (padded as build_model pads it)."""
-    from gigatron.models.embedding import resolve_vocab_size
 
     spec = TransformerConfig.from_config(cfg)
     p = cfg.parallel
@@ -109,8 +110,6 @@ def count_parameters(
     vocab = resolve_vocab_size(cfg, tp, vocab_size)
     h = spec.hidden_size
     tied = not spec.untie_embeddings_and_output_weights
-
-    from gigatron.models.moe.spec import MoESpec
 
     moe = MoESpec.from_config(cfg)
     ep = pctx.ep_size if pctx is not None else p.expert_model_parallel_size

@@ -7,6 +7,9 @@ import argparse
 from collections.abc import Sequence
 
 from gigatron.config.presets import PRESET_VOCAB_SIZE, PRESETS
+from gigatron.config.root import GigatronConfig
+from gigatron.config.validate import finalize_config
+from gigatron.models.params import count_parameters
 
 
 def _human(count: int) -> str:
@@ -18,9 +21,6 @@ def _human(count: int) -> str:
 
 def preset_table() -> str:
     """A markdown table of every preset with its parameter count."""
-    from gigatron.config.root import GigatronConfig
-    from gigatron.config.validate import finalize_config
-    from gigatron.models.params import count_parameters
 
     header = (
         "| preset | layers | hidden | heads | kv groups | ffn | seq | position | norm | mlp | "

@@ -159,6 +159,7 @@ def causal_depthwise_conv(
 def _kernel_functions() -> dict[str, Any] | None:
     """The GPU kernels if both packages import, else None (they are optional)."""
     try:
+        # why: optional Mamba kernels (mamba_ssm, causal_conv1d)
         from causal_conv1d import causal_conv1d_fn
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except ImportError:

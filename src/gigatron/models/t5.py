@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from gigatron.errors import GigatronError
-from gigatron.models.embedding import LanguageModelEmbedding
+from gigatron.models.embedding import LanguageModelEmbedding, resolve_vocab_size
 from gigatron.models.transformer import (
     CoreAttention,
     LayerParts,
@@ -45,6 +45,7 @@ from gigatron.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     divide,
+    initialize_parameters,
     set_tensor_parallel_attributes,
 )
 
@@ -451,8 +452,6 @@ def build_t5_model(
 ) -> list[T5Model]:
     """This rank's T5 chunk (one per pipeline stage), initialised identically to the
     one-process model."""
-    from gigatron.models.embedding import resolve_vocab_size
-    from gigatron.parallel.tensor_parallel import initialize_parameters
 
     encoder_config, decoder_config = t5_configs(cfg)
     padded = resolve_vocab_size(cfg, pctx.tp_size, vocab_size)

@@ -148,6 +148,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def _flash_attn_func():
     try:
+        # why: optional flash-attn kernels
         from flash_attn import flash_attn_func
     except ImportError as error:
         raise GigatronError(

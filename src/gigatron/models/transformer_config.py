@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from gigatron.config.model import parse_window_size, parse_window_skip_freq
+from gigatron.config.validate import finalize_config, params_dtype
 from gigatron.errors import GigatronError
 
 
@@ -93,7 +94,6 @@ class TransformerConfig:
     def from_config(cls, cfg, **overrides) -> TransformerConfig:
         """From a GigatronConfig (finalised here if it was not yet); `overrides` replace fields
         (a family sets e.g. `causal_attention=False`)."""
-        from gigatron.config.validate import finalize_config, params_dtype
 
         m = cfg.model
         missing = [

@@ -17,12 +17,14 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from gigatron.errors import GigatronError
 
@@ -392,9 +394,6 @@ def run_distributed(
     Each process gets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set and an initialised default
     group; a failure in any process raises here with its traceback.
     """
-    import socket
-
-    import torch.multiprocessing as mp
 
     if port is None:
         with socket.socket() as s:

@@ -13,8 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from gigatron.config.tasks import ZeroShotTaskConfig, add_task_arguments, task_config_from_namespace
+from gigatron.config.validate import params_dtype
 from gigatron.errors import GigatronError
+from gigatron.inference.load import load_for_inference
+from gigatron.tasks import lambada, wikitext
+from gigatron.tasks.scoring import score_samples
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,10 +73,6 @@ class Progress:
 
 
 def run_task(loaded: Any, task: ZeroShotTaskConfig, args: argparse.Namespace) -> dict[str, Any]:
-    from gigatron.config.validate import params_dtype
-    from gigatron.tasks import lambada, wikitext
-    from gigatron.tasks.scoring import score_samples
-
     (path,) = task.valid_data
     seq_length = args.seq_length or loaded.cfg.model.seq_length
     tokenizer = loaded.tokenizer
@@ -151,10 +153,6 @@ def write_json(path: str | Path, value: Any) -> None:
 
 def evaluate(argv: Sequence[str]) -> dict[str, Any]:
     """Parse, load, evaluate; returns the results (every rank)."""
-    import torch.distributed as dist
-
-    from gigatron.inference.load import load_for_inference
-
     args = build_parser().parse_args(list(argv))
     task = task_config_from_namespace(ZeroShotTaskConfig, args)
     if task.task is None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gigatron.optim.clip_grads import counts_in_norm, is_expert, reduce_model_statistic
 from gigatron.optim.memory import memory_bytes_per_rank
 from gigatron.parallel.context import ParallelContext
 from gigatron.training.notice import SlowStartNotice
@@ -93,6 +94,7 @@ class MetricsLogger:
         if progress_bar is None:
             progress_bar = bool(getattr(self.stream, "isatty", lambda: False)())
         if progress_bar and train_iters:
+            # why: tqdm loads only for a terminal's progress bar
             from tqdm import tqdm
 
             self._bar = tqdm(
@@ -298,6 +300,7 @@ def format_timers_line(record: dict[str, Any]) -> str:
 
 def _open_tensorboard(directory: str, warn) -> Any:
     try:
+        # why: optional logger (an extra), loaded only when asked for
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         warn(
@@ -310,6 +313,7 @@ def _open_tensorboard(directory: str, warn) -> Any:
 
 def _open_wandb(project: str, name: str | None, warn) -> Any:
     try:
+        # why: optional logger (an extra), loaded only when asked for
         import wandb
     except ImportError:
         warn(
@@ -337,7 +341,6 @@ def count_parameters_by_kind(
 ) -> tuple[int, int]:
     """(dense, expert) parameters of the whole model: every tensor-, pipeline- and
     expert-parallel shard once (the rule of the gradient norm, optim/clip_grads.py)."""
-    from gigatron.optim.clip_grads import counts_in_norm, is_expert, reduce_model_statistic
 
     local = [0, 0]
     seen: set[int] = set()

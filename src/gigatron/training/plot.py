@@ -28,6 +28,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 def plot_loss(metrics_path: str, output_png: str, title: str = "gigatron loss") -> str:
     """Write training loss (per logged iteration) and validation loss against iterations."""
+    # why: matplotlib is optional
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed; must be chosen before pyplot is imported

@@ -123,6 +123,7 @@ def memory_scalars(device: torch.device) -> dict[str, float]:
             "memory_reserved_bytes": float(torch.cuda.memory_reserved(device)),
             "memory_max_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
         }
+    # why: resource: Unix only
     import resource
 
     # ru_maxrss is in KiB on Linux.

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron.data.batch import get_batch
+from gigatron.data.bert_dataset import build_bert_datasets
 from gigatron.errors import GigatronError
 from gigatron.families.bert.hf_bert import BertHFAdapter
 from gigatron.families.gpt import token_losses
@@ -87,8 +88,6 @@ def loss_names(cfg) -> tuple[str, ...]:
 
 
 def build_datasets(cfg, tokenizer, num_samples, pctx=None):
-    from gigatron.data.bert_dataset import build_bert_datasets
-
     return build_bert_datasets(cfg, tokenizer, num_samples, pctx)
 
 

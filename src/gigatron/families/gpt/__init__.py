@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from gigatron.data.batch import get_batch
+from gigatron.data.gpt_dataset import build_gpt_datasets
+from gigatron.data.sft_dataset import build_sft_datasets
 from gigatron.families.gpt.hf_gpt import GPTHFAdapter
 from gigatron.families.registry import ModelFamily
 from gigatron.models.flops import model_flops_per_iteration
@@ -20,6 +22,7 @@ from gigatron.models.gpt import build_model
 from gigatron.models.hybrid_layout import refuse_hybrid_flags
 from gigatron.models.moe import MoESpec, collect_moe_reports, update_expert_bias
 from gigatron.models.moe import report_names as moe_report_names
+from gigatron.models.mtp import shift_left
 from gigatron.models.t5 import refuse_t5_flags
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
@@ -63,7 +66,6 @@ def multi_token_prediction_loss(
     """(scaling_factor / D x the sum over depths of each depth's masked mean loss, the
     `mtp_loss` report [loss sum, tokens] over all depths). Depth k predicts the labels shifted
     k positions left, under the loss mask shifted likewise (Megatron's roll)."""
-    from gigatron.models.mtp import shift_left
 
     mask = loss_mask.float()
     total = torch.zeros((), dtype=torch.float32, device=mask.device)
@@ -118,10 +120,7 @@ def make_forward_step(cfg, pctx: ParallelContext):
 
 def build_datasets(cfg, tokenizer, num_samples, pctx=None):
     if cfg.data.sft:
-        from gigatron.data.sft_dataset import build_sft_datasets
-
         return build_sft_datasets(cfg, tokenizer, num_samples, pctx)
-    from gigatron.data.gpt_dataset import build_gpt_datasets
 
     return build_gpt_datasets(cfg, tokenizer, num_samples, pctx)
 

@@ -14,6 +14,7 @@ from functools import partial
 from torch import nn
 
 from gigatron.data.batch import get_batch
+from gigatron.data.t5_dataset import build_t5_datasets
 from gigatron.errors import GigatronError
 from gigatron.families.gpt import language_model_loss
 from gigatron.families.registry import ModelFamily
@@ -47,8 +48,6 @@ def loss_names(cfg) -> tuple[str, ...]:
 
 
 def build_datasets(cfg, tokenizer, num_samples, pctx=None):
-    from gigatron.data.t5_dataset import build_t5_datasets
-
     return build_t5_datasets(cfg, tokenizer, num_samples, pctx)
 
 
