@@ -131,3 +131,15 @@ def test_the_architecture_page_states_the_contract_order():
         if line.strip()
     ]
     assert stated == _contract_layers()
+
+
+def test_the_architecture_layout_names_every_file_and_folder():
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = re.search(r"## Layout\n.*?```\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md: no `## Layout` block"
+    named = set(re.findall(r"[\w.]+\.py|\w+/", block.group(1)))
+    package = SRC / "gigatron"
+    files = {p.name for p in package.rglob("*.py") if p.name != "__init__.py"}
+    folders = {f"{p.parent.name}/" for p in package.rglob("*/__init__.py")}
+    missing = sorted((files | folders) - named)
+    assert not missing, f"docs/architecture.md's Layout does not name {missing}"
