@@ -20,7 +20,8 @@ from torch import nn
 from gigatron.cli import main as gigatron
 from gigatron.data.batch import get_batch
 from gigatron.errors import GigatronError
-from gigatron.families import ModelFamily, register_family
+from gigatron.families import ModelFamily, family_names, get_family, register_family
+from gigatron.families.hf_adapter import HFAdapter
 from gigatron.torch_files import safe_load
 from gigatron.training.pretrain import parse_pretrain_config, pretrain
 
@@ -242,3 +243,10 @@ def test_convert_moves_its_weights_to_and_from_hugging_face(tmp_path):
     for name, tensor in weights.items():
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0)
     assert json.loads((back / "config.json").read_text()) == config
+
+
+def test_every_family_adapter_follows_the_protocol():
+    adapters = {name: get_family(name).hf_adapter for name in family_names()}
+    assert {"gpt", "bert", "mamba", "t5", "tinylm"} <= set(adapters)
+    assert all(isinstance(adapter, HFAdapter) for adapter in adapters.values() if adapter)
+    assert not isinstance(object(), HFAdapter)

@@ -1,17 +1,5 @@
-"""The Hugging Face adapter protocol of the model families, and streaming runs of its maps.
-
-A family's `hf_adapter` (families/registry.py) is an object with:
-- `model_types`: the Hugging Face `model_type` values it reads (`config.json`), e.g. ("bert",);
-- `config_from_hf(hf_config) -> dict`: gigatron config values (fields of any config section,
-  e.g. ModelConfig and MoEConfig ones) plus `vocab_size`, for a Hugging Face config (a
-  PretrainedConfig or its dict);
-- `from_hf(hf, num_layers, num_heads, padded_vocab[, hf_config=]) -> dict`: Hugging Face state
-  dict -> gigatron state dict of full (tp = 1) tensors;
-- `to_hf(sd, num_layers, num_heads, vocab_size[, hf_config=]) -> dict`: the reverse;
-and optionally `config_to_hf(cfg, vocab_size) -> dict` (a `config.json` for a model that was
-not imported) and `to_hf_files(hf_state, hf_config) -> dict` (the names `save_pretrained` writes,
-when they differ from the model's state dict, e.g. Mixtral's per-expert weights). Adapters whose
-maps need more than the four numbers (grouped-query attention, MoE layers) take `hf_config=`.
+"""Streaming runs of the families' Hugging Face maps (the adapter protocol:
+families/hf_adapter.py), and the lookup of the family that reads a `model_type`.
 
 The maps take whole state dicts; `gigatron convert` still streams them. `run_windowed` runs a
 map once per *window* (the tensors of one layer, or those outside every layer): the view it gets

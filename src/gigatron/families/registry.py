@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from gigatron.errors import GigatronError
+from gigatron.families.hf_adapter import HFAdapter
 
 # forward_step(data_iterator, chunk) -> (output, loss_fn); loss_fn(output) -> (loss, num_tokens,
 # {name: tensor [sum, count]}) (the schedule contract, parallel/schedules.py).
@@ -26,7 +27,8 @@ class ModelFamily:
     - `build_datasets(cfg, tokenizer, num_samples, pctx) -> (train, valid, test)`.
     - `flops_per_iteration(cfg, global_batch_size, padded_vocab_size) -> float` (for MFU).
     - `validate(cfg)`: the family's own configuration rules (raise GigatronError).
-    - `hf_adapter`: maps full (tp = 1) state dicts to and from Hugging Face names, or None.
+    - `hf_adapter`: maps full (tp = 1) state dicts to and from Hugging Face names (the
+      protocol: families/hf_adapter.py), or None.
     - `iteration_reports(cfg, pctx, model_chunks) -> {name: tensor [sum, count]}`: reports of a
       whole training iteration, not of one micro-batch (MoE auxiliary losses and routing
       statistics), also the place for per-iteration model updates (MoE expert biases); called
@@ -49,7 +51,7 @@ class ModelFamily:
     build_datasets: Callable[..., tuple[Any, Any, Any]]
     flops_per_iteration: Callable[[Any, int, int], float]
     validate: Callable[[Any], None] | None = None
-    hf_adapter: Any = None
+    hf_adapter: HFAdapter | None = None
     iteration_reports: Callable[..., dict[str, Any]] | None = None
     pipeline_stage_shapes: Callable[..., Any] | None = None
     generation: bool = False
