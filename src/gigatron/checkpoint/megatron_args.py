@@ -8,13 +8,13 @@ different value than the saved arguments is an error naming each such flag.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gigatron.config import GigatronConfig
 from gigatron.config.fields import flag_name
+from gigatron.config.parser import FlagParser
 from gigatron.config.root import (
     SECTIONS,
     add_config_arguments,
@@ -118,7 +118,7 @@ def parse_config_with_checkpoint_args(
     what the flags leave out."""
     from gigatron.config.validate import finalize_config, validate_config
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    parser = FlagParser(prog=prog, allow_abbrev=False)
     add_config_arguments(parser)
     namespace = parser.parse_args(list(argv))
     given = {k: v for k, v in vars(namespace).items() if k != "config"}

@@ -409,10 +409,16 @@ def validate_config(
     if world_size is not None:
         model_parallel = tp * p.pipeline_model_parallel_size * p.context_parallel_size
         if model_parallel > 0 and world_size % model_parallel:
+            launch = (
+                f" (one process per rank: `torchrun --nproc-per-node {model_parallel} -m "
+                "gigatron.cli ...` with the same arguments)"
+                if world_size == 1
+                else ""
+            )
             problems.append(
                 f"world size {world_size} is not divisible by tp {tp} x pp "
                 f"{p.pipeline_model_parallel_size} x cp {p.context_parallel_size} = {model_parallel}; "
-                "change the parallel sizes or the number of processes"
+                f"change the parallel sizes or the number of processes{launch}"
             )
         elif model_parallel > 0 and t.micro_batch_size and t.global_batch_size:
             dp = world_size // model_parallel

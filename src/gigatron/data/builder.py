@@ -151,13 +151,13 @@ def default_cache_dir(prefix: str, cache_name: str) -> str:
 
 
 def open_indexed_dataset(prefix: str, flag: str) -> Any:
-    from gigatron.data.indexed import IndexedDataset, missing_files
+    from gigatron.data.indexed import IndexedDataset, missing_dataset_hint, missing_files
 
     missing = missing_files(prefix)
     if missing:
         raise GigatronError(
             f"{flag} {prefix}: {' and '.join(missing)} not found; give the prefix without "
-            "extension of a dataset written by `gigatron preprocess`"
+            f"extension of a dataset written by `gigatron preprocess`{missing_dataset_hint(prefix)}"
         )
     return IndexedDataset(prefix)
 

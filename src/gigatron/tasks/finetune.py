@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gigatron.config.parser import FlagParser
 from gigatron.config.root import add_config_arguments, config_from_namespace
 from gigatron.config.tasks import FinetuneTaskConfig, add_task_arguments, task_config_from_namespace
 from gigatron.errors import GigatronError
@@ -36,7 +37,7 @@ LOSS_NAMES = ("lm_loss",)  # Megatron's finetuning logs its cross entropy as 'lm
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="gigatron finetune",
         description="fine-tune a BERT checkpoint on MNLI, QQP or RACE",
         allow_abbrev=False,
