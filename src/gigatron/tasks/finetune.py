@@ -111,7 +111,8 @@ def parse_finetune_args(argv: Sequence[str], world_size: int | None = None):
     """(GigatronConfig, FinetuneTaskConfig) from the command line, validated for training (the
     iteration count is set later from the data: `--epochs` x batches per epoch)."""
     from gigatron.config.validate import finalize_config, validate_config
-    from gigatron.families.bert import validate as validate_bert
+    from gigatron.families import get_family
+    from gigatron.families.accepted import check_family_config
     from gigatron.training.pretrain import _world_size
 
     namespace = build_parser().parse_args(list(argv))
@@ -122,7 +123,7 @@ def parse_finetune_args(argv: Sequence[str], world_size: int | None = None):
     finalize_config(cfg, world_size=world_size)
     cfg.training.train_iters = 1  # a placeholder for the rules; the data decide
     validate_config(cfg, world_size=world_size, for_training=True)
-    validate_bert(cfg)
+    check_family_config(get_family("bert"), cfg)
     return cfg, task
 
 
