@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.config.rules import Section, fraction_problem
+from gigatron.errors import GigatronError
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     data_path: Optional[list[str]] = flag_field(
         None, "dataset prefix, or weighted prefixes '0.3 a 0.7 b'", nargs="*"
     )
@@ -43,3 +47,46 @@ class DataConfig:
         store_false=True,
         flag="--no-create-attention-mask-in-dataloader",
     )
+
+    def problems(self) -> list[str]:
+        """Masking probabilities, the split and the attention mask."""
+        found = fraction_problem(self.mask_prob, "--mask-prob", True, True)
+        found += fraction_problem(self.short_seq_prob, "--short-seq-prob", False, False)
+        if self.split is not None:
+            try:
+                parse_split(self.split)
+            except GigatronError as error:
+                found.append(str(error))
+        if self.reset_attention_mask and not self.create_attention_mask_in_dataloader:
+            found.append(
+                "--reset-attention-mask needs the mask the data loader builds; drop "
+                "--no-create-attention-mask-in-dataloader"
+            )
+        return found
+
+
+def parse_split(split: str) -> list[float]:
+    """'969,30,1' -> [0.969, 0.03, 0.001]: up to three numbers separated by ',' (or '/'),
+    right-padded with 0 to three, normalised. Anything else is refused (Megatron-Core would
+    read '90,x,10' as 90,10 and silently give the test share to validation)."""
+    pieces = [piece.strip() for piece in re.split(r"[,/]", split)]
+    values = []
+    for piece in pieces:
+        try:
+            value = float(piece)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or value < 0:
+            raise GigatronError(
+                f"--split {split!r}: {piece!r} is not a non-negative number; give up to three "
+                "proportions separated by commas, e.g. --split 969,30,1"
+            )
+        values.append(value)
+    if len(values) > 3 or sum(values) <= 0:
+        raise GigatronError(
+            f"--split {split!r}: give up to three non-negative proportions with a positive sum, "
+            "e.g. --split 969,30,1"
+        )
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return [x / total for x in values]

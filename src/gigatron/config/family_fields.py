@@ -56,7 +56,7 @@ def claims(families: Mapping[str, Iterable[str]]) -> dict[str, list[str]]:
     """{entry: the families (sorted) that accept it} from {family: its accepted entries}."""
     claimed: dict[str, list[str]] = {}
     for family in sorted(families):
-        for entry in families[family]:
+        for entry in sorted(families[family]):
             check_entry(entry)
             claimed.setdefault(entry, []).append(family)
     return claimed

@@ -31,13 +31,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import warnings
 from itertools import accumulate
 from typing import Any
 
 import numpy as np
 
+from gigatron.config.data import parse_split  # re-exported: the datasets read it from here
 from gigatron.data.blend import BlendedDataset, member_sample_counts, normalize_weights
 from gigatron.errors import GigatronError
 
@@ -52,33 +52,6 @@ Splits = tuple[Any, Any, Any]
 
 # ----------------------------------------------------------------------------------------------
 # --split and --data-path parsing
-
-
-def parse_split(split: str) -> list[float]:
-    """'969,30,1' -> [0.969, 0.03, 0.001]: up to three numbers separated by ',' (or '/'),
-    right-padded with 0 to three, normalised. Anything else is refused (Megatron-Core would
-    read '90,x,10' as 90,10 and silently give the test share to validation)."""
-    pieces = [piece.strip() for piece in re.split(r"[,/]", split)]
-    values = []
-    for piece in pieces:
-        try:
-            value = float(piece)
-        except ValueError:
-            value = float("nan")
-        if not math.isfinite(value) or value < 0:
-            raise GigatronError(
-                f"--split {split!r}: {piece!r} is not a non-negative number; give up to three "
-                "proportions separated by commas, e.g. --split 969,30,1"
-            )
-        values.append(value)
-    if len(values) > 3 or sum(values) <= 0:
-        raise GigatronError(
-            f"--split {split!r}: give up to three non-negative proportions with a positive sum, "
-            "e.g. --split 969,30,1"
-        )
-    values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return [x / total for x in values]
 
 
 def split_matrix(proportions: list[float]) -> list[Bookend]:
