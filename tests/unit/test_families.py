@@ -108,3 +108,79 @@ def test_registering_another_family_under_a_taken_name_is_refused():
     other = ModelFamily(**{**TOY.__dict__, "description": "another"})
     with pytest.raises(GigatronError, match="already registered"):
         register_family(other)
+
+
+# ---- which family uses which flags ---------------------------------------------------------------
+_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+          "--seq-length", "32", "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "1",
+          "--mock-data", "--vocab-size", "128"]  # fmt: skip
+_T5 = ["--decoder-seq-length", "16"]
+
+
+@pytest.mark.parametrize(
+    "family, flags, shown, owners",
+    [
+        ("gpt", ["--encoder-num-layers", "2"], "--encoder-num-layers", "t5 does"),
+        ("gpt", ["--hybrid-layer-pattern", "M*"], "--hybrid-layer-pattern", "mamba does"),
+        ("gpt", ["--bert-no-binary-head"], "--bert-no-binary-head", "bert does"),
+        ("t5", [*_T5, "--multi-latent-attention"], "--multi-latent-attention", "gpt does"),
+        ("t5", [*_T5, "--num-experts", "4"], "--num-experts", "gpt does"),
+        ("bert", ["--num-experts", "4"], "--num-experts", "gpt does"),
+        ("bert", ["--sft"], "--sft", "gpt and mamba do"),
+        ("mamba", ["--mtp-num-layers", "1"], "--mtp-num-layers", "gpt does"),
+        ("mamba", ["--mask-prob", "0.2"], "--mask-prob", "bert and t5 do"),
+        (
+            "bert",
+            ["--position-embedding-type", "relative"],
+            "--position-embedding-type relative",
+            "t5 does",
+        ),
+    ],
+)
+def test_a_flag_of_another_family_is_refused_naming_flag_and_family(family, flags, shown, owners):
+    with pytest.raises(GigatronError) as error:
+        parse_pretrain_config([*_SHAPE, *flags], world_size=1, family=family)
+    first = owners.split()[0]
+    assert str(error.value) == (
+        f"{shown}: the {family} family does not use it (only {owners}); remove it, or use "
+        f"`gigatron pretrain {first}`"
+    )
+
+
+def test_each_family_accepts_its_own_flags_and_the_core():
+    cfg = parse_pretrain_config([*_SHAPE, "--num-experts", "4", "--mtp-num-layers", "1"],
+                                world_size=1, family="gpt")  # fmt: skip
+    assert cfg.moe.num_experts == 4 and cfg.model.mtp_num_layers == 1
+    cfg = parse_pretrain_config([*_SHAPE, *_T5, "--encoder-num-layers", "2",
+                                 "--position-embedding-type", "relative"],
+                                world_size=1, family="t5")  # fmt: skip
+    assert cfg.model.position_embedding_type == "relative"
+    # Other values of a field only one value of which is family-specific stay core.
+    cfg = parse_pretrain_config([*_SHAPE, "--position-embedding-type", "rope"],
+                                world_size=1, family="bert")  # fmt: skip
+    assert cfg.model.position_embedding_type == "rope"
+    # A family that declares nothing accepts only the core (the toy family above does).
+    cfg = parse_pretrain_config(_SHAPE, world_size=1, family=TOY)
+    assert cfg.model.hidden_size == 64
+
+
+def test_a_new_family_declares_its_flags_and_no_other_family_changes():
+    """The refusal is derived from the declarations: a new family's fields are refused in every
+    other family without an edit there."""
+    from gigatron.config import parse_config
+    from gigatron.config.family_fields import claims, foreign_settings
+
+    declared = {"gpt": set(), "newfam": {"mask_prob", "position_embedding_type=relative"}}
+    claimed = claims(declared)
+    assert claimed == {"mask_prob": ["newfam"], "position_embedding_type=relative": ["newfam"]}
+    cfg = parse_config(["--mask-prob", "0.25", "--position-embedding-type", "relative"])
+    assert foreign_settings(cfg, "newfam", declared["newfam"], claimed) == []
+    assert foreign_settings(cfg, "gpt", declared["gpt"], claimed) == [
+        "--mask-prob: the gpt family does not use it (only newfam does); remove it, or use "
+        "`gigatron pretrain newfam`",
+        "--position-embedding-type relative: the gpt family does not use it (only newfam does); "
+        "remove it, or use `gigatron pretrain newfam`",
+    ]
+    assert foreign_settings(parse_config([]), "gpt", (), claimed) == []  # defaults are fine
+    with pytest.raises(KeyError):
+        claims({"newfam": {"no_such_field"}})

@@ -160,7 +160,9 @@ def test_family_rules(extra, message):
 
 def test_other_families_refuse_the_hybrid_flags():
     cfg = _hybrid_config()
+    from gigatron.families.accepted import check_family_config
+
     with pytest.raises(GigatronError, match="--hybrid-layer-pattern: the gpt family"):
-        get_family("gpt").validate(cfg)
+        check_family_config(get_family("gpt"), cfg)
     with pytest.raises(GigatronError, match="--hybrid-layer-pattern: the bert family"):
-        get_family("bert").validate(cfg)
+        check_family_config(get_family("bert"), cfg)

@@ -8,7 +8,6 @@ different value than the saved arguments is an error naming each such flag.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from gigatron.checkpoint.megatron_format import is_megatron_state
 from gigatron.checkpoint.torch_format import CHECKPOINT_FILENAME, locate_iteration, safe_load
 from gigatron.config import GigatronConfig
 from gigatron.config.fields import flag_name
+from gigatron.config.parser import FlagParser
 from gigatron.config.root import (
     SECTIONS,
     add_config_arguments,
@@ -118,7 +118,7 @@ def parse_config_with_checkpoint_args(
     """`parse_config`, with the model shape of a Megatron-LM checkpoint under `--load` filling
     what the flags leave out."""
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    parser = FlagParser(prog=prog, allow_abbrev=False)
     add_config_arguments(parser)
     namespace = parser.parse_args(list(argv))
     given = {k: v for k, v in vars(namespace).items() if k != "config"}

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.config.rules import Section
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Section):
     save: Optional[str] = flag_field(None, "directory to save checkpoints in")
     save_interval: Optional[int] = flag_field(None, "iterations between checkpoints")
     load: Optional[str] = flag_field(None, "directory to resume from")
@@ -56,3 +57,22 @@ class CheckpointConfig:
     async_save: bool = flag_field(
         False, "torch_dist: write checkpoints in the background while training continues"
     )
+
+    def problems(self) -> list[str]:
+        """Conversion on load and asynchronous saving."""
+        found = []
+        if self.ckpt_convert_format is not None and (
+            self.ckpt_convert_save is None or self.load is None
+        ):
+            found.append(
+                f"--ckpt-convert-format {self.ckpt_convert_format} converts the --load "
+                "checkpoint into --ckpt-convert-save DIR; give both"
+            )
+        if self.ckpt_convert_save is not None and self.ckpt_convert_format is None:
+            found.append("--ckpt-convert-save needs --ckpt-convert-format torch or torch_dist")
+        if self.async_save and self.ckpt_format != "torch_dist":
+            found.append(
+                f"--async-save works with --ckpt-format torch_dist (not {self.ckpt_format}); add "
+                "--ckpt-format torch_dist or leave --async-save out"
+            )
+        return found

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.config.rules import Section, fraction_problem
 from gigatron.errors import GigatronError
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     data_path: Optional[list[str]] = flag_field(
         None, "dataset prefix, or weighted prefixes '0.3 a 0.7 b'", nargs="*"
     )
@@ -46,6 +47,22 @@ class DataConfig:
         store_false=True,
         flag="--no-create-attention-mask-in-dataloader",
     )
+
+    def problems(self) -> list[str]:
+        """Masking probabilities, the split and the attention mask."""
+        found = fraction_problem(self.mask_prob, "--mask-prob", True, True)
+        found += fraction_problem(self.short_seq_prob, "--short-seq-prob", False, False)
+        if self.split is not None:
+            try:
+                parse_split(self.split)
+            except GigatronError as error:
+                found.append(str(error))
+        if self.reset_attention_mask and not self.create_attention_mask_in_dataloader:
+            found.append(
+                "--reset-attention-mask needs the mask the data loader builds; drop "
+                "--no-create-attention-mask-in-dataloader"
+            )
+        return found
 
 
 def parse_split(split: str) -> list[float]:

@@ -98,7 +98,8 @@ def add_dataclass_arguments(
                 kwargs["choices"] = field.metadata["choices"]
             shown = field.metadata.get("default_help") or default
             help_text = f"{help_text} (default: {shown})" if help_text else f"default: {shown}"
-        kwargs["help"] = help_text
+        # argparse %-formats help text (%(default)s): a literal % (e.g. "i % N") must be doubled.
+        kwargs["help"] = help_text.replace("%", "%%")
         group.add_argument(*names, **kwargs)
 
 

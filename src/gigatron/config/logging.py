@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.config.rules import Section
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(Section):
     log_interval: int = flag_field(100, "iterations between log lines")
     metrics_file: Optional[str] = flag_field(
         None, "JSON-lines metrics file; default metrics.jsonl in --save or the working directory"

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
-from gigatron.config.moe import evaluate_pattern
+from gigatron.config.moe import evaluate_layer_pattern
+from gigatron.config.rules import Section, fraction_problem, positive_problems
 from gigatron.errors import GigatronError
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     num_layers: Optional[int] = flag_field(None, "number of transformer layers")
     encoder_num_layers: Optional[int] = flag_field(
         None, "encoder layers of an encoder-decoder model (T5); default --num-layers"
@@ -288,6 +289,87 @@ class ModelConfig:
         0.0, "without a pattern: fraction of the --num-layers layers that are MLP layers"
     )
 
+    def problems(self) -> list[str]:
+        """The shape's own rules, then the attention and MLP variants'."""
+        return self.shape_problems() + self.variant_problems()
+
+    def shape_problems(self) -> list[str]:
+        """Sizes, heads, positions, dropouts and recompute."""
+        found = positive_problems(
+            (
+                (self.num_layers, "--num-layers"),
+                (self.hidden_size, "--hidden-size"),
+                (self.num_attention_heads, "--num-attention-heads"),
+                (self.seq_length, "--seq-length"),
+            )
+        )
+        heads = self.num_attention_heads
+        if self.hidden_size and heads and self.kv_channels is None and self.hidden_size % heads:
+            found.append(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{heads}; change one, or set --kv-channels"
+            )
+        if heads and self.group_query_attention and heads % self.num_query_groups:
+            found.append(
+                f"--num-attention-heads {heads} is not divisible by "
+                f"--num-query-groups {self.num_query_groups}"
+            )
+        if (
+            self.seq_length is not None
+            and self.max_position_embeddings is not None
+            and self.position_embedding_type == "learned_absolute"
+            and self.seq_length > self.max_position_embeddings
+        ):
+            found.append(
+                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                f"{self.max_position_embeddings}; raise the latter"
+            )
+        found += fraction_problem(self.rotary_percent, "--rotary-percent", True, False)
+        found += fraction_problem(self.attention_dropout, "--attention-dropout", False, True)
+        found += fraction_problem(self.hidden_dropout, "--hidden-dropout", False, True)
+        if self.recompute_granularity == "full" and (
+            self.recompute_method is None or self.recompute_num_layers is None
+        ):
+            found.append(
+                "--recompute-granularity full needs --recompute-method and --recompute-num-layers"
+            )
+        return found
+
+    def variant_problems(self) -> list[str]:
+        """Sliding windows, gated activations, YaRN, multi-token prediction."""
+        found = []
+        try:
+            parse_window_size(self.window_size)
+            parse_window_skip_freq(self.window_attn_skip_freq, self.num_layers or 0)
+        except GigatronError as error:
+            found.append(str(error))
+        if self.window_attn_skip_freq is not None and self.window_size is None:
+            found.append("--window-attn-skip-freq needs --window-size")
+        if self.swiglu + self.quick_geglu + self.geglu > 1:
+            found.append(
+                "--swiglu, --quick-geglu and --geglu: more than one given; choose one gated "
+                "activation"
+            )
+        gated = self.swiglu or self.quick_geglu or self.geglu
+        if not gated and (self.glu_linear_offset or self.activation_func_clamp_value is not None):
+            found.append(
+                "--glu-linear-offset / --activation-func-clamp-value act on gated MLPs; add "
+                "--swiglu or --quick-geglu"
+            )
+        clamp = self.activation_func_clamp_value
+        if clamp is not None and clamp <= 0:
+            found.append(f"--activation-func-clamp-value {clamp} must be > 0")
+        if self.rope_type == "yarn" and not self.multi_latent_attention:
+            found.append(
+                "--rope-type yarn selects the RoPE of multi-latent attention; for other "
+                "attention use --position-embedding-type yarn"
+            )
+        if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
+            found.append(f"--mtp-num-layers {self.mtp_num_layers} must be at least 1")
+        if self.rotary_scaling_factor <= 0:
+            found.append(f"--rotary-scaling-factor {self.rotary_scaling_factor} must be positive")
+        return found
+
 
 def parse_window_size(text: str | None) -> tuple[int, int] | None:
     """'(left,right)' or 'left,right' -> (left, right)."""
@@ -322,7 +404,7 @@ def parse_window_skip_freq(text: str | None, num_layers: int) -> int | tuple[int
             )
         return value
     try:
-        pattern = evaluate_pattern(text)
+        pattern = evaluate_layer_pattern(text)
     except GigatronError:
         pattern = [-1]
     if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):

@@ -7,15 +7,17 @@ lives with the other parallel sizes in config/parallel.py.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.config.rules import Section
 from gigatron.errors import GigatronError
 
 
 @dataclass
-class MoEConfig:
+class MoEConfig(Section):
     num_experts: Optional[int] = flag_field(None, "experts per MoE layer (None: dense MLPs)")
     moe_layer_freq: str = flag_field(
         "1",
@@ -104,6 +106,94 @@ class MoEConfig:
         False, "also log the MoE losses and load statistics of each layer"
     )
 
+    def problems(self) -> list[str]:
+        """The router, load balancing, capacity and shared-expert rules (Megatron's)."""
+        if self.num_experts is None:
+            changed = [
+                "--" + f.name.replace("_", "-")
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default
+            ]
+            return [f"{', '.join(changed)} need --num-experts (an MoE model)"] if changed else []
+        if self.num_experts < 1:
+            return [
+                f"--num-experts {self.num_experts} must be positive (leave it out for a dense "
+                "model)"
+            ]
+        return self.router_problems() + self.balancing_problems()
+
+    def router_problems(self) -> list[str]:
+        """Top-k, group-limited routing and the expert bias."""
+        experts, topk = self.num_experts, self.moe_router_topk
+        found = []
+        if not 1 <= topk <= experts:
+            found.append(f"--moe-router-topk {topk} must lie in [1, {experts}]")
+        softmax_after_topk = (
+            self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax
+        )
+        if topk == 1 and softmax_after_topk and self.moe_router_load_balancing_type != "sinkhorn":
+            found.append(
+                "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a "
+                "softmax over one logit is constant: the router would get no gradient)"
+            )
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if group_topk is not None or groups is not None:
+            if groups is None or group_topk is None:
+                found.append(
+                    "group-limited routing needs both --moe-router-num-groups and "
+                    "--moe-router-group-topk"
+                )
+            elif experts % groups or not 1 <= group_topk <= groups:
+                found.append(
+                    f"--moe-router-num-groups {groups} must divide --num-experts {experts} and "
+                    f"--moe-router-group-topk {group_topk} must lie in [1, {groups}]"
+                )
+            elif topk < group_topk or topk > group_topk * (experts // groups):
+                found.append(
+                    f"--moe-router-topk {topk}: must lie between --moe-router-group-topk "
+                    f"{group_topk} and the experts in the selected groups "
+                    f"({group_topk * (experts // groups)})"
+                )
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
+            found.append(
+                "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or "
+                "sqrtsoftplus"
+            )
+        return found
+
+    def balancing_problems(self) -> list[str]:
+        """Auxiliary loss, capacity, jitter and the shared expert's gate."""
+        balancing, coeff = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        found = []
+        if coeff < 0:
+            found.append(f"--moe-aux-loss-coeff {coeff} must not be negative")
+        elif coeff > 0 and balancing not in ("aux_loss", "seq_aux_loss"):
+            found.append(
+                f"--moe-aux-loss-coeff {coeff} has no effect with "
+                f"--moe-router-load-balancing-type {balancing}; use aux_loss or seq_aux_loss, "
+                "or drop the coefficient"
+            )
+        capacity = self.moe_expert_capacity_factor
+        if capacity is not None:
+            if capacity <= 0:
+                found.append(
+                    f"--moe-expert-capacity-factor {capacity} must be positive (leave it out "
+                    "for dropless routing)"
+                )
+            if balancing == "sinkhorn":
+                found.append(
+                    "--moe-expert-capacity-factor works with aux_loss, seq_aux_loss or none "
+                    "load balancing, not sinkhorn"
+                )
+        elif self.moe_pad_expert_input_to_capacity:
+            found.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        jitter = self.moe_input_jitter_eps
+        if jitter is not None and not 0.0 < jitter < 1.0:
+            found.append(f"--moe-input-jitter-eps {jitter} must lie in (0, 1)")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            found.append("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+        return found
+
 
 def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
     """Which of the `num_layers` layers are MoE layers, from `--moe-layer-freq`.
@@ -124,7 +214,7 @@ def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
                 "2 (every other layer) or '[1,0,1,1]'"
             )
         return [i % step == 0 for i in range(num_layers)]
-    pattern = evaluate_pattern(text)
+    pattern = evaluate_layer_pattern(text)
     if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
         raise GigatronError(
             f"--moe-layer-freq {text}: gives {len(pattern)} entries {pattern}; it needs one 0 or 1 "
@@ -133,7 +223,7 @@ def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
     return [bool(v) for v in pattern]
 
 
-def evaluate_pattern(text: str) -> list[int]:
+def evaluate_layer_pattern(text: str) -> list[int]:
     """A list expression of integer literals joined by `+` and `*` (never Python's eval)."""
 
     def value(node: ast.AST):

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.config.rules import Section
 
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(Section):
     optimizer: str = flag_field("adam", "optimizer", choices=["adam", "sgd"])
     lr: Optional[float] = flag_field(None, "peak learning rate")
     min_lr: float = flag_field(0.0, "learning rate at the end of the decay")
@@ -66,3 +67,16 @@ class OptimizerConfig:
     adam_beta2: float = flag_field(0.999, "Adam beta2")
     adam_eps: float = flag_field(1e-8, "Adam epsilon")
     sgd_momentum: float = flag_field(0.9, "SGD momentum")
+
+    def problems(self) -> list[str]:
+        """Learning rates and warm-up."""
+        found = []
+        if self.decoupled_min_lr is not None and self.decoupled_lr is None:
+            found.append("--decoupled-min-lr needs --decoupled-lr")
+        if self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples):
+            found.append(
+                "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples both given"
+            )
+        if self.lr is not None and self.min_lr > self.lr:
+            found.append(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        return found

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.config.rules import Section, positive_problems
 from gigatron.errors import GigatronError
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Section):
     tensor_model_parallel_size: int = flag_field(1, "tensor-parallel size (tp)")
     pipeline_model_parallel_size: int = flag_field(1, "pipeline-parallel size (pp)")
     context_parallel_size: int = flag_field(1, "context-parallel size (cp)")
@@ -104,6 +105,57 @@ class ParallelConfig:
     calculate_per_token_loss: bool = flag_field(
         False, "average the loss over all tokens of the global batch instead of per micro-batch"
     )
+
+    def problems(self) -> list[str]:
+        """Sizes, gradient reduction, overlap and the fully sharded data-parallel choices."""
+        found = positive_problems(
+            (
+                (self.tensor_model_parallel_size, "--tensor-model-parallel-size"),
+                (self.pipeline_model_parallel_size, "--pipeline-model-parallel-size"),
+                (self.context_parallel_size, "--context-parallel-size"),
+                (self.expert_model_parallel_size, "--expert-model-parallel-size"),
+            )
+        )
+        if self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32:
+            found.append(
+                "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict; "
+                "give one"
+            )
+        if self.overlap_param_gather and not (
+            self.use_distributed_optimizer and self.overlap_grad_reduce
+        ):
+            found.append(
+                "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
+            )
+        return found + self.fsdp_problems()
+
+    def fsdp_problems(self) -> list[str]:
+        """Which fully sharded data parallelism, and its own options."""
+        found = []
+        if self.use_torch_fsdp2 and self.use_megatron_fsdp:
+            found.append("--use-torch-fsdp2 and --use-megatron-fsdp: give one")
+        if self.use_torch_fsdp2 and self.use_distributed_optimizer:
+            found.append(
+                "--use-torch-fsdp2 shards the optimizer state itself; drop "
+                "--use-distributed-optimizer"
+            )
+        fsdp = self.use_torch_fsdp2 or self.use_megatron_fsdp
+        if not fsdp and self.megatron_fsdp_grad_comm_dtype != "auto":
+            found.append("--megatron-fsdp-grad-comm-dtype needs --use-megatron-fsdp")
+        if (
+            not self.use_megatron_fsdp
+            and self.data_parallel_sharding_strategy != "optim_grads_params"
+        ):
+            found.append("--data-parallel-sharding-strategy needs --use-megatron-fsdp")
+        return found
+
+    @property
+    def fully_sharded(self) -> bool:
+        """Whether parameters are sharded over data-parallel ranks (FSDP2 or Megatron-FSDP)."""
+        return self.use_torch_fsdp2 or (
+            self.use_megatron_fsdp
+            and self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+        )
 
 
 def check_pipeline_schedule(

@@ -19,6 +19,7 @@ from gigatron.config.model import ModelConfig
 from gigatron.config.moe import MoEConfig
 from gigatron.config.optimizer import OptimizerConfig
 from gigatron.config.parallel import ParallelConfig
+from gigatron.config.parser import FlagParser
 from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.config.training import TrainingConfig
 from gigatron.config.validate import finalize_config, validate_config
@@ -136,7 +137,7 @@ def parse_config(
 ) -> GigatronConfig:
     """Parse flags (and `--config`) into a finalized, validated config."""
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    parser = FlagParser(prog=prog, allow_abbrev=False)
     add_config_arguments(parser)
     namespace = parser.parse_args(argv)
     cfg = config_from_namespace(namespace)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.config.rules import Section
 
 TOKENIZER_TYPES = [
     "GPT2BPETokenizer",
@@ -21,7 +22,7 @@ TOKENIZER_TYPES = [
 
 
 @dataclass
-class TokenizerConfig:
+class TokenizerConfig(Section):
     tokenizer_type: Optional[str] = flag_field(None, "tokenizer kind", choices=TOKENIZER_TYPES)
     vocab_file: Optional[str] = flag_field(
         None, "vocabulary file (GPT-2 vocab.json or BERT vocab.txt)"

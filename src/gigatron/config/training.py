@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import flag_field
+from gigatron.config.rules import Section, positive_problems
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(Section):
     micro_batch_size: Optional[int] = flag_field(
         None, "samples per micro-batch per data-parallel rank"
     )
@@ -64,3 +65,20 @@ class TrainingConfig:
     min_loss_scale: float = flag_field(1.0, "smallest dynamic loss scale")
     loss_scale_window: int = flag_field(1000, "iterations without overflow before the scale grows")
     hysteresis: int = flag_field(2, "overflows tolerated before the scale shrinks")
+
+    def problems(self) -> list[str]:
+        """Batch sizes, training length and precision."""
+        found = positive_problems(
+            (
+                (self.micro_batch_size, "--micro-batch-size"),
+                (self.global_batch_size, "--global-batch-size"),
+                (self.train_iters, "--train-iters"),
+            )
+        )
+        if self.train_iters is not None and self.train_samples is not None:
+            found.append("--train-iters and --train-samples both given; keep one")
+        if self.fp16 and self.bf16:
+            found.append("--fp16 and --bf16 both given; choose one precision")
+        if self.rampup_batch_size is not None and self.train_iters is not None:
+            found.append("--rampup-batch-size works with --train-samples; replace --train-iters")
+        return found

@@ -39,7 +39,12 @@ import numpy as np
 
 from gigatron.config.data import parse_split
 from gigatron.data.blend import BlendedDataset, member_sample_counts, normalize_weights
-from gigatron.data.indexed import IndexedDataset, dataset_exists, missing_files
+from gigatron.data.indexed import (
+    IndexedDataset,
+    dataset_exists,
+    missing_dataset_hint,
+    missing_files,
+)
 from gigatron.errors import GigatronError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -128,7 +133,7 @@ def open_indexed_dataset(prefix: str, flag: str) -> Any:
     if missing:
         raise GigatronError(
             f"{flag} {prefix}: {' and '.join(missing)} not found; give the prefix without "
-            "extension of a dataset written by `gigatron preprocess`"
+            f"extension of a dataset written by `gigatron preprocess`{missing_dataset_hint(prefix)}"
         )
     return IndexedDataset(prefix)
 

@@ -7,6 +7,7 @@ so opening a dataset costs no more than reading its header.
 
 from __future__ import annotations
 
+import difflib
 import os
 import shutil
 import struct
@@ -71,6 +72,34 @@ def missing_files(prefix: PathLike) -> list[str]:
     return [path for path in paths if not os.path.isfile(path)]
 
 
+def existing_prefix_like(prefix: PathLike) -> str | None:
+    """The prefix of a dataset (both .bin and .idx present) in `prefix`'s directory that the user
+    most likely meant: one that extends it (`data/corpus` -> `data/corpus_text_document`), else
+    the closest name; None when the directory holds no dataset."""
+    directory, name = os.path.split(os.fspath(prefix))
+    try:
+        entries = os.listdir(directory or ".")
+    except OSError:
+        return None
+    stems = sorted(
+        entry[: -len(".bin")]
+        for entry in entries
+        if entry.endswith(".bin") and f"{entry[: -len('.bin')]}.idx" in entries
+    )
+    for stem in (name, name.removesuffix(".bin"), name.removesuffix(".idx")):
+        extending = [s for s in stems if s.startswith(stem) and s != name]
+        if extending:
+            return os.path.join(directory, extending[0])
+    close = difflib.get_close_matches(name, stems, n=1, cutoff=0.6)
+    return os.path.join(directory, close[0]) if close else None
+
+
+def missing_dataset_hint(prefix: PathLike) -> str:
+    """'; did you mean PREFIX2?' when a dataset with a similar prefix exists, else ''."""
+    found = existing_prefix_like(prefix)
+    return f"; did you mean {found}?" if found else ""
+
+
 def dataset_exists(prefix: PathLike) -> bool:
     """True when both PREFIX.bin and PREFIX.idx exist."""
     return os.path.isfile(data_file_path(prefix)) and os.path.isfile(index_file_path(prefix))
@@ -110,7 +139,7 @@ class IndexedDataset:
         if missing:
             raise GigatronError(
                 f"{' and '.join(missing)}: not found; give the dataset prefix without extension "
-                "(PREFIX for PREFIX.bin and PREFIX.idx)"
+                f"(PREFIX for PREFIX.bin and PREFIX.idx){missing_dataset_hint(self.prefix)}"
             )
         idx_size = os.path.getsize(idx_path)
         if idx_size < HEADER_SIZE:

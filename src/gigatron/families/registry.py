@@ -27,6 +27,9 @@ class ModelFamily:
     - `build_datasets(cfg, tokenizer, num_samples, pctx) -> (train, valid, test)`.
     - `flops_per_iteration(cfg, global_batch_size, padded_vocab_size) -> float` (for MFU).
     - `validate(cfg)`: the family's own configuration rules (raise GigatronError).
+    - `accepted_fields`: the configuration fields this family uses beyond the common core (a
+      field name, or `name=value` for a family-specific value); a field any family declares is
+      refused in the others when set (config/family_fields.py, `families.accepted`).
     - `hf_adapter`: maps full (tp = 1) state dicts to and from Hugging Face names (the
       protocol: families/hf_adapter.py), or None.
     - `iteration_reports(cfg, pctx, model_chunks) -> {name: tensor [sum, count]}`: reports of a
@@ -56,6 +59,7 @@ class ModelFamily:
     pipeline_stage_shapes: Callable[..., Any] | None = None
     generation: bool = False
     default_tokenizer_type: str | None = None
+    accepted_fields: frozenset[str] = frozenset()
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

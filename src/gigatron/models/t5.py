@@ -30,7 +30,6 @@ import math
 import torch
 from torch import nn
 
-from gigatron.errors import GigatronError
 from gigatron.models.embedding import LanguageModelEmbedding, resolve_vocab_size
 from gigatron.models.transformer import (
     CoreAttention,
@@ -481,28 +480,3 @@ def build_t5_model(
     )
     initialize_parameters(chunk, cfg.training.seed, pctx.tp_rank, pctx.tp_size)
     return [chunk]
-
-
-def refuse_t5_flags(cfg, family: str) -> None:
-    """For families without an encoder-decoder stack: these flags would be silently ignored."""
-    m, p = cfg.model, cfg.parallel
-    given = [
-        flag
-        for value, flag in (
-            (m.encoder_num_layers is not None, "--encoder-num-layers"),
-            (m.decoder_num_layers is not None, "--decoder-num-layers"),
-            (m.encoder_seq_length is not None, "--encoder-seq-length"),
-            (m.decoder_seq_length is not None, "--decoder-seq-length"),
-            (m.position_embedding_type == "relative", "--position-embedding-type relative"),
-            (
-                p.pipeline_model_parallel_split_rank is not None,
-                "--pipeline-model-parallel-split-rank",
-            ),
-        )
-        if value
-    ]
-    if given:
-        raise GigatronError(
-            f"{', '.join(given)}: the {family} family has no encoder-decoder stack; "
-            "use `gigatron pretrain t5`"
-        )

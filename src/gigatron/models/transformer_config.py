@@ -1,26 +1,33 @@
 """`TransformerConfig`: the resolved model options every layer reads (Megatron's name for it).
 
-Derived values (ffn size, kv channels, query groups) are computed once, by
-`config.validate.finalize_config`; the parameter dtype by `config.validate.params_dtype`. This
-class only reads them.
+Derived values (ffn size, kv channels, query groups) are computed by
+`config.validate.finalize_config` (on a copy: building a model never changes the run's
+configuration); the parameter dtype by `config.validate.params_dtype`. The fields the layers read
+as they are come from `ModelConfig` (MODEL_FIELDS); only the resolved ones are declared here.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import typing
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from gigatron.config.model import parse_window_size, parse_window_skip_freq
+from gigatron.config.model import ModelConfig, parse_window_size, parse_window_skip_freq
 from gigatron.config.validate import finalize_config, params_dtype
 from gigatron.errors import GigatronError
 
 
-@dataclass(frozen=True)
-class TransformerConfig:
-    """The model options the layers read, with Megatron's derived defaults resolved."""
+@dataclass(frozen=True, kw_only=True)
+class TransformerOptions:
+    """The options whose type or value the model resolves from the configuration (a required
+    shape, parsed windows, YaRN defaults) or takes from other sections; `TransformerConfig` adds
+    the `ModelConfig` fields the layers read as they are."""
 
     num_layers: int
     hidden_size: int
@@ -29,71 +36,25 @@ class TransformerConfig:
     num_query_groups: int
     kv_channels: int
     max_position_embeddings: int | None
-    position_embedding_type: str = "learned_absolute"
-    rotary_percent: float = 1.0
-    rotary_base: int = 10000
-    rotary_seq_len_interpolation_factor: float | None = None
-    use_rope_scaling: bool = False
-    rope_scaling_factor: float = 8.0
-    normalization: str = "LayerNorm"
-    layernorm_epsilon: float = 1e-5
-    swiglu: bool = False
-    geglu: bool = False
-    relative_attention_num_buckets: int = 32
-    relative_attention_max_distance: int = 128
-    openai_gelu: bool = False
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False
-    untie_embeddings_and_output_weights: bool = False
-    attention_dropout: float = 0.1
-    hidden_dropout: float = 0.1
-    apply_query_key_layer_scaling: bool = False
-    attention_softmax_in_fp32: bool = False
-    apply_residual_connection_post_layernorm: bool = False
-    init_method_std: float = 0.02
-    use_flash_attn: bool = False
-    recompute_granularity: str | None = None
-    recompute_method: str | None = None
-    recompute_num_layers: int | None = None
-    # With selective recompute: which parts (Megatron's --recompute-modules; None = core_attn).
-    recompute_modules: list[str] | None = None
     sequence_parallel: bool = False
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
     # False for bidirectional encoders (BERT): attention with no mask then sees every position.
     causal_attention: bool = True
-    quick_geglu: bool = False
-    glu_linear_offset: float = 0.0
-    activation_func_clamp_value: float | None = None
-    qk_layernorm: bool = False
-    layernorm_zero_centered_gamma: bool = False
     # Sliding-window attention: (left, right) keys around each query (-1: unbounded), on the
     # layers `window_attn_skip_freq` selects (None: all; an int N: all but every N-th; a list).
     window_size: tuple[int, int] | None = None
     window_attn_skip_freq: int | tuple[int, ...] | None = None
-    softmax_type: str = "vanilla"
     # None: 1 / sqrt(kv_channels).
     softmax_scale: float | None = None
-    rotary_scaling_factor: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
     yarn_original_max_position_embeddings: int = 4096
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
-    yarn_correction_range_round_to_int: bool = True
-    multi_latent_attention: bool = False
-    rope_type: str | None = None
-    q_lora_rank: int | None = None
-    kv_lora_rank: int = 32
-    qk_head_dim: int = 128
-    qk_pos_emb_head_dim: int = 64
-    v_head_dim: int = 128
-    mtp_num_layers: int | None = None
 
     @classmethod
-    def from_config(cls, cfg, **overrides) -> TransformerConfig:
-        """From a GigatronConfig (finalised here if it was not yet); `overrides` replace fields
-        (a family sets e.g. `causal_attention=False`)."""
+    def from_config(cls, cfg, **overrides) -> TransformerOptions:
+        """From a GigatronConfig (a finalised copy of it: `cfg` itself is never changed);
+        `overrides` replace fields (a family sets e.g. `causal_attention=False`)."""
 
         m = cfg.model
         missing = [
@@ -109,7 +70,10 @@ class TransformerConfig:
             raise GigatronError(
                 f"{', '.join(missing)} not set; give the model shape or --model-preset"
             )
-        finalize_config(cfg)
+        with warnings.catch_warnings():  # the command's own finalize_config already warned
+            warnings.simplefilter("ignore")
+            cfg = finalize_config(copy.deepcopy(cfg))
+        m = cfg.model
         if m.kv_channels is None:
             raise GigatronError(
                 f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
@@ -161,3 +125,76 @@ class TransformerConfig:
     def output_init_std(self) -> float:
         """Std of the layers that write into the residual stream (linear_proj, linear_fc2)."""
         return self.init_method_std / math.sqrt(2.0 * self.num_layers)
+
+
+# The ModelConfig fields the layers read as they are: TransformerConfig takes their types and
+# defaults from ModelConfig (one declaration, config/model.py).
+MODEL_FIELDS = (
+    "position_embedding_type",
+    "rotary_percent",
+    "rotary_base",
+    "rotary_seq_len_interpolation_factor",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "normalization",
+    "layernorm_epsilon",
+    "swiglu",
+    "geglu",
+    "relative_attention_num_buckets",
+    "relative_attention_max_distance",
+    "openai_gelu",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "untie_embeddings_and_output_weights",
+    "attention_dropout",
+    "hidden_dropout",
+    "apply_query_key_layer_scaling",
+    "attention_softmax_in_fp32",
+    "apply_residual_connection_post_layernorm",
+    "init_method_std",
+    "use_flash_attn",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "recompute_modules",  # with selective recompute: which parts (None = core_attn)
+    "quick_geglu",
+    "glu_linear_offset",
+    "activation_func_clamp_value",
+    "qk_layernorm",
+    "layernorm_zero_centered_gamma",
+    "softmax_type",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "yarn_correction_range_round_to_int",
+    "multi_latent_attention",
+    "rope_type",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "mtp_num_layers",
+)
+
+
+def _model_fields() -> list[tuple[str, Any, dataclasses.Field]]:
+    hints = typing.get_type_hints(ModelConfig)
+    declared = {field.name: field for field in dataclasses.fields(ModelConfig)}
+    return [
+        (name, hints[name], dataclasses.field(default=declared[name].default))
+        for name in MODEL_FIELDS
+    ]
+
+
+TransformerConfig = dataclasses.make_dataclass(
+    "TransformerConfig",
+    _model_fields(),
+    bases=(TransformerOptions,),
+    frozen=True,
+    kw_only=True,
+)
+TransformerConfig.__module__ = __name__  # (make_dataclass's `module` is Python 3.12+)
+TransformerConfig.__doc__ = (
+    "The model options the layers read, with Megatron's derived defaults resolved."
+)

@@ -28,6 +28,67 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
 
 
+def check_styles(lr_decay_style: str, lr_wsd_decay_style: str, wd_incr_style: str) -> None:
+    """GigatronError for an unknown decay, WSD-decay or weight-decay increment style."""
+    for style, known, flag in (
+        (lr_decay_style, DECAY_STYLES, "--lr-decay-style"),
+        (lr_wsd_decay_style, WSD_DECAY_STYLES, "--lr-wsd-decay-style"),
+        (wd_incr_style, WD_INCR_STYLES, "--weight-decay-incr-style"),
+    ):
+        if style not in known:
+            raise GigatronError(f"{flag} {style}: unknown; choose one of {known}")
+
+
+def check_lr_lengths(
+    min_lr: float,
+    max_lr: float,
+    lr_warmup_steps: float,
+    lr_decay_steps: float,
+    lr_decay_style: str,
+    wsd_decay_steps: float | None,
+) -> None:
+    """GigatronError when the learning rates or the warm-up / decay lengths do not fit."""
+    if not 0.0 <= min_lr <= max_lr:
+        raise GigatronError(f"--min-lr {min_lr} must lie in [0, --lr {max_lr}]")
+    if lr_decay_style != "constant" and lr_decay_steps <= 0:
+        raise GigatronError(
+            f"learning-rate decay length is {lr_decay_steps} samples; give a positive "
+            "--lr-decay-iters/--lr-decay-samples (or --train-iters/--train-samples)"
+        )
+    if lr_decay_style not in ("constant", "inverse-square-root") and (
+        lr_warmup_steps >= lr_decay_steps
+    ):
+        raise GigatronError(
+            f"warm-up ({lr_warmup_steps} samples) must be shorter than the decay "
+            f"({lr_decay_steps} samples); shorten --lr-warmup-* or lengthen --lr-decay-*"
+        )
+    if lr_decay_style != "WSD":
+        return
+    if wsd_decay_steps is None or wsd_decay_steps <= 0:
+        raise GigatronError(
+            "--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples"
+        )
+    if wsd_decay_steps > lr_decay_steps - lr_warmup_steps:
+        raise GigatronError(
+            f"WSD decay ({wsd_decay_steps} samples) is longer than the decay after "
+            f"warm-up ({lr_decay_steps - lr_warmup_steps} samples); shorten "
+            "--lr-wsd-decay-iters/--lr-wsd-decay-samples"
+        )
+
+
+def check_weight_decay(
+    start_wd: float, end_wd: float, wd_incr_steps: float, wd_incr_style: str
+) -> None:
+    """GigatronError when the weight-decay increment does not fit its style."""
+    if wd_incr_style == "constant" and start_wd != end_wd:
+        raise GigatronError(
+            f"--start-weight-decay {start_wd} differs from --end-weight-decay {end_wd}; "
+            "set --weight-decay-incr-style linear or cosine"
+        )
+    if wd_incr_style != "constant" and wd_incr_steps <= 0:
+        raise GigatronError("weight-decay increment needs --train-iters or --train-samples")
+
+
 class LRScheduler:
     """Sets `lr` and `weight_decay` of every param group of `optimizer` from the sample count.
 
@@ -53,52 +114,11 @@ class LRScheduler:
         wsd_decay_steps: float | None = None,
         lr_wsd_decay_style: str = "exponential",
     ) -> None:
-        if lr_decay_style not in DECAY_STYLES:
-            raise GigatronError(
-                f"--lr-decay-style {lr_decay_style}: unknown; choose one of {DECAY_STYLES}"
-            )
-        if lr_wsd_decay_style not in WSD_DECAY_STYLES:
-            raise GigatronError(
-                f"--lr-wsd-decay-style {lr_wsd_decay_style}: unknown; choose one of "
-                f"{WSD_DECAY_STYLES}"
-            )
-        if wd_incr_style not in WD_INCR_STYLES:
-            raise GigatronError(
-                f"--weight-decay-incr-style {wd_incr_style}: unknown; choose one of "
-                f"{WD_INCR_STYLES}"
-            )
-        if not 0.0 <= min_lr <= max_lr:
-            raise GigatronError(f"--min-lr {min_lr} must lie in [0, --lr {max_lr}]")
-        if lr_decay_style != "constant" and lr_decay_steps <= 0:
-            raise GigatronError(
-                f"learning-rate decay length is {lr_decay_steps} samples; give a positive "
-                "--lr-decay-iters/--lr-decay-samples (or --train-iters/--train-samples)"
-            )
-        if lr_decay_style not in ("constant", "inverse-square-root") and (
-            lr_warmup_steps >= lr_decay_steps
-        ):
-            raise GigatronError(
-                f"warm-up ({lr_warmup_steps} samples) must be shorter than the decay "
-                f"({lr_decay_steps} samples); shorten --lr-warmup-* or lengthen --lr-decay-*"
-            )
-        if lr_decay_style == "WSD":
-            if wsd_decay_steps is None or wsd_decay_steps <= 0:
-                raise GigatronError(
-                    "--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples"
-                )
-            if wsd_decay_steps > lr_decay_steps - lr_warmup_steps:
-                raise GigatronError(
-                    f"WSD decay ({wsd_decay_steps} samples) is longer than the decay after "
-                    f"warm-up ({lr_decay_steps - lr_warmup_steps} samples); shorten "
-                    "--lr-wsd-decay-iters/--lr-wsd-decay-samples"
-                )
-        if wd_incr_style == "constant" and start_wd != end_wd:
-            raise GigatronError(
-                f"--start-weight-decay {start_wd} differs from --end-weight-decay {end_wd}; "
-                "set --weight-decay-incr-style linear or cosine"
-            )
-        if wd_incr_style != "constant" and wd_incr_steps <= 0:
-            raise GigatronError("weight-decay increment needs --train-iters or --train-samples")
+        check_styles(lr_decay_style, lr_wsd_decay_style, wd_incr_style)
+        check_lr_lengths(
+            min_lr, max_lr, lr_warmup_steps, lr_decay_steps, lr_decay_style, wsd_decay_steps
+        )
+        check_weight_decay(start_wd, end_wd, wd_incr_steps, wd_incr_style)
         if use_checkpoint_opt_param_scheduler and override_opt_param_scheduler:
             raise GigatronError(
                 "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler both "

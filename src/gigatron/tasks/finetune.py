@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gigatron.config.parser import FlagParser
 from gigatron.config.root import add_config_arguments, config_from_namespace
 from gigatron.config.tasks import FinetuneTaskConfig, add_task_arguments, task_config_from_namespace
 from gigatron.errors import GigatronError
@@ -36,7 +37,7 @@ LOSS_NAMES = ("lm_loss",)  # Megatron's finetuning logs its cross entropy as 'lm
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="gigatron finetune",
         description="fine-tune a BERT checkpoint on MNLI, QQP or RACE",
         allow_abbrev=False,
@@ -110,7 +111,8 @@ def parse_finetune_args(argv: Sequence[str], world_size: int | None = None):
     """(GigatronConfig, FinetuneTaskConfig) from the command line, validated for training (the
     iteration count is set later from the data: `--epochs` x batches per epoch)."""
     from gigatron.config.validate import finalize_config, validate_config
-    from gigatron.families.bert import validate as validate_bert
+    from gigatron.families import get_family
+    from gigatron.families.accepted import check_family_config
     from gigatron.training.pretrain import launch_world_size
 
     namespace = build_parser().parse_args(list(argv))
@@ -121,7 +123,7 @@ def parse_finetune_args(argv: Sequence[str], world_size: int | None = None):
     finalize_config(cfg, world_size=world_size)
     cfg.training.train_iters = 1  # a placeholder for the rules; the data decide
     validate_config(cfg, world_size=world_size, for_training=True)
-    validate_bert(cfg)
+    check_family_config(get_family("bert"), cfg)
     return cfg, task
 
 

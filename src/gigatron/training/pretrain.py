@@ -25,6 +25,7 @@ from gigatron.config.validate import params_dtype
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
+from gigatron.families.accepted import check_family_config
 from gigatron.faults import name_distributed_failures
 from gigatron.models.embedding import resolve_vocab_size
 from gigatron.models.flops import device_peak_flops, precision_name
@@ -62,8 +63,7 @@ def parse_pretrain_config(
     tok = cfg.tokenizer
     if tok.tokenizer_type is None and tok.vocab_file and family.default_tokenizer_type:
         tok.tokenizer_type = family.default_tokenizer_type  # Megatron's entry-point default
-    if family.validate is not None:
-        family.validate(cfg)
+    check_family_config(family, cfg)
     if cfg.data.mock_data is False and not (cfg.data.data_path or cfg.data.train_data_path):
         raise GigatronError(
             "no training data: give --data-path PREFIX (from `gigatron preprocess`), "

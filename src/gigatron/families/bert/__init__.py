@@ -23,8 +23,6 @@ from gigatron.families.gpt import token_losses
 from gigatron.families.registry import ModelFamily
 from gigatron.models.bert import build_bert_model
 from gigatron.models.flops import model_flops_per_iteration
-from gigatron.models.hybrid_layout import refuse_gpt_only_flags, refuse_hybrid_flags
-from gigatron.models.t5 import refuse_t5_flags
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import sequence_positions
 
@@ -99,20 +97,11 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
     )
 
 
+# Beyond the common core: the sentence-order head and the masking of the masked-LM data.
+ACCEPTED_FIELDS = frozenset({"bert_binary_head", "mask_prob", "short_seq_prob"})
+
+
 def validate(cfg) -> None:
-    refuse_hybrid_flags(cfg, "bert")
-    refuse_t5_flags(cfg, "bert")
-    refuse_gpt_only_flags(cfg, "bert")
-    if cfg.data.sft:
-        raise GigatronError(
-            "--sft: supervised fine-tuning is built for GPT (gigatron pretrain gpt --sft); drop "
-            "it for gigatron pretrain bert"
-        )
-    if cfg.parallel.calculate_per_token_loss:
-        raise GigatronError(
-            "--calculate-per-token-loss: BERT's losses are per-micro-batch means (mlm + sop); "
-            "drop the flag for gigatron pretrain bert"
-        )
     if cfg.model.post_layernorm and cfg.model.apply_residual_connection_post_layernorm:
         raise GigatronError(
             "--post-layernorm and --apply-residual-connection-post-layernorm: the second only "
@@ -131,4 +120,5 @@ FAMILY = ModelFamily(
     validate=validate,
     hf_adapter=BertHFAdapter(),
     default_tokenizer_type="BertWordPieceLowerCase",
+    accepted_fields=ACCEPTED_FIELDS,
 )

@@ -19,11 +19,9 @@ from gigatron.families.gpt.hf_gpt import GPTHFAdapter
 from gigatron.families.registry import ModelFamily
 from gigatron.models.flops import model_flops_per_iteration
 from gigatron.models.gpt import build_model
-from gigatron.models.hybrid_layout import refuse_hybrid_flags
 from gigatron.models.moe import MoESpec, collect_moe_reports, update_expert_bias
 from gigatron.models.moe import report_names as moe_report_names
 from gigatron.models.mtp import shift_left
-from gigatron.models.t5 import refuse_t5_flags
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -148,9 +146,24 @@ def iteration_reports(cfg, pctx: ParallelContext, model_chunks: list[nn.Module])
     return collect_moe_reports(model_chunks, pctx, moe)
 
 
-def validate(cfg) -> None:
-    refuse_hybrid_flags(cfg, "gpt")
-    refuse_t5_flags(cfg, "gpt")
+# Beyond the common core: Mixture of Experts (every other MoE flag needs --num-experts),
+# multi-latent attention, multi-token prediction, supervised fine-tuning data and per-token loss
+# averaging (the other families refuse these when set).
+ACCEPTED_FIELDS = frozenset(
+    {
+        "num_experts",
+        "multi_latent_attention",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_head_dim",
+        "qk_pos_emb_head_dim",
+        "v_head_dim",
+        "mtp_num_layers",
+        "mtp_loss_scaling_factor",
+        "sft",
+        "calculate_per_token_loss",
+    }
+)
 
 
 FAMILY = ModelFamily(
@@ -161,9 +174,9 @@ FAMILY = ModelFamily(
     loss_names=loss_names,
     build_datasets=build_datasets,
     flops_per_iteration=flops_per_iteration,
-    validate=validate,
     hf_adapter=GPTHFAdapter(),
     generation=True,
     iteration_reports=iteration_reports,
     default_tokenizer_type="GPT2BPETokenizer",
+    accepted_fields=ACCEPTED_FIELDS,
 )

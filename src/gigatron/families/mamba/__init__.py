@@ -12,9 +12,8 @@ from gigatron.families.mamba.hf_mamba import Mamba2HFAdapter
 from gigatron.families.registry import ModelFamily
 from gigatron.models.flops import forward_flops_per_token
 from gigatron.models.hybrid import build_model, hybrid_pattern
-from gigatron.models.hybrid_layout import ATTENTION, MAMBA, MLP, refuse_gpt_only_flags
+from gigatron.models.hybrid_layout import ATTENTION, MAMBA, MLP
 from gigatron.models.mamba import MambaSpec
-from gigatron.models.t5 import refuse_t5_flags
 
 
 def mamba_forward_flops_per_token(hidden_size: int, mamba: MambaSpec) -> float:
@@ -48,10 +47,26 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
     return 3.0 * per_token * global_batch_size * m.seq_length
 
 
+# Beyond the common core: the hybrid layer pattern, the Mamba layers' shape, and the GPT data
+# options the shared data pipeline honours (supervised fine-tuning, per-token loss averaging).
+ACCEPTED_FIELDS = frozenset(
+    {
+        "hybrid_layer_pattern",
+        "hybrid_override_pattern",
+        "hybrid_attention_ratio",
+        "hybrid_mlp_ratio",
+        "mamba_state_dim",
+        "mamba_head_dim",
+        "mamba_num_groups",
+        "mamba_num_heads",
+        "sft",
+        "calculate_per_token_loss",
+    }
+)
+
+
 def validate(cfg) -> None:
     """The pattern's rules, and what Mamba layers cannot do."""
-    refuse_t5_flags(cfg, "mamba")
-    refuse_gpt_only_flags(cfg, "mamba")
     pattern = hybrid_pattern(cfg)
     mamba = MambaSpec.from_config(cfg)
     if MAMBA not in pattern:
@@ -87,4 +102,5 @@ FAMILY = ModelFamily(
     hf_adapter=Mamba2HFAdapter(),
     generation=True,
     default_tokenizer_type="GPT2BPETokenizer",
+    accepted_fields=ACCEPTED_FIELDS,
 )

@@ -20,7 +20,6 @@ from gigatron.families.gpt import language_model_loss
 from gigatron.families.registry import ModelFamily
 from gigatron.families.t5.hf_t5 import T5HFAdapter
 from gigatron.models.flops import forward_flops_per_token
-from gigatron.models.hybrid_layout import refuse_gpt_only_flags, refuse_hybrid_flags
 from gigatron.models.t5 import build_t5_model, t5_stage_layout
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.pipeline import pipeline_tensor_shape
@@ -76,15 +75,27 @@ def flops_per_iteration(cfg, global_batch_size: int, padded_vocab_size: int) -> 
     return 3.0 * (encoder * s_enc + decoder * s_dec + cross) * global_batch_size
 
 
+# Beyond the common core: the encoder-decoder shape, relative positions, the stage split, the
+# span-corruption data's masking, and per-token loss averaging.
+ACCEPTED_FIELDS = frozenset(
+    {
+        "encoder_num_layers",
+        "decoder_num_layers",
+        "encoder_seq_length",
+        "decoder_seq_length",
+        "position_embedding_type=relative",
+        "relative_attention_num_buckets",
+        "relative_attention_max_distance",
+        "pipeline_model_parallel_split_rank",
+        "mask_prob",
+        "short_seq_prob",
+        "calculate_per_token_loss",
+    }
+)
+
+
 def validate(cfg) -> None:
     """What the T5 model and its data need, and what it cannot do yet."""
-    refuse_hybrid_flags(cfg, "t5")
-    refuse_gpt_only_flags(cfg, "t5")
-    if cfg.data.sft:
-        raise GigatronError(
-            "--sft: supervised fine-tuning is built for GPT (gigatron pretrain gpt --sft); drop "
-            "it for gigatron pretrain t5"
-        )
     m, p = cfg.model, cfg.parallel
     # The cross-attention is T5's own: these would reach the self-attention layers only.
     unsupported = [
@@ -131,7 +142,6 @@ def validate(cfg) -> None:
     for given, flag in (
         (m.post_layernorm, "--post-layernorm"),
         (m.apply_residual_connection_post_layernorm, "--apply-residual-connection-post-layernorm"),
-        (cfg.moe.num_experts is not None, "--num-experts"),
         (p.context_parallel_size > 1, "--context-parallel-size > 1"),
         (bool(p.num_virtual_stages_per_pipeline_rank), "virtual pipeline stages"),
         (p.num_layers_per_virtual_pipeline_stage is not None, "virtual pipeline stages"),
@@ -226,4 +236,5 @@ FAMILY = ModelFamily(
     hf_adapter=T5HFAdapter(),
     pipeline_stage_shapes=pipeline_stage_shapes,
     default_tokenizer_type="BertWordPieceLowerCase",  # Megatron's pretrain_t5.py
+    accepted_fields=ACCEPTED_FIELDS,
 )

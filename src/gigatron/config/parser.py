@@ -1,0 +1,48 @@
+"""`FlagParser`: argparse with one-line errors and a "did you mean" for mistyped flags.
+
+argparse answers a mistyped flag with the whole usage (hundreds of lines for `pretrain`) and no
+hint; this parser prints one line naming the unknown flag, the closest known flags and where to
+see them all, and exits with status 2 as argparse does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+from typing import NoReturn
+
+_UNRECOGNIZED = "unrecognized arguments: "
+
+
+def closest_flags(unknown: str, known: list[str], count: int = 3) -> list[str]:
+    """The known flags nearest to `unknown` (its `=value` part ignored), best first."""
+    name = unknown.split("=", 1)[0]
+    return difflib.get_close_matches(name, known, n=count, cutoff=0.6)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (with suggestions for unknown flags)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def known_flags(self) -> list[str]:
+        return [flag for action in self._actions for flag in action.option_strings]
+
+    def unknown_flag_message(self, arguments: list[str]) -> str:
+        """'--foo: unknown flag; did you mean --bar?' for each flag among `arguments`."""
+        flags = [a for a in arguments if a.startswith("-")] or arguments
+        parts = []
+        for flag in flags:
+            close = closest_flags(flag, self.known_flags())
+            hint = f"; did you mean {' or '.join(close)}?" if close else ""
+            parts.append(f"{flag}: unknown flag{hint}")
+        return f"{'; '.join(parts)} (`{self.prog} --help` lists every flag)"
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith(_UNRECOGNIZED):
+            message = self.unknown_flag_message(message[len(_UNRECOGNIZED) :].split())
+        else:
+            message = f"{message} (`{self.prog} --help` lists every flag)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
