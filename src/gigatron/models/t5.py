@@ -32,6 +32,7 @@ from torch import nn
 
 from gigatron.errors import GigatronError
 from gigatron.models.embedding import LanguageModelEmbedding
+from gigatron.models.language_model import LanguageModelStage
 from gigatron.models.transformer import (
     CoreAttention,
     LayerParts,
@@ -253,14 +254,16 @@ def _run_decoder_layers(layers: list[nn.Module]):
     return run
 
 
-class T5Model(nn.Module):
+class T5Model(LanguageModelStage):
     """One pipeline chunk of a T5 (see the module docstring and docs/architecture.md).
 
     `encoder_layers` / `decoder_layers`: the global layer numbers of each stack on this chunk
     (None: the chunk has none of that stack). `pre_process`: the chunk embeds the tokens of the
     stack it starts (the encoder's first stage, the decoder's first stage). `encoder_final`: the
     chunk ends the encoder (holds its final norm). `post_process`: the chunk ends the decoder
-    (final norm and output layer).
+    (final norm and output layer). What the previous stage sends (`set_input_tensor`, a list):
+    [encoder hidden] on an encoder stage, [encoder output] on the decoder's first stage,
+    [decoder hidden, encoder output] after.
     """
 
     def __init__(
@@ -277,17 +280,10 @@ class T5Model(nn.Module):
         rng: ModelParallelRNG,
         parts: LayerParts | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(decoder_config, pctx, vocab_size, pre_process, post_process, rng)
         parts = parts or LayerParts()
-        self.config = decoder_config
         self.encoder_config = encoder_config
-        self.pctx = pctx
-        self.vocab_size = vocab_size
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.rng = rng
         self.relative = decoder_config.position_embedding_type == "relative"
-        self.input_tensor: list[torch.Tensor] | None = None
         self.layer_numbers = {"encoder": encoder_layers, "decoder": decoder_layers}
         self.add_encoder = encoder_layers is not None
         self.add_decoder = decoder_layers is not None
@@ -314,45 +310,13 @@ class T5Model(nn.Module):
         if post_process:
             # Megatron's T5 head: tied to the embedding with a bias of its own, or untied
             # without one.
-            self.output_layer = ColumnParallelLinear(
-                decoder_config.hidden_size,
-                vocab_size,
-                pctx,
-                bias=self.tied,
-                sequence_parallel=decoder_config.sequence_parallel,
-                init_std=decoder_config.init_method_std,
-                skip_weight=self.tied and pre_process,
-                dtype=decoder_config.params_dtype,
-            )
-            if self.tied and not pre_process:
-                self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
-                self.output_layer.weight.shared_embedding = True
+            self.add_output_layer(self.tied, self.tied, pre_process)
         if pre_process and pctx.pp_size > 1:
             # The encoder's and the decoder's first stages hold the same embedding (and the
             # last stage the tied output weight): finalize_model_grads sums their gradients.
             self.embedding.word_embeddings.weight.shared_embedding = True
             if self.embedding.position_embeddings is not None:
                 self.embedding.position_embeddings.weight.shared_position_embedding = True
-
-    def set_input_tensor(self, input_tensor) -> None:
-        """What the previous pipeline stage sent: [encoder hidden] on an encoder stage,
-        [encoder output] on the decoder's first stage, [decoder hidden, encoder output] after."""
-        if input_tensor is None:
-            self.input_tensor = None
-        elif isinstance(input_tensor, (list, tuple)):
-            self.input_tensor = list(input_tensor)
-        else:
-            self.input_tensor = [input_tensor]
-
-    def output_weight(self) -> torch.Tensor:
-        if self.output_layer.weight is not None:
-            return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
-
-    def _received(self, index: int) -> torch.Tensor:
-        if not self.input_tensor or len(self.input_tensor) <= index:
-            raise RuntimeError("this pipeline chunk needs set_input_tensor() first")
-        return self.input_tensor[index]
 
     def _bias_or_mask(self, mask: torch.Tensor, table: str, sq: int, sk: int) -> torch.Tensor:
         """The bool mask, or with relative positions the float bias with masked keys at the
@@ -379,7 +343,7 @@ class T5Model(nn.Module):
             if self.pre_process:
                 hidden = self.embedding(encoder_input_ids, _positions(encoder_input_ids))
             else:
-                hidden = self._received(0)
+                hidden = self.stage_input(0)
             s_enc = enc_keys.shape[-1]
             mask = self._bias_or_mask(enc_keys, "encoder_relative_pos_emb", s_enc, s_enc)
             encoder_output = self.encoder(hidden, mask)
@@ -387,9 +351,9 @@ class T5Model(nn.Module):
                 return encoder_output
             decoder_hidden = None
         elif self.pre_process:
-            encoder_output, decoder_hidden = self._received(0), None
+            encoder_output, decoder_hidden = self.stage_input(0), None
         else:
-            decoder_hidden, encoder_output = self._received(0), self._received(1)
+            decoder_hidden, encoder_output = self.stage_input(0), self.stage_input(1)
 
         if decoder_hidden is None:
             decoder_hidden = self.embedding(decoder_input_ids, _positions(decoder_input_ids))
