@@ -34,20 +34,18 @@ from gigatron.errors import GigatronError
 from gigatron.models.embedding import LanguageModelEmbedding
 from gigatron.models.language_model import LanguageModelStage
 from gigatron.models.transformer import (
+    Attention,
     CoreAttention,
     LayerParts,
     TransformerBlock,
     TransformerLayer,
+    column_linear,
+    row_linear,
 )
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
-from gigatron.parallel.random import ModelParallelRNG, recompute
-from gigatron.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    divide,
-    set_tensor_parallel_attributes,
-)
+from gigatron.parallel.random import ModelParallelRNG
+from gigatron.parallel.tensor_parallel import divide, set_tensor_parallel_attributes
 
 
 def relative_position_buckets(
@@ -116,7 +114,7 @@ class RelativePositionBias(nn.Module):
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(Attention):
     """Queries from the decoder, keys and values from the encoder output."""
 
     def __init__(
@@ -127,39 +125,21 @@ class CrossAttention(nn.Module):
         rng: ModelParallelRNG,
         core_attention=None,
     ) -> None:
-        super().__init__()
+        super().__init__(config, layer_number, rng)
         tp = pctx.tp_size
         self.heads = divide(config.num_attention_heads, tp, "--num-attention-heads")
         self.groups = divide(config.num_query_groups, tp, "--num-query-groups")
         self.kv_channels = config.kv_channels
-        common = dict(
-            sequence_parallel=config.sequence_parallel,
-            init_std=config.init_method_std,
-            dtype=config.params_dtype,
+        hidden, kv_channels = config.hidden_size, config.kv_channels
+        q_size = config.num_attention_heads * kv_channels
+        self.linear_q = column_linear(config, pctx, hidden, q_size)
+        self.linear_kv = column_linear(
+            config, pctx, hidden, 2 * config.num_query_groups * kv_channels
         )
-        bias = config.add_bias_linear
-        self.linear_q = ColumnParallelLinear(
-            config.hidden_size, config.num_attention_heads * config.kv_channels, pctx,
-            bias=bias, **common,
-        )  # fmt: skip
-        self.linear_kv = ColumnParallelLinear(
-            config.hidden_size, 2 * config.num_query_groups * config.kv_channels, pctx,
-            bias=bias, **common,
-        )  # fmt: skip
         factory = core_attention or CoreAttention
         not_causal = dataclasses.replace(config, causal_attention=False)
         self.core_attention = factory(not_causal, pctx, layer_number, rng)
-        self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * config.kv_channels,
-            config.hidden_size,
-            pctx,
-            bias=bias,
-            sequence_parallel=config.sequence_parallel,
-            init_std=config.output_init_std,
-            dtype=config.params_dtype,
-        )
-        self.recompute_core = config.recompute_granularity == "selective"
-        self.rng = rng
+        self.linear_proj = row_linear(config, pctx, q_size, hidden)
 
     def forward(
         self, x: torch.Tensor, memory: torch.Tensor, attention_mask: torch.Tensor | None
@@ -169,11 +149,7 @@ class CrossAttention(nn.Module):
         kv = self.linear_kv(memory)
         kv = kv.view(kv.shape[0], kv.shape[1], self.groups, 2, self.kv_channels)
         k, v = (t.squeeze(3) for t in torch.split(kv, [1, 1], dim=3))
-        if self.recompute_core and self.training:
-            context = recompute(self.core_attention, q, k, v, attention_mask, rng=self.rng)
-        else:
-            context = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(context)
+        return self.attend(q, k, v, attention_mask)
 
 
 class T5DecoderLayer(TransformerLayer):
@@ -192,15 +168,15 @@ class T5DecoderLayer(TransformerLayer):
         self.cross_attention = CrossAttention(config, pctx, layer_number, rng, parts.core_attention)
 
     def forward(self, x, self_mask, memory, cross_mask):  # type: ignore[override]
-        x = self._residual_add(x, self.self_attention(self.input_layernorm(x), self_mask))
+        x = self.residual_add(x, self.self_attention(self.input_layernorm(x), self_mask))
         normed = self.pre_cross_attn_layernorm(x)
-        x = self._residual_add(x, self.cross_attention(normed, memory, cross_mask))
-        return self._residual_add(x, self.mlp(self.pre_mlp_layernorm(x)))
+        x = self.residual_add(x, self.cross_attention(normed, memory, cross_mask))
+        return self.residual_add(x, self.mlp(self.pre_mlp_layernorm(x)))
 
 
-class T5DecoderBlock(nn.Module):
+class T5DecoderBlock(TransformerBlock):
     """The decoder layers of one chunk and, where the decoder ends, its final norm; full
-    recomputation as `TransformerBlock` (uniform groups or the first layers of the block)."""
+    recomputation as `TransformerBlock`'s."""
 
     def __init__(
         self,
@@ -211,47 +187,14 @@ class T5DecoderBlock(nn.Module):
         rng: ModelParallelRNG,
         parts: LayerParts,
     ) -> None:
-        super().__init__()
-        self.layers = nn.ModuleDict(
-            {str(i): T5DecoderLayer(config, pctx, i + 1, rng, parts) for i in layer_numbers}
-        )
-        self.final_layernorm = parts.norm(config, pctx) if final_norm else None
-        self.rng = rng
-        self.recompute_full = config.recompute_granularity == "full"
-        self.recompute_method = config.recompute_method or "uniform"
-        self.recompute_num_layers = config.recompute_num_layers or 1
+        def decoder_layer(config, pctx, number, rng):
+            return T5DecoderLayer(config, pctx, number, rng, parts)
 
-    def forward(self, x, self_mask, memory, cross_mask) -> torch.Tensor:
-        layers = list(self.layers.values())
-        if self.recompute_full and self.training:
-            n = self.recompute_num_layers
-            if self.recompute_method == "uniform":
-                groups = [layers[i : i + n] for i in range(0, len(layers), n)]
-                recomputed = [True] * len(groups)
-            else:
-                groups = [[layer] for layer in layers]
-                recomputed = [i < n for i in range(len(groups))]
-            for group, again in zip(groups, recomputed):
-                run = _run_decoder_layers(group)
-                if again:
-                    x = recompute(run, x, self_mask, memory, cross_mask, rng=self.rng)
-                else:
-                    x = run(x, self_mask, memory, cross_mask)
-        else:
-            for layer in layers:
-                x = layer(x, self_mask, memory, cross_mask)
-        if self.final_layernorm is not None:
-            x = self.final_layernorm(x)
-        return x
+        super().__init__(config, pctx, layer_numbers, final_norm, rng, parts, decoder_layer)
 
-
-def _run_decoder_layers(layers: list[nn.Module]):
-    def run(x, self_mask, memory, cross_mask):
-        for layer in layers:
-            x = layer(x, self_mask, memory, cross_mask)
-        return x
-
-    return run
+    def forward(self, x, self_mask, memory, cross_mask) -> torch.Tensor:  # type: ignore[override]
+        x = self.run_layers(x, self_mask, memory, cross_mask)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x
 
 
 class T5Model(LanguageModelStage):
