@@ -25,6 +25,7 @@ with both, it runs the whole model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -175,22 +176,9 @@ class T5DecoderLayer(TransformerLayer):
 
 
 class T5DecoderBlock(TransformerBlock):
-    """The decoder layers of one chunk and, where the decoder ends, its final norm; full
-    recomputation as `TransformerBlock`'s."""
-
-    def __init__(
-        self,
-        config: TransformerConfig,
-        pctx: ParallelContext,
-        layer_numbers: range,
-        final_norm: bool,
-        rng: ModelParallelRNG,
-        parts: LayerParts,
-    ) -> None:
-        def decoder_layer(config, pctx, number, rng):
-            return T5DecoderLayer(config, pctx, number, rng, parts)
-
-        super().__init__(config, pctx, layer_numbers, final_norm, rng, parts, decoder_layer)
+    """The decoder layers of one chunk and, where the decoder ends, its final norm: a
+    `TransformerBlock` of `T5DecoderLayer`s (`layer_builder=partial(T5DecoderLayer,
+    parts=parts)`), whose layers also take the encoder output and the cross-attention mask."""
 
     def forward(self, x, self_mask, memory, cross_mask) -> torch.Tensor:  # type: ignore[override]
         x = self.run_layers(x, self_mask, memory, cross_mask)
@@ -247,8 +235,9 @@ class T5Model(LanguageModelStage):
                     decoder_config, pctx, bidirectional=False
                 )
             self.decoder = T5DecoderBlock(
-                decoder_config, pctx, decoder_layers, post_process, rng, parts
-            )
+                decoder_config, pctx, decoder_layers, post_process, rng, parts,
+                layer_builder=functools.partial(T5DecoderLayer, parts=parts),
+            )  # fmt: skip
         self.tied = not decoder_config.untie_embeddings_and_output_weights
         if post_process:
             # Megatron's T5 head: tied to the embedding with a bias of its own, or untied
