@@ -287,11 +287,8 @@ class _PipelinePass:
     ) -> None:
         self.forward_step, self.chunks = forward_step, model_chunks
         self.stages = [pipeline_stage(chunk) for chunk in model_chunks]
-        self.num_microbatches, self.config, self.forward_only = (
-            num_microbatches,
-            config,
-            forward_only,
-        )
+        self.num_microbatches = num_microbatches
+        self.config, self.forward_only = config, forward_only
         self.pp_size, self.pp_rank = pctx.pp_size, pctx.pp_rank
         self.iterators = _chunk_iterators(data_iterator, len(model_chunks))
         shape = pipeline_tensor_shape(
@@ -396,32 +393,6 @@ class _PipelinePass:
             self.comm.send(GRADIENT, chunk_id, mb, grad_input, then_recv=then_recv)
 
 
-def forward_backward_pipelining(
-    forward_step: ForwardStep,
-    data_iterator: Iterator | list[Iterator] | None,
-    model_chunks: list[nn.Module],
-    num_microbatches: int,
-    pctx: ParallelContext,
-    config: ScheduleConfig,
-    forward_only: bool = False,
-    observer: ScheduleObserver | None = None,
-) -> list[dict[str, Any]]:
-    """Run the steps of `pipeline_schedule_order` for this rank: 1F1B with one chunk,
-    interleaved 1F1B with several (virtual stages)."""
-    order = pipeline_schedule_order(
-        pctx.pp_size,
-        pctx.pp_rank,
-        num_microbatches,
-        len(model_chunks),
-        config.microbatch_group_size,
-        forward_only,
-    )
-    run = _PipelinePass(
-        forward_step, data_iterator, model_chunks, num_microbatches, pctx, config, forward_only
-    )
-    return run.run(order, observer)
-
-
 def set_aux_loss_scale(
     stages: list[PipelineStage], num_microbatches: int, config: ScheduleConfig
 ) -> None:
@@ -463,7 +434,16 @@ def forward_backward(
             forward_step, data_iterator, model_chunks, num_microbatches, config, forward_only,
             observer,
         )  # fmt: skip
-    return forward_backward_pipelining(
-        forward_step, data_iterator, model_chunks, num_microbatches, pctx, config, forward_only,
-        observer,
-    )  # fmt: skip
+    # 1F1B with one chunk per rank, interleaved 1F1B with several (virtual stages).
+    order = pipeline_schedule_order(
+        pctx.pp_size,
+        pctx.pp_rank,
+        num_microbatches,
+        len(model_chunks),
+        config.microbatch_group_size,
+        forward_only,
+    )
+    run = _PipelinePass(
+        forward_step, data_iterator, model_chunks, num_microbatches, pctx, config, forward_only
+    )
+    return run.run(order, observer)
