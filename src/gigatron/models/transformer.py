@@ -333,20 +333,22 @@ def qk_norm(config: TransformerConfig, pctx: ParallelContext, size: int) -> nn.M
     return norm
 
 
+def _linear_options(config, bias: bool | None) -> dict:
+    return dict(
+        bias=config.add_bias_linear if bias is None else bias,
+        sequence_parallel=config.sequence_parallel,
+        dtype=config.params_dtype,
+    )
+
+
 def column_linear(
     config, pctx: ParallelContext, input_size: int, output_size: int, bias=None, stride=1
 ) -> ColumnParallelLinear:
     """A column-parallel layer of the model (its sequence parallelism, init and dtype; `bias`
-    defaults to --add-bias-linear). `config`: a TransformerConfig or an MoE spec."""
+    defaults to --add-bias-linear)."""
+    options = _linear_options(config, bias)
     return ColumnParallelLinear(
-        input_size,
-        output_size,
-        pctx,
-        bias=config.add_bias_linear if bias is None else bias,
-        sequence_parallel=config.sequence_parallel,
-        init_std=config.init_method_std,
-        stride=stride,
-        dtype=config.params_dtype,
+        input_size, output_size, pctx, init_std=config.init_method_std, stride=stride, **options
     )
 
 
@@ -354,14 +356,9 @@ def row_linear(
     config, pctx: ParallelContext, input_size: int, output_size: int, bias=None
 ) -> RowParallelLinear:
     """A row-parallel output projection of the model (initialised with the output std)."""
+    options = _linear_options(config, bias)
     return RowParallelLinear(
-        input_size,
-        output_size,
-        pctx,
-        bias=config.add_bias_linear if bias is None else bias,
-        sequence_parallel=config.sequence_parallel,
-        init_std=config.output_init_std,
-        dtype=config.params_dtype,
+        input_size, output_size, pctx, init_std=config.output_init_std, **options
     )
 
 
@@ -456,8 +453,7 @@ class SelfAttention(Attention):
 class MLP(nn.Module):
     """linear_fc1 -> activation (GeLU, or a gated unit on the fused [gate; up] output: SwiGLU,
     GeGLU (T5 v1.1), quick GeGLU; see models/activations.py) -> linear_fc2.
-    `config`: a TransformerConfig (or an MoE spec, whose shared experts are one);
-    `ffn_hidden_size` defaults to the config's."""
+    `ffn_hidden_size` defaults to the config's (MoE shared experts give their own)."""
 
     def __init__(
         self,
