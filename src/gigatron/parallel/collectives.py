@@ -29,37 +29,37 @@ def _tp(pctx: ParallelContext) -> tuple[Any, int, int]:
     return pctx.group("tp"), pctx.tp_size, pctx.tp_rank
 
 
-def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: Any, size: int = 0, rank: int = 0) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
 
 
-def _split_last(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+def _split_last(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
     return x.chunk(size, dim=-1)[rank].contiguous()
 
 
-def _gather_last(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def _gather_last(x: torch.Tensor, group: Any, size: int, rank: int = 0) -> torch.Tensor:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
 
 
-def _split_first(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+def _split_first(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by tp size {size}")
     return x.chunk(size, dim=0)[rank].contiguous()
 
 
-def _gather_first(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def _gather_first(x: torch.Tensor, group: Any, size: int, rank: int = 0) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x, group=group)
     return out
 
 
-def _reduce_scatter_first(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def _reduce_scatter_first(x: torch.Tensor, group: Any, size: int, rank: int = 0) -> torch.Tensor:
     # Gloo gained reduce_scatter for tensors in recent torch versions (checked on 2.13: it works);
     # a native reduce-scatter moves 1/size of the data an all-reduce + slice would.
     x = x.contiguous()
@@ -74,32 +74,8 @@ def _identity(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor
     return x
 
 
-def _reduce(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
-    return _all_reduce(x, group)
-
-
 def _reduce_copy(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
     return _all_reduce(x.clone(), group)  # the input stays as it was
-
-
-def _split_last_of(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
-    return _split_last(x, size, rank)
-
-
-def _gather_last_of(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
-    return _gather_last(x, group, size)
-
-
-def _split_first_of(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
-    return _split_first(x, size, rank)
-
-
-def _gather_first_of(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
-    return _gather_first(x, group, size)
-
-
-def _reduce_scatter_first_of(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
-    return _reduce_scatter_first(x, group, size)
 
 
 class _Conjugate(torch.autograd.Function):
@@ -116,14 +92,15 @@ class _Conjugate(torch.autograd.Function):
         return ctx.backward_op(grad, ctx.group, ctx.size, ctx.rank), None, None, None, None
 
 
-_COPY = (_identity, _reduce)
+# (forward, backward) pairs; every function takes (x, group, size, rank).
+_COPY = (_identity, _all_reduce)
 _REDUCE = (_reduce_copy, _identity)
-_SCATTER_LAST = (_split_last_of, _gather_last_of)
-_GATHER_LAST = (_gather_last_of, _split_last_of)
-_SCATTER_FIRST = (_split_first_of, _gather_first_of)
-_GATHER_FIRST = (_gather_first_of, _reduce_scatter_first_of)
-_GATHER_FIRST_KEEP_SLICE = (_gather_first_of, _split_first_of)
-_REDUCE_SCATTER_FIRST = (_reduce_scatter_first_of, _gather_first_of)
+_SCATTER_LAST = (_split_last, _gather_last)
+_GATHER_LAST = (_gather_last, _split_last)
+_SCATTER_FIRST = (_split_first, _gather_first)
+_GATHER_FIRST = (_gather_first, _reduce_scatter_first)
+_GATHER_FIRST_KEEP_SLICE = (_gather_first, _split_first)
+_REDUCE_SCATTER_FIRST = (_reduce_scatter_first, _gather_first)
 
 
 def copy_to_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
