@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gigatron.parallel.context import ParallelContext, run_distributed
-from gigatron.parallel.schedules import ScheduleConfig, forward_backward
+from gigatron.parallel.pipeline_stage import PipelineStage
+from gigatron.parallel.schedules import ScheduleConfig, ScheduleTimes, forward_backward
 
 SEQ, MICRO_BATCH, HIDDEN = 8, 2, 64
 
@@ -63,7 +64,7 @@ def make_load(kind: str, seconds: float):
     return matmuls
 
 
-class LoadStage(nn.Module):
+class LoadStage(PipelineStage):
     """One (virtual) pipeline stage: h + W h, then the fixed load."""
 
     def __init__(self, forward_load, backward_load, pre_process: bool, post_process: bool):
@@ -71,13 +72,9 @@ class LoadStage(nn.Module):
         self.linear = nn.Linear(HIDDEN, HIDDEN)
         self.forward_load, self.backward_load = forward_load, backward_load
         self.pre_process, self.post_process = pre_process, post_process
-        self.input_tensor = None
-
-    def set_input_tensor(self, tensor):
-        self.input_tensor = tensor
 
     def forward(self, x):
-        h = x if self.pre_process else self.input_tensor
+        h = x if self.pre_process else self.stage_input()
         return _Load.apply(h + self.linear(h), self.forward_load, self.backward_load)
 
 
@@ -105,19 +102,20 @@ def _worker(rank, world_size, configs, args, result_path):
             )
             for k in range(v)
         ]
-        config = ScheduleConfig(SEQ, MICRO_BATCH, HIDDEN, stats={})
+        config = ScheduleConfig(SEQ, MICRO_BATCH, HIDDEN)
+        times = ScheduleTimes()
         data = [torch.randn(SEQ, MICRO_BATCH, HIDDEN) for _ in range(m)]
         total = 0.0
         for iteration in range(args["warmup"] + args["iters"]):
             if iteration == args["warmup"]:
-                config.stats = {}
+                times = ScheduleTimes()
                 total = 0.0
             dist.barrier()
             began = time.perf_counter()
-            forward_backward(forward_step, iter(data), chunks, m, pctx, config)
+            forward_backward(forward_step, iter(data), chunks, m, pctx, config, observer=times)
             dist.barrier()
             total += time.perf_counter() - began
-        compute, waited = config.stats["compute_s"], config.stats["recv_wait_s"]
+        compute, waited = times.compute_s, times.recv_wait_s
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, (total, compute, waited))
         rows.append({"p": pp, "m": m, "v": v, "ranks": per_rank})

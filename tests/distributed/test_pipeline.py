@@ -16,7 +16,13 @@ from gigatron.families.gpt import token_losses
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.grad_sync import finalize_model_grads
-from gigatron.parallel.schedules import ScheduleConfig, forward_backward, pipeline_schedule_order
+from gigatron.parallel.pipeline_stage import ChunkWrapper
+from gigatron.parallel.schedules import (
+    ScheduleConfig,
+    ScheduleObserver,
+    forward_backward,
+    pipeline_schedule_order,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -69,14 +75,27 @@ def iteration_loss(reports) -> float:
     return (sum(r["loss_sum"] for r in reports) / sum(r["tokens"] for r in reports)).item()
 
 
-def schedule_config(cfg, trace=None) -> ScheduleConfig:
+def schedule_config(cfg) -> ScheduleConfig:
     return ScheduleConfig(
         seq_length=cfg.model.seq_length,
         micro_batch_size=cfg.training.micro_batch_size,
         hidden_size=cfg.model.hidden_size,
         sequence_parallel=cfg.parallel.sequence_parallel,
-        trace=trace,
     )
+
+
+class Trace(ScheduleObserver):
+    """The steps ("F" | "B", chunk, micro-batch) of a pass, in execution order, and its timings."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, int, int]] = []
+        self.timings: list[tuple[float, float]] = []
+
+    def on_step(self, kind: str, chunk: int, microbatch: int) -> None:
+        self.steps.append((kind, chunk, microbatch))
+
+    def on_pass_end(self, compute_s: float, recv_wait_s: float) -> None:
+        self.timings.append((compute_s, recv_wait_s))
 
 
 def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -98,9 +117,9 @@ def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-class SyncRecorder(torch.nn.Module):
+class SyncRecorder(ChunkWrapper):
     """A DDP stand-in: records, for every backward through the chunk, whether it ran outside
-    no_sync() (gradient reduction enabled), and hides set_input_tensor behind `.module`."""
+    no_sync() (gradient reduction enabled); the schedule reaches the stage through `.module`."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
@@ -159,13 +178,15 @@ def run_layout(tp: int, pp: int, vp: int, reference, sequence_parallel: bool = F
         return output, loss_fn
 
     # Forward only first: the reference's first loss, no gradients, no backward steps.
-    trace: list = []
+    trace = Trace()
     with torch.no_grad():
         reports = forward_backward(
             recording_forward_step, iter(microbatches(0)), chunks, MICROBATCHES, pctx,
-            schedule_config(cfg, trace), forward_only=True,
+            schedule_config(cfg), forward_only=True, observer=trace,
         )  # fmt: skip
-    assert trace == pipeline_schedule_order(pp, pctx.pp_rank, MICROBATCHES, vp, forward_only=True)
+    forward_order = pipeline_schedule_order(pp, pctx.pp_rank, MICROBATCHES, vp, forward_only=True)
+    assert trace.steps == forward_order, where
+    assert len(trace.timings) == 1 and min(trace.timings[0]) >= 0, where
     assert all(p.grad is None for p in params), where
     if pctx.is_pipeline_last_stage():
         assert iteration_loss(reports) == pytest.approx(ref_losses[0], rel=1e-5), where
@@ -175,18 +196,18 @@ def run_layout(tp: int, pp: int, vp: int, reference, sequence_parallel: bool = F
     losses = []
     for iteration in range(ITERATIONS):
         optimizer.zero_grad()
-        trace = []
+        trace = Trace()
         sent_outputs.clear()
         reports = forward_backward(
             recording_forward_step, iter(microbatches(iteration)), chunks, MICROBATCHES, pctx,
-            schedule_config(cfg, trace),
+            schedule_config(cfg), observer=trace,
         )  # fmt: skip
-        assert trace == pipeline_schedule_order(pp, pctx.pp_rank, MICROBATCHES, vp), where
+        assert trace.steps == pipeline_schedule_order(pp, pctx.pp_rank, MICROBATCHES, vp), where
         if pp == 2 and iteration == 0:
             expected = [
                 (t[0], int(t[1]), int(t[2])) for t in EXPECTED_PP2_ORDER[(vp, pctx.pp_rank)].split()
             ]
-            assert trace == expected, where
+            assert trace.steps == expected, where
         if not all(chunk.module.post_process for chunk in chunks):
             assert len(sent_outputs) == MICROBATCHES * (vp - chunks[-1].module.post_process)
             assert all(out.numel() == 1 for out in sent_outputs), where

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from gigatron.parallel.context import ParallelContext, run_distributed
+from gigatron.parallel.pipeline_stage import PipelineStage
 from gigatron.parallel.schedules import ScheduleConfig, forward_backward
 
 pytestmark = pytest.mark.distributed
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.distributed
 HIDDEN, SEQ_A, SEQ_B, BATCH, MICROBATCHES = 8, 4, 6, 2, 4
 
 
-class Stage(nn.Module):
+class Stage(PipelineStage):
     """Stage 0: batch -> [tanh(W x), y * u]; stage 1: [a, b] -> [tanh(W a) + mean_s(b), b];
     stage 2: [c, b] -> sum(W c) * mean(b * u) (the loss)."""
 

@@ -22,6 +22,7 @@ from gigatron.data.batch import get_batch
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family, register_family
 from gigatron.families.hf_adapter import HFAdapter
+from gigatron.parallel.pipeline_stage import PipelineStage
 from gigatron.torch_files import safe_load
 from gigatron.training.pretrain import parse_pretrain_config, pretrain
 
@@ -29,7 +30,7 @@ VOCAB, SEQ, HIDDEN, LAYERS = 32, 8, 16, 2
 
 
 # ---- what families/tinylm/ would hold ----------------------------------------------------------
-class TinyLM(nn.Module):
+class TinyLM(PipelineStage):
     """Embedding, `num_layers` tanh(Linear) layers, output projection: one pipeline stage."""
 
     def __init__(self, vocab: int, hidden: int, num_layers: int) -> None:
@@ -39,9 +40,6 @@ class TinyLM(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_layers))
         self.output_layer = nn.Linear(hidden, vocab, bias=False)
         self.pre_process = self.post_process = True
-
-    def set_input_tensor(self, tensor) -> None:
-        raise AssertionError("a one-stage model gets no pipeline input")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding.word_embeddings(tokens)

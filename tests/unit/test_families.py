@@ -15,12 +15,13 @@ from torch import nn
 
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family, register_family
+from gigatron.parallel.pipeline_stage import PipelineStage
 from gigatron.training.pretrain import parse_pretrain_config, pretrain
 
 VOCAB, SEQ = 32, 8
 
 
-class Bigram(nn.Module):
+class Bigram(PipelineStage):
     """A one-matrix language model: logits of the next token from the current one."""
 
     def __init__(self) -> None:

@@ -23,6 +23,7 @@ from gigatron.models.flops import model_flops_per_iteration
 from gigatron.optim import build_lr_scheduler, build_num_microbatches_calculator, build_optimizer
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.data_parallel import DistributedDataParallel
+from gigatron.parallel.pipeline_stage import PipelineStage
 from gigatron.parallel.schedules import ScheduleConfig
 from gigatron.training.loop import Run, evaluate, train
 from gigatron.training.metrics import MetricsLogger
@@ -30,7 +31,7 @@ from gigatron.training.metrics import MetricsLogger
 VOCAB, HIDDEN, SEQ, MICRO, GLOBAL = 16, 8, 6, 2, 4
 
 
-class ToyLM(nn.Module):
+class ToyLM(PipelineStage):
     """Embedding -> dropout -> output layer; per-token loss when labels are given."""
 
     def __init__(self, dropout: float = 0.0) -> None:

@@ -20,7 +20,8 @@ ForwardStep = Callable[[Iterator | None, nn.Module], tuple[Any, Callable]]
 class ModelFamily:
     """Everything the generic machinery needs to know about one family of models.
 
-    - `build_model(cfg, pctx, vocab_size) -> list[nn.Module]`: this rank's pipeline chunks.
+    - `build_model(cfg, pctx, vocab_size) -> list[nn.Module]`: this rank's pipeline chunks, each a
+      `parallel.pipeline_stage.PipelineStage` (the schedules' contract).
     - `make_forward_step(cfg, pctx) -> ForwardStep`: batch -> outputs -> named loss reports.
     - `loss_names(cfg) -> tuple[str, ...]`: every report name the forward step may produce (the
       loop reduces them across ranks in this order); the first is the main loss.

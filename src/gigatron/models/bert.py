@@ -15,12 +15,13 @@ from torch import nn
 
 from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
+from gigatron.models.language_model import LanguageModelStage
 from gigatron.models.transformer import LayerParts, Norm, TransformerBlock
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.collectives import gather_from_sequence_parallel_region
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.random import ModelParallelRNG
-from gigatron.parallel.tensor_parallel import ColumnParallelLinear, set_tensor_parallel_attributes
+from gigatron.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 NUM_TOKENTYPES = 2
 
@@ -59,7 +60,7 @@ class BertLMHead(nn.Module):
         return self.layer_norm(F.gelu(self.dense(hidden), approximate=self.gelu_approximate))
 
 
-class BertModel(nn.Module):
+class BertModel(LanguageModelStage):
     """One pipeline chunk of a BERT (see the module docstring and docs/architecture.md)."""
 
     def __init__(
@@ -74,16 +75,9 @@ class BertModel(nn.Module):
         parts: LayerParts | None = None,
         add_binary_head: bool = True,
     ) -> None:
-        super().__init__()
+        super().__init__(config, pctx, vocab_size, pre_process, post_process, rng)
         parts = parts or LayerParts()
-        self.config = config
-        self.pctx = pctx
-        self.vocab_size = vocab_size
-        self.pre_process = pre_process
-        self.post_process = post_process
         self.add_binary_head = add_binary_head
-        self.rng = rng or ModelParallelRNG.for_rank(config.seed, pctx)
-        self.input_tensor: torch.Tensor | None = None
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.layer_numbers = layer_numbers
 
@@ -97,19 +91,7 @@ class BertModel(nn.Module):
         if post_process:
             self.lm_head = BertLMHead(config, pctx)
             # BERT always ties the output layer to the word embedding; the bias is its own.
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                pctx,
-                bias=True,
-                sequence_parallel=config.sequence_parallel,
-                init_std=config.init_method_std,
-                skip_weight=pre_process,
-                dtype=config.params_dtype,
-            )
-            if not pre_process:
-                self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
-                self.output_layer.weight.shared_embedding = True
+            self.add_output_layer(True, True, pre_process)
             if add_binary_head:
                 self.pooler = replicated_linear(
                     config.hidden_size, config.hidden_size, config, pctx
@@ -119,17 +101,6 @@ class BertModel(nn.Module):
                 )
         if pre_process and pctx.pp_size > 1:
             self.embedding.word_embeddings.weight.shared_embedding = True
-
-    def set_input_tensor(self, input_tensor: torch.Tensor | list | tuple | None) -> None:
-        """The hidden states from the previous pipeline stage (used instead of `tokens`)."""
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0] if input_tensor else None
-        self.input_tensor = input_tensor
-
-    def output_weight(self) -> torch.Tensor:
-        if self.output_layer.weight is not None:
-            return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
 
     def forward(
         self,
@@ -163,9 +134,7 @@ class BertModel(nn.Module):
         if self.pre_process:
             hidden = self.embedding(tokens, position_ids, tokentype_ids)
         else:
-            if self.input_tensor is None:
-                raise RuntimeError("a non-first pipeline chunk needs set_input_tensor() first")
-            hidden = self.input_tensor
+            hidden = self.stage_input()
         return self.encoder(hidden, attention_mask)
 
     def first_token(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import nn
 
 from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
+from gigatron.models.language_model import LanguageModelStage
 from gigatron.models.mla import MLASelfAttention
 from gigatron.models.moe.layer import moe_layer_parts
 from gigatron.models.mtp import MultiTokenPredictionBlock
@@ -24,10 +24,9 @@ from gigatron.models.yarn import rotary_embedding
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import sequence_positions
 from gigatron.parallel.random import ModelParallelRNG
-from gigatron.parallel.tensor_parallel import ColumnParallelLinear
 
 
-class GPTModel(nn.Module):
+class GPTModel(LanguageModelStage):
     """One pipeline chunk of a GPT (see the module docstring and docs/architecture.md)."""
 
     def __init__(
@@ -42,14 +41,7 @@ class GPTModel(nn.Module):
         parts: LayerParts | None = None,
         layer_builder=None,
     ) -> None:
-        super().__init__()
-        self.config = config
-        self.pctx = pctx
-        self.vocab_size = vocab_size
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.rng = rng or ModelParallelRNG.for_rank(config.seed, pctx)
-        self.input_tensor: torch.Tensor | None = None
+        super().__init__(config, pctx, vocab_size, pre_process, post_process, rng)
         self.share_embeddings = not config.untie_embeddings_and_output_weights
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.layer_numbers = layer_numbers
@@ -67,37 +59,12 @@ class GPTModel(nn.Module):
         if mtp:
             self.mtp = MultiTokenPredictionBlock(config, pctx, self.rng, parts or LayerParts())
         if post_process:
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                pctx,
-                bias=False,
-                sequence_parallel=config.sequence_parallel,
-                init_std=config.init_method_std,
-                skip_weight=self.share_embeddings and (pre_process or mtp),
-                dtype=config.params_dtype,
-            )
-            if self.share_embeddings and not (pre_process or mtp):
-                # The last stage's copy of the tied weight: drawn from the same generator as the
-                # word embedding, so both copies start equal without any communication.
-                self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
-                self.output_layer.weight.shared_embedding = True
+            self.add_output_layer(False, self.share_embeddings, pre_process or mtp)
         # Copies of the word embedding on the first and last stages: gradients summed over the
         # embedding group (the tied output weight, or the MTP stage's embedding).
         if pctx.pp_size > 1 and (self.share_embeddings or config.mtp_num_layers):
             if pre_process or mtp:
                 self.embedding.word_embeddings.weight.shared_embedding = True
-
-    def set_input_tensor(self, input_tensor: torch.Tensor | list | tuple | None) -> None:
-        """The hidden states from the previous pipeline stage (used instead of `tokens`)."""
-        if isinstance(input_tensor, (list, tuple)):
-            input_tensor = input_tensor[0] if input_tensor else None
-        self.input_tensor = input_tensor
-
-    def output_weight(self) -> torch.Tensor:
-        if self.output_layer.weight is not None:
-            return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
 
     def forward(
         self,
@@ -119,9 +86,7 @@ class GPTModel(nn.Module):
         if self.pre_process:
             hidden = self.embedding(tokens, position_ids)
         else:
-            if self.input_tensor is None:
-                raise RuntimeError("a non-first pipeline chunk needs set_input_tensor() first")
-            hidden = self.input_tensor
+            hidden = self.stage_input()
 
         rotary = None
         if self.rotary is not None:

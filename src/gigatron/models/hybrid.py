@@ -13,10 +13,6 @@ whatever kinds its range of layers has.
 
 from __future__ import annotations
 
-import contextlib
-
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gigatron.models.build import build_model_chunks
@@ -24,7 +20,7 @@ from gigatron.models.gpt import GPTModel
 from gigatron.models.hybrid_layout import ATTENTION, MAMBA, MLP, resolve_pattern
 from gigatron.models.mamba import MambaLayer, MambaSpec
 from gigatron.models.transformer import MLP as MLPBlock
-from gigatron.models.transformer import Norm, SelfAttention
+from gigatron.models.transformer import Norm, ResidualLayer, SelfAttention
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.random import ModelParallelRNG
@@ -42,24 +38,7 @@ def hybrid_pattern(cfg) -> str:
     )
 
 
-class _ResidualLayer(nn.Module):
-    """x + dropout(branch), with the dropout mask drawn per tp rank under sequence parallelism
-    (each rank holds a different slice of the sequence then)."""
-
-    def __init__(self, config: TransformerConfig, layer_number: int, rng: ModelParallelRNG):
-        super().__init__()
-        self.layer_number = layer_number  # 1-based, global
-        self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = config.sequence_parallel
-        self.rng = rng
-
-    def _add(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-        fork = self.rng.fork() if self.sequence_parallel else contextlib.nullcontext()
-        with fork:
-            return residual + F.dropout(branch, self.hidden_dropout, self.training)
-
-
-class AttentionLayer(_ResidualLayer):
+class AttentionLayer(ResidualLayer):
     """`*`: x + dropout(self_attention(input_layernorm(x)))."""
 
     def __init__(self, config, pctx: ParallelContext, layer_number: int, rng: ModelParallelRNG):
@@ -71,10 +50,10 @@ class AttentionLayer(_ResidualLayer):
         branch = self.self_attention(
             self.input_layernorm(x), attention_mask, rotary, inference_cache=inference_cache
         )
-        return self._add(x, branch)
+        return self.residual_add(x, branch)
 
 
-class MLPLayer(_ResidualLayer):
+class MLPLayer(ResidualLayer):
     """`-`: x + dropout(mlp(pre_mlp_layernorm(x)))."""
 
     def __init__(self, config, pctx: ParallelContext, layer_number: int, rng: ModelParallelRNG):
@@ -83,7 +62,7 @@ class MLPLayer(_ResidualLayer):
         self.mlp = MLPBlock(config, pctx, layer_number, rng)
 
     def forward(self, x, attention_mask=None, rotary=None, inference_cache=None):
-        return self._add(x, self.mlp(self.pre_mlp_layernorm(x)))
+        return self.residual_add(x, self.mlp(self.pre_mlp_layernorm(x)))
 
 
 def hybrid_layer_builder(pattern: str, mamba: MambaSpec):

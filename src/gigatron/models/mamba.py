@@ -20,7 +20,6 @@ Names and layouts are Megatron's and Hugging Face `Mamba2`'s (which agree).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -35,7 +34,7 @@ from gigatron.models.ssd import (
     ssd_chunked_scan,
     ssd_sequential_scan,
 )
-from gigatron.models.transformer import Norm
+from gigatron.models.transformer import Norm, ResidualLayer
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.random import ModelParallelRNG
@@ -295,7 +294,7 @@ class MambaMixer(nn.Module):
         return ssd_chunked_scan(x, dt, A, B, C, self.chunk_size, D=self.D)
 
 
-class MambaLayer(nn.Module):
+class MambaLayer(ResidualLayer):
     """Pre-norm residual Mamba layer: x + dropout(mixer(norm(x))); parameters `norm.*` and
     `mixer.*`. forward(x, attention_mask, rotary, inference_cache) like a transformer layer (mask
     and rotary unused)."""
@@ -308,11 +307,7 @@ class MambaLayer(nn.Module):
         layer_number: int,
         rng: ModelParallelRNG,
     ) -> None:
-        super().__init__()
-        self.layer_number = layer_number  # 1-based, global
-        self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = config.sequence_parallel
-        self.rng = rng
+        super().__init__(config, layer_number, rng)
         self.norm = Norm(config, pctx)
         self.mixer = MambaMixer(config, mamba, pctx)
 
@@ -323,8 +318,4 @@ class MambaLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_cache=None,
     ) -> torch.Tensor:
-        out = self.mixer(self.norm(x), inference_cache, self.layer_number)
-        # Sequence-parallel slices differ between tp ranks, so their dropout masks must too.
-        fork = self.rng.fork() if self.sequence_parallel else contextlib.nullcontext()
-        with fork:
-            return x + F.dropout(out, self.hidden_dropout, self.training)
+        return self.residual_add(x, self.mixer(self.norm(x), inference_cache, self.layer_number))

@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gigatron.models.transformer import CoreAttention, Norm, apply_rotary
+from gigatron.models.transformer import (
+    Attention,
+    CoreAttention,
+    Norm,
+    apply_rotary,
+    column_linear,
+    row_linear,
+)
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.models.yarn import yarn_mscale
 from gigatron.parallel.collectives import (
@@ -34,10 +41,9 @@ from gigatron.parallel.collectives import (
     gather_from_sequence_parallel_region,
 )
 from gigatron.parallel.context import ParallelContext
-from gigatron.parallel.random import ModelParallelRNG, recompute
+from gigatron.parallel.random import ModelParallelRNG
 from gigatron.parallel.tensor_parallel import (
     ColumnParallelLinear,
-    RowParallelLinear,
     divide,
     set_tensor_parallel_attributes,
 )
@@ -68,7 +74,7 @@ def mla_softmax_scale(config: TransformerConfig) -> float:
     return mscale * mscale / math.sqrt(config.qk_head_dim + config.qk_pos_emb_head_dim)
 
 
-class MLASelfAttention(nn.Module):
+class MLASelfAttention(Attention):
     """Multi-latent self-attention with the `SelfAttention` interface (see the module docstring):
     `forward(x [s(/tp), b, h], attention_mask, rotary, inference_cache=None)`."""
 
@@ -80,9 +86,8 @@ class MLASelfAttention(nn.Module):
         rng: ModelParallelRNG,
         core_attention: Callable[..., nn.Module] | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(config, layer_number, rng)
         self.pctx = pctx
-        self.layer_number = layer_number  # 1-based, global: names this layer's KV-cache slot
         self.sequence_parallel = config.sequence_parallel
         self.heads = divide(config.num_attention_heads, pctx.tp_size, "--num-attention-heads")
         self.qk_head_dim, self.pe_dim = config.qk_head_dim, config.qk_pos_emb_head_dim
@@ -91,15 +96,7 @@ class MLASelfAttention(nn.Module):
         total_heads = config.num_attention_heads
 
         def column(input_size: int, output_size: int) -> ColumnParallelLinear:
-            return ColumnParallelLinear(
-                input_size,
-                output_size,
-                pctx,
-                bias=False,
-                sequence_parallel=config.sequence_parallel,
-                init_std=config.init_method_std,
-                dtype=config.params_dtype,
-            )
+            return column_linear(config, pctx, input_size, output_size, bias=False)
 
         def latent_norm(size: int) -> nn.Module | None:
             return Norm(config, pctx, size) if config.qk_layernorm else None
@@ -125,17 +122,9 @@ class MLASelfAttention(nn.Module):
         self.core_attention = (core_attention or CoreAttention)(
             core_config, pctx, layer_number, rng
         )
-        self.linear_proj = RowParallelLinear(
-            total_heads * self.v_head_dim,
-            config.hidden_size,
-            pctx,
-            bias=config.add_bias_linear,
-            sequence_parallel=config.sequence_parallel,
-            init_std=config.output_init_std,
-            dtype=config.params_dtype,
+        self.linear_proj = row_linear(
+            config, pctx, total_heads * self.v_head_dim, config.hidden_size
         )
-        self.recompute_core = config.recompute_granularity == "selective"
-        self.rng = rng
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, key channels), (heads, value channels) of this rank's KV-cache entries."""
@@ -177,11 +166,4 @@ class MLASelfAttention(nn.Module):
             q_pe, k_pe = apply_rotary(q_pe, *rotary), apply_rotary(k_pe, *rotary)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
-        if inference_cache is not None:
-            k, v = inference_cache.update(self.layer_number, k, v)
-            attention_mask = inference_cache.attention_mask_for(self.core_attention)
-        if self.recompute_core and self.training:
-            context = recompute(self.core_attention, q, k, v, attention_mask, rng=self.rng)
-        else:
-            context = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(context)
+        return self.attend(q, k, v, attention_mask, inference_cache)

@@ -96,57 +96,64 @@ def _norm_count(spec: TransformerConfig, size: int | None = None) -> int:
     return (size or spec.hidden_size) * (2 if spec.normalization == "LayerNorm" else 1)
 
 
-def count_parameters(
-    cfg, vocab_size: int | None = None, pctx: ParallelContext | None = None
-) -> ParameterCounts:
-    """Count without building: the layout comes from `pctx` when given, else from
-    cfg.parallel (rank 0). `vocab_size` is the tokenizer's (padded as build_model pads it)."""
+@dataclass(frozen=True)
+class _Layout:
+    """The parallel sizes a count is for: this rank's (`pctx`) or rank 0 of cfg.parallel's."""
 
-    spec = TransformerConfig.from_config(cfg)
-    p = cfg.parallel
-    tp = pctx.tp_size if pctx is not None else p.tensor_model_parallel_size
-    pp = pctx.pp_size if pctx is not None else p.pipeline_model_parallel_size
-    pp_rank = pctx.pp_rank if pctx is not None else 0
-    vocab = resolve_vocab_size(cfg, tp, vocab_size)
-    h = spec.hidden_size
-    tied = not spec.untie_embeddings_and_output_weights
+    tp: int
+    pp: int
+    pp_rank: int
+    ep: int
+    etp: int
 
-    moe = MoESpec.from_config(cfg)
-    ep = pctx.ep_size if pctx is not None else p.expert_model_parallel_size
-    etp = pctx.etp_size if pctx is not None else (p.expert_tensor_parallel_size or tp)
-    attention_split, attention_replicated = _attention_counts(spec)
-    dense_split, dense_replicated = _dense_mlp_counts(spec)
+    @classmethod
+    def of(cls, cfg, pctx: ParallelContext | None) -> _Layout:
+        if pctx is not None:
+            return cls(pctx.tp_size, pctx.pp_size, pctx.pp_rank, pctx.ep_size, pctx.etp_size)
+        p = cfg.parallel
+        tp = p.tensor_model_parallel_size
+        etp = p.expert_tensor_parallel_size or tp
+        return cls(tp, p.pipeline_model_parallel_size, 0, p.expert_model_parallel_size, etp)
 
-    def layer(index: int, tp_size: int, ep_size: int, etp_size: int) -> int:
+
+class _LayerCounter:
+    """Parameters of the decoder's layers (and MTP layers) that one rank holds."""
+
+    def __init__(self, spec: TransformerConfig, moe: MoESpec | None) -> None:
+        self.spec, self.moe = spec, moe
+        self.attention = _attention_counts(spec)
+        self.dense = _dense_mlp_counts(spec)
+
+    def layer(self, index: int, tp: int = 1, ep: int = 1, etp: int = 1) -> int:
         """Parameters of layer `index` one rank holds (all of them with sizes 1)."""
-        count = attention_split // tp_size + attention_replicated
-        if moe is not None and moe.is_moe_layer(index + 1):
-            shared, replicated, experts = _moe_mlp_counts(spec, moe)
-            return count + shared // tp_size + replicated + experts // (ep_size * etp_size)
-        return count + dense_split // tp_size + dense_replicated
+        attention_split, attention_replicated = self.attention
+        count = attention_split // tp + attention_replicated
+        if self.moe is not None and self.moe.is_moe_layer(index + 1):
+            shared, replicated, experts = _moe_mlp_counts(self.spec, self.moe)
+            return count + shared // tp + replicated + experts // (ep * etp)
+        return count + self.dense[0] // tp + self.dense[1]
 
-    positions = (
-        spec.max_position_embeddings * h
-        if spec.position_embedding_type == "learned_absolute"
-        else 0
-    )
-    embedding = vocab * h + positions
-    layers_total = sum(layer(i, 1, 1, 1) for i in range(spec.num_layers))
-
-    def mtp(tp_size: int, ep_size: int, etp_size: int) -> int:
+    def mtp(self, tp: int = 1, ep: int = 1, etp: int = 1) -> int:
         """Multi-token prediction layers (last stage): 3 norms, eh_proj [h, 2h], a layer."""
+        spec = self.spec
         depths = range(spec.num_layers, spec.num_layers + (spec.mtp_num_layers or 0))
-        per_depth = 3 * _norm_count(spec) + 2 * h * h // tp_size
-        return sum(per_depth + layer(i, tp_size, ep_size, etp_size) for i in depths)
+        per_depth = 3 * _norm_count(spec) + 2 * spec.hidden_size * spec.hidden_size // tp
+        return sum(per_depth + self.layer(i, tp, ep, etp) for i in depths)
 
-    total = embedding + layers_total + _norm_count(spec) + (0 if tied else vocab * h)
-    total += mtp(1, 1, 1)
-    skipped = 0
-    if moe is not None:
-        experts = _moe_mlp_counts(spec, moe)[2]
-        skipped = len(moe.moe_layer_numbers) * experts * (moe.num_experts - moe.topk)
-        skipped //= moe.num_experts
+    def skipped_experts(self) -> int:
+        """Expert parameters a token does not use (all but top-k of each MoE layer's)."""
+        if self.moe is None:
+            return 0
+        experts = _moe_mlp_counts(self.spec, self.moe)[2]
+        skipped = len(self.moe.moe_layer_numbers) * experts * (self.moe.num_experts - self.moe.topk)
+        return skipped // self.moe.num_experts
 
+
+def _per_stage(cfg, counter: _LayerCounter, layout: _Layout, vocab: int, positions: int):
+    """What one tensor-parallel rank of each pipeline stage holds."""
+    spec, p = counter.spec, cfg.parallel
+    tp, pp, h = layout.tp, layout.pp, spec.hidden_size
+    tied = not spec.untie_embeddings_and_output_weights
     ranges = chunk_layer_ranges(
         spec.num_layers,
         pp,
@@ -156,22 +163,46 @@ def count_parameters(
     )
     per_stage = []
     for stage, chunks in enumerate(ranges):
-        count = sum(layer(i, tp, ep, etp) for r in chunks for i in r)
+        count = sum(counter.layer(i, tp, layout.ep, layout.etp) for r in chunks for i in r)
         if stage == 0:
             count += vocab * h // tp + positions
         if stage == pp - 1:
-            count += _norm_count(spec) + mtp(tp, ep, etp)
+            count += _norm_count(spec) + counter.mtp(tp, layout.ep, layout.etp)
             if not tied or pp > 1:
                 count += vocab * h // tp
             if spec.mtp_num_layers and pp > 1 and not tied:
                 count += vocab * h // tp  # the MTP stage's copy of the word embedding
         per_stage.append(count)
+    return per_stage
+
+
+def count_parameters(
+    cfg, vocab_size: int | None = None, pctx: ParallelContext | None = None
+) -> ParameterCounts:
+    """Count without building: the layout comes from `pctx` when given, else from
+    cfg.parallel (rank 0). `vocab_size` is the tokenizer's (padded as build_model pads it)."""
+    spec = TransformerConfig.from_config(cfg)
+    layout = _Layout.of(cfg, pctx)
+    vocab = resolve_vocab_size(cfg, layout.tp, vocab_size)
+    h = spec.hidden_size
+    tied = not spec.untie_embeddings_and_output_weights
+    counter = _LayerCounter(spec, MoESpec.from_config(cfg))
+    positions = (
+        spec.max_position_embeddings * h
+        if spec.position_embedding_type == "learned_absolute"
+        else 0
+    )
+    embedding = vocab * h + positions
+    layers_total = sum(counter.layer(i) for i in range(spec.num_layers))
+    total = embedding + layers_total + _norm_count(spec) + (0 if tied else vocab * h)
+    total += counter.mtp()
+    per_stage = _per_stage(cfg, counter, layout, vocab, positions)
     return ParameterCounts(
         total=total,
         embedding=embedding,
         per_layer=sum(_layer_counts(spec)),
         per_stage=per_stage,
-        this_rank=per_stage[pp_rank],
+        this_rank=per_stage[layout.pp_rank],
         padded_vocab_size=vocab,
-        active=total - skipped,
+        active=total - counter.skipped_experts(),
     )

@@ -25,24 +25,27 @@ with both, it runs the whole model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
 from torch import nn
 
 from gigatron.models.embedding import LanguageModelEmbedding, resolve_vocab_size
+from gigatron.models.language_model import LanguageModelStage
 from gigatron.models.transformer import (
+    Attention,
     CoreAttention,
     LayerParts,
     TransformerBlock,
     TransformerLayer,
+    column_linear,
+    row_linear,
 )
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
-from gigatron.parallel.random import ModelParallelRNG, recompute
+from gigatron.parallel.random import ModelParallelRNG
 from gigatron.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     divide,
     initialize_parameters,
     set_tensor_parallel_attributes,
@@ -115,7 +118,7 @@ class RelativePositionBias(nn.Module):
         return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(Attention):
     """Queries from the decoder, keys and values from the encoder output."""
 
     def __init__(
@@ -126,39 +129,21 @@ class CrossAttention(nn.Module):
         rng: ModelParallelRNG,
         core_attention=None,
     ) -> None:
-        super().__init__()
+        super().__init__(config, layer_number, rng)
         tp = pctx.tp_size
         self.heads = divide(config.num_attention_heads, tp, "--num-attention-heads")
         self.groups = divide(config.num_query_groups, tp, "--num-query-groups")
         self.kv_channels = config.kv_channels
-        common = dict(
-            sequence_parallel=config.sequence_parallel,
-            init_std=config.init_method_std,
-            dtype=config.params_dtype,
+        hidden, kv_channels = config.hidden_size, config.kv_channels
+        q_size = config.num_attention_heads * kv_channels
+        self.linear_q = column_linear(config, pctx, hidden, q_size)
+        self.linear_kv = column_linear(
+            config, pctx, hidden, 2 * config.num_query_groups * kv_channels
         )
-        bias = config.add_bias_linear
-        self.linear_q = ColumnParallelLinear(
-            config.hidden_size, config.num_attention_heads * config.kv_channels, pctx,
-            bias=bias, **common,
-        )  # fmt: skip
-        self.linear_kv = ColumnParallelLinear(
-            config.hidden_size, 2 * config.num_query_groups * config.kv_channels, pctx,
-            bias=bias, **common,
-        )  # fmt: skip
         factory = core_attention or CoreAttention
         not_causal = dataclasses.replace(config, causal_attention=False)
         self.core_attention = factory(not_causal, pctx, layer_number, rng)
-        self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * config.kv_channels,
-            config.hidden_size,
-            pctx,
-            bias=bias,
-            sequence_parallel=config.sequence_parallel,
-            init_std=config.output_init_std,
-            dtype=config.params_dtype,
-        )
-        self.recompute_core = config.recompute_granularity == "selective"
-        self.rng = rng
+        self.linear_proj = row_linear(config, pctx, q_size, hidden)
 
     def forward(
         self, x: torch.Tensor, memory: torch.Tensor, attention_mask: torch.Tensor | None
@@ -168,11 +153,7 @@ class CrossAttention(nn.Module):
         kv = self.linear_kv(memory)
         kv = kv.view(kv.shape[0], kv.shape[1], self.groups, 2, self.kv_channels)
         k, v = (t.squeeze(3) for t in torch.split(kv, [1, 1], dim=3))
-        if self.recompute_core and self.training:
-            context = recompute(self.core_attention, q, k, v, attention_mask, rng=self.rng)
-        else:
-            context = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(context)
+        return self.attend(q, k, v, attention_mask)
 
 
 class T5DecoderLayer(TransformerLayer):
@@ -191,76 +172,32 @@ class T5DecoderLayer(TransformerLayer):
         self.cross_attention = CrossAttention(config, pctx, layer_number, rng, parts.core_attention)
 
     def forward(self, x, self_mask, memory, cross_mask):  # type: ignore[override]
-        x = self._residual_add(x, self.self_attention(self.input_layernorm(x), self_mask))
+        x = self.residual_add(x, self.self_attention(self.input_layernorm(x), self_mask))
         normed = self.pre_cross_attn_layernorm(x)
-        x = self._residual_add(x, self.cross_attention(normed, memory, cross_mask))
-        return self._residual_add(x, self.mlp(self.pre_mlp_layernorm(x)))
+        x = self.residual_add(x, self.cross_attention(normed, memory, cross_mask))
+        return self.residual_add(x, self.mlp(self.pre_mlp_layernorm(x)))
 
 
-class T5DecoderBlock(nn.Module):
-    """The decoder layers of one chunk and, where the decoder ends, its final norm; full
-    recomputation as `TransformerBlock` (uniform groups or the first layers of the block)."""
+class T5DecoderBlock(TransformerBlock):
+    """The decoder layers of one chunk and, where the decoder ends, its final norm: a
+    `TransformerBlock` of `T5DecoderLayer`s (`layer_builder=partial(T5DecoderLayer,
+    parts=parts)`), whose layers also take the encoder output and the cross-attention mask."""
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        pctx: ParallelContext,
-        layer_numbers: range,
-        final_norm: bool,
-        rng: ModelParallelRNG,
-        parts: LayerParts,
-    ) -> None:
-        super().__init__()
-        self.layers = nn.ModuleDict(
-            {str(i): T5DecoderLayer(config, pctx, i + 1, rng, parts) for i in layer_numbers}
-        )
-        self.final_layernorm = parts.norm(config, pctx) if final_norm else None
-        self.rng = rng
-        self.recompute_full = config.recompute_granularity == "full"
-        self.recompute_method = config.recompute_method or "uniform"
-        self.recompute_num_layers = config.recompute_num_layers or 1
-
-    def forward(self, x, self_mask, memory, cross_mask) -> torch.Tensor:
-        layers = list(self.layers.values())
-        if self.recompute_full and self.training:
-            n = self.recompute_num_layers
-            if self.recompute_method == "uniform":
-                groups = [layers[i : i + n] for i in range(0, len(layers), n)]
-                recomputed = [True] * len(groups)
-            else:
-                groups = [[layer] for layer in layers]
-                recomputed = [i < n for i in range(len(groups))]
-            for group, again in zip(groups, recomputed):
-                run = _run_decoder_layers(group)
-                if again:
-                    x = recompute(run, x, self_mask, memory, cross_mask, rng=self.rng)
-                else:
-                    x = run(x, self_mask, memory, cross_mask)
-        else:
-            for layer in layers:
-                x = layer(x, self_mask, memory, cross_mask)
-        if self.final_layernorm is not None:
-            x = self.final_layernorm(x)
-        return x
+    def forward(self, x, self_mask, memory, cross_mask) -> torch.Tensor:  # type: ignore[override]
+        x = self.run_layers(x, self_mask, memory, cross_mask)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x
 
 
-def _run_decoder_layers(layers: list[nn.Module]):
-    def run(x, self_mask, memory, cross_mask):
-        for layer in layers:
-            x = layer(x, self_mask, memory, cross_mask)
-        return x
-
-    return run
-
-
-class T5Model(nn.Module):
+class T5Model(LanguageModelStage):
     """One pipeline chunk of a T5 (see the module docstring and docs/architecture.md).
 
     `encoder_layers` / `decoder_layers`: the global layer numbers of each stack on this chunk
     (None: the chunk has none of that stack). `pre_process`: the chunk embeds the tokens of the
     stack it starts (the encoder's first stage, the decoder's first stage). `encoder_final`: the
     chunk ends the encoder (holds its final norm). `post_process`: the chunk ends the decoder
-    (final norm and output layer).
+    (final norm and output layer). What the previous stage sends (`set_input_tensor`, a list):
+    [encoder hidden] on an encoder stage, [encoder output] on the decoder's first stage,
+    [decoder hidden, encoder output] after.
     """
 
     def __init__(
@@ -277,17 +214,10 @@ class T5Model(nn.Module):
         rng: ModelParallelRNG,
         parts: LayerParts | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(decoder_config, pctx, vocab_size, pre_process, post_process, rng)
         parts = parts or LayerParts()
-        self.config = decoder_config
         self.encoder_config = encoder_config
-        self.pctx = pctx
-        self.vocab_size = vocab_size
-        self.pre_process = pre_process
-        self.post_process = post_process
-        self.rng = rng
         self.relative = decoder_config.position_embedding_type == "relative"
-        self.input_tensor: list[torch.Tensor] | None = None
         self.layer_numbers = {"encoder": encoder_layers, "decoder": decoder_layers}
         self.add_encoder = encoder_layers is not None
         self.add_decoder = decoder_layers is not None
@@ -308,51 +238,20 @@ class T5Model(nn.Module):
                     decoder_config, pctx, bidirectional=False
                 )
             self.decoder = T5DecoderBlock(
-                decoder_config, pctx, decoder_layers, post_process, rng, parts
-            )
+                decoder_config, pctx, decoder_layers, post_process, rng, parts,
+                layer_builder=functools.partial(T5DecoderLayer, parts=parts),
+            )  # fmt: skip
         self.tied = not decoder_config.untie_embeddings_and_output_weights
         if post_process:
             # Megatron's T5 head: tied to the embedding with a bias of its own, or untied
             # without one.
-            self.output_layer = ColumnParallelLinear(
-                decoder_config.hidden_size,
-                vocab_size,
-                pctx,
-                bias=self.tied,
-                sequence_parallel=decoder_config.sequence_parallel,
-                init_std=decoder_config.init_method_std,
-                skip_weight=self.tied and pre_process,
-                dtype=decoder_config.params_dtype,
-            )
-            if self.tied and not pre_process:
-                self.output_layer.weight.init_name = "embedding.word_embeddings.weight"
-                self.output_layer.weight.shared_embedding = True
+            self.add_output_layer(self.tied, self.tied, pre_process)
         if pre_process and pctx.pp_size > 1:
             # The encoder's and the decoder's first stages hold the same embedding (and the
             # last stage the tied output weight): finalize_model_grads sums their gradients.
             self.embedding.word_embeddings.weight.shared_embedding = True
             if self.embedding.position_embeddings is not None:
                 self.embedding.position_embeddings.weight.shared_position_embedding = True
-
-    def set_input_tensor(self, input_tensor) -> None:
-        """What the previous pipeline stage sent: [encoder hidden] on an encoder stage,
-        [encoder output] on the decoder's first stage, [decoder hidden, encoder output] after."""
-        if input_tensor is None:
-            self.input_tensor = None
-        elif isinstance(input_tensor, (list, tuple)):
-            self.input_tensor = list(input_tensor)
-        else:
-            self.input_tensor = [input_tensor]
-
-    def output_weight(self) -> torch.Tensor:
-        if self.output_layer.weight is not None:
-            return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
-
-    def _received(self, index: int) -> torch.Tensor:
-        if not self.input_tensor or len(self.input_tensor) <= index:
-            raise RuntimeError("this pipeline chunk needs set_input_tensor() first")
-        return self.input_tensor[index]
 
     def _bias_or_mask(self, mask: torch.Tensor, table: str, sq: int, sk: int) -> torch.Tensor:
         """The bool mask, or with relative positions the float bias with masked keys at the
@@ -379,7 +278,7 @@ class T5Model(nn.Module):
             if self.pre_process:
                 hidden = self.embedding(encoder_input_ids, _positions(encoder_input_ids))
             else:
-                hidden = self._received(0)
+                hidden = self.stage_input(0)
             s_enc = enc_keys.shape[-1]
             mask = self._bias_or_mask(enc_keys, "encoder_relative_pos_emb", s_enc, s_enc)
             encoder_output = self.encoder(hidden, mask)
@@ -387,9 +286,9 @@ class T5Model(nn.Module):
                 return encoder_output
             decoder_hidden = None
         elif self.pre_process:
-            encoder_output, decoder_hidden = self._received(0), None
+            encoder_output, decoder_hidden = self.stage_input(0), None
         else:
-            decoder_hidden, encoder_output = self._received(0), self._received(1)
+            decoder_hidden, encoder_output = self.stage_input(0), self.stage_input(1)
 
         if decoder_hidden is None:
             decoder_hidden = self.embedding(decoder_input_ids, _positions(decoder_input_ids))

@@ -334,7 +334,72 @@ def qk_norm(config: TransformerConfig, pctx: ParallelContext, size: int) -> nn.M
     return norm
 
 
-class SelfAttention(nn.Module):
+def _linear_options(config, bias: bool | None) -> dict:
+    return dict(
+        bias=config.add_bias_linear if bias is None else bias,
+        sequence_parallel=config.sequence_parallel,
+        dtype=config.params_dtype,
+    )
+
+
+def column_linear(
+    config, pctx: ParallelContext, input_size: int, output_size: int, bias=None, stride=1
+) -> ColumnParallelLinear:
+    """A column-parallel layer of the model (its sequence parallelism, init and dtype; `bias`
+    defaults to --add-bias-linear)."""
+    options = _linear_options(config, bias)
+    return ColumnParallelLinear(
+        input_size, output_size, pctx, init_std=config.init_method_std, stride=stride, **options
+    )
+
+
+def row_linear(
+    config, pctx: ParallelContext, input_size: int, output_size: int, bias=None
+) -> RowParallelLinear:
+    """A row-parallel output projection of the model (initialised with the output std)."""
+    options = _linear_options(config, bias)
+    return RowParallelLinear(
+        input_size, output_size, pctx, init_std=config.output_init_std, **options
+    )
+
+
+class Attention(nn.Module):
+    """What the attention variants share (self-attention, multi-latent attention, T5's
+    cross-attention): the core attention on this rank's heads, selectively recomputed, over the
+    KV cache when generating, then the output projection. Subclasses register `core_attention`
+    and `linear_proj` (`row_linear`) where their parameter order puts them."""
+
+    core_attention: nn.Module
+    linear_proj: RowParallelLinear
+
+    def __init__(self, config: TransformerConfig, layer_number: int, rng: ModelParallelRNG) -> None:
+        super().__init__()
+        self.layer_number = layer_number  # 1-based, global: names this layer's KV-cache slot
+        self.recompute_core = "core_attn" in selective_recompute_modules(config)
+        self.rng = rng
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        inference_cache=None,
+    ) -> torch.Tensor:
+        """linear_proj(core_attention(q, k, v)); `inference_cache` (generation, an
+        `inference.KVCache`): k and v go into the cache and attention runs over every cached
+        position, with the cache's mask."""
+        if inference_cache is not None:
+            k, v = inference_cache.update(self.layer_number, k, v)
+            attention_mask = inference_cache.attention_mask_for(self.core_attention)
+        if self.recompute_core and self.training:
+            context = recompute(self.core_attention, q, k, v, attention_mask, rng=self.rng)
+        else:
+            context = self.core_attention(q, k, v, attention_mask)
+        return self.linear_proj(context)
+
+
+class SelfAttention(Attention):
     def __init__(
         self,
         config: TransformerConfig,
@@ -343,24 +408,15 @@ class SelfAttention(nn.Module):
         rng: ModelParallelRNG,
         core_attention: Callable[..., nn.Module] | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(config, layer_number, rng)
         tp = pctx.tp_size
-        self.layer_number = layer_number  # 1-based, global: names this layer's KV-cache slot
         self.heads = divide(config.num_attention_heads, tp, "--num-attention-heads")
         self.groups = divide(config.num_query_groups, tp, "--num-query-groups")
         self.kv_channels = config.kv_channels
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = config.num_query_groups * (self.heads_per_group + 2) * config.kv_channels
-        proj_in = config.num_attention_heads * config.kv_channels
-        self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size,
-            qkv_size,
-            pctx,
-            bias=config.add_bias_linear or config.add_qkv_bias,
-            sequence_parallel=config.sequence_parallel,
-            init_std=config.init_method_std,
-            dtype=config.params_dtype,
-        )
+        bias = config.add_bias_linear or config.add_qkv_bias
+        self.linear_qkv = column_linear(config, pctx, config.hidden_size, qkv_size, bias)
         factory = core_attention or CoreAttention
         self.core_attention = factory(config, pctx, layer_number, rng)
         if config.qk_layernorm:
@@ -368,17 +424,8 @@ class SelfAttention(nn.Module):
             self.k_layernorm = qk_norm(config, pctx, config.kv_channels)
         else:
             self.q_layernorm = self.k_layernorm = None
-        self.linear_proj = RowParallelLinear(
-            proj_in,
-            config.hidden_size,
-            pctx,
-            bias=config.add_bias_linear,
-            sequence_parallel=config.sequence_parallel,
-            init_std=config.output_init_std,
-            dtype=config.params_dtype,
-        )
-        self.recompute_core = "core_attn" in selective_recompute_modules(config)
-        self.rng = rng
+        proj_in = config.num_attention_heads * config.kv_channels
+        self.linear_proj = row_linear(config, pctx, proj_in, config.hidden_size)
 
     def forward(
         self,
@@ -387,9 +434,7 @@ class SelfAttention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_cache=None,
     ) -> torch.Tensor:
-        """`inference_cache` (generation only, an `inference.KVCache`): this step's keys and
-        values are written into the cache and attention runs over every cached position, with the
-        cache's mask (the core attention part is unchanged)."""
+        """`inference_cache`: see `Attention.attend`."""
         qkv = self.linear_qkv(x)
         seq, batch = qkv.shape[:2]
         qkv = qkv.view(seq, batch, self.groups, self.heads_per_group + 2, self.kv_channels)
@@ -403,19 +448,13 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q = apply_rotary(q, *rotary)
             k = apply_rotary(k, *rotary)
-        if inference_cache is not None:
-            k, v = inference_cache.update(self.layer_number, k, v)
-            attention_mask = inference_cache.attention_mask_for(self.core_attention)
-        if self.recompute_core and self.training:
-            context = recompute(self.core_attention, q, k, v, attention_mask, rng=self.rng)
-        else:
-            context = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(context)
+        return self.attend(q, k, v, attention_mask, inference_cache)
 
 
 class MLP(nn.Module):
     """linear_fc1 -> activation (GeLU, or a gated unit on the fused [gate; up] output: SwiGLU,
-    GeGLU (T5 v1.1), quick GeGLU; see models/activations.py) -> linear_fc2."""
+    GeGLU (T5 v1.1), quick GeGLU; see models/activations.py) -> linear_fc2.
+    `ffn_hidden_size` defaults to the config's (MoE shared experts give their own)."""
 
     def __init__(
         self,
@@ -423,30 +462,16 @@ class MLP(nn.Module):
         pctx: ParallelContext,
         layer_number: int | None = None,
         rng: ModelParallelRNG | None = None,
+        ffn_hidden_size: int | None = None,
     ) -> None:
         super().__init__()
         gated = config.gated_linear_unit
         self.activation = mlp_activation(config)
-        fc1_out = config.ffn_hidden_size * (2 if gated else 1)
-        self.linear_fc1 = ColumnParallelLinear(
-            config.hidden_size,
-            fc1_out,
-            pctx,
-            bias=config.add_bias_linear,
-            sequence_parallel=config.sequence_parallel,
-            init_std=config.init_method_std,
-            stride=2 if gated else 1,
-            dtype=config.params_dtype,
-        )
-        self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size,
-            config.hidden_size,
-            pctx,
-            bias=config.add_bias_linear,
-            sequence_parallel=config.sequence_parallel,
-            init_std=config.output_init_std,
-            dtype=config.params_dtype,
-        )
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        fc1_out = ffn * (2 if gated else 1)
+        stride = 2 if gated else 1
+        self.linear_fc1 = column_linear(config, pctx, config.hidden_size, fc1_out, stride=stride)
+        self.linear_fc2 = row_linear(config, pctx, ffn, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.activation(self.linear_fc1(x)))
@@ -480,7 +505,25 @@ def selective_recompute_modules(config: TransformerConfig) -> tuple[str, ...]:
     return tuple(config.recompute_modules or ("core_attn",))
 
 
-class TransformerLayer(nn.Module):
+class ResidualLayer(nn.Module):
+    """A layer adding its branches to the residual stream: `residual_add(x, branch)` = x +
+    dropout(branch), the dropout mask drawn per tp rank under sequence parallelism (each rank
+    holds a different slice of the sequence then)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, rng: ModelParallelRNG):
+        super().__init__()
+        self.layer_number = layer_number  # 1-based, global
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = config.sequence_parallel
+        self.rng = rng
+
+    def residual_add(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        fork = self.rng.fork() if self.sequence_parallel else contextlib.nullcontext()
+        with fork:
+            return residual + F.dropout(branch, self.hidden_dropout, self.training)
+
+
+class TransformerLayer(ResidualLayer):
     """Pre-norm: x + drop(attn(norm(x))), then + drop(mlp(norm(x))). Post-norm (BERT's original
     layout): norm(x + drop(attn(x))), then norm(h + drop(mlp(h))).
     `--apply-residual-connection-post-layernorm` (pre-norm only) takes the residual from the norm's
@@ -494,14 +537,10 @@ class TransformerLayer(nn.Module):
         rng: ModelParallelRNG,
         parts: LayerParts | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(config, layer_number, rng)
         parts = parts or LayerParts()
-        self.layer_number = layer_number  # 1-based, global
-        self.hidden_dropout = config.hidden_dropout
-        self.sequence_parallel = config.sequence_parallel
         self.post_norm = parts.post_norm
         self.residual_from_norm = config.apply_residual_connection_post_layernorm
-        self.rng = rng
         first_norm, second_norm = (
             ("post_attention_layernorm", "post_mlp_layernorm")
             if parts.post_norm
@@ -519,14 +558,6 @@ class TransformerLayer(nn.Module):
         self.recompute_mlp = "mlp" in modules and not hasattr(self.mlp, "router")
         self.recompute_norm = "layernorm" in modules
 
-    def _dropout_context(self):
-        # Sequence-parallel slices differ between tp ranks, so their dropout masks must too.
-        return self.rng.fork() if self.sequence_parallel else contextlib.nullcontext()
-
-    def _residual_add(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-        with self._dropout_context():
-            return residual + F.dropout(branch, self.hidden_dropout, self.training)
-
     def forward(
         self,
         x: torch.Tensor,
@@ -540,13 +571,13 @@ class TransformerLayer(nn.Module):
         cache = {} if inference_cache is None else {"inference_cache": inference_cache}
         if self.post_norm:
             attn = self.self_attention(x, attention_mask, rotary, **cache)
-            x = first(self._residual_add(x, attn))
-            return second(self._residual_add(x, mlp(x)))
+            x = first(self.residual_add(x, attn))
+            return second(self.residual_add(x, mlp(x)))
         normed = first(x)
         attn = self.self_attention(normed, attention_mask, rotary, **cache)
-        x = self._residual_add(normed if self.residual_from_norm else x, attn)
+        x = self.residual_add(normed if self.residual_from_norm else x, attn)
         normed = second(x)
-        return self._residual_add(normed if self.residual_from_norm else x, mlp(normed))
+        return self.residual_add(normed if self.residual_from_norm else x, mlp(normed))
 
     def _maybe_recompute(self, module: nn.Module, enabled: bool) -> Callable[..., torch.Tensor]:
         """`module`, or a call that recomputes it in backward (selective --recompute-modules)."""
@@ -598,34 +629,33 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         """`inference_cache` (generation) is passed to every layer as a keyword argument; layers
         from a `layer_builder` that cannot take it are training-only."""
-        layers = list(self.layers.values())
-        if inference_cache is not None:
-            for layer in layers:
-                x = layer(x, attention_mask, rotary, inference_cache=inference_cache)
-        elif self.recompute_full and self.training:
-            if self.recompute_method == "uniform":
-                n = self.recompute_num_layers
-                for start in range(0, len(layers), n):
-                    group = layers[start : start + n]
-                    x = recompute(_run_layers(group), x, attention_mask, rotary, rng=self.rng)
-            else:
-                for index, layer in enumerate(layers):
-                    if index < self.recompute_num_layers:
-                        x = recompute(layer, x, attention_mask, rotary, rng=self.rng)
-                    else:
-                        x = layer(x, attention_mask, rotary)
+        if inference_cache is None:
+            x = self.run_layers(x, attention_mask, rotary)
         else:
-            for layer in layers:
-                x = layer(x, attention_mask, rotary)
-        if self.final_layernorm is not None:
-            x = self.final_layernorm(x)
+            for layer in self.layers.values():
+                x = layer(x, attention_mask, rotary, inference_cache=inference_cache)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x
+
+    def run_layers(self, x: torch.Tensor, *args) -> torch.Tensor:
+        """x through every layer (`layer(x, *args)`), fully recomputed in backward as the block's
+        recomputation settings say (when training)."""
+        layers = list(self.layers.values())
+        if not (self.recompute_full and self.training):
+            return _run_layers(layers)(x, *args)
+        n = self.recompute_num_layers
+        if self.recompute_method == "uniform":
+            for start in range(0, len(layers), n):
+                x = recompute(_run_layers(layers[start : start + n]), x, *args, rng=self.rng)
+            return x
+        for index, layer in enumerate(layers):
+            x = recompute(layer, x, *args, rng=self.rng) if index < n else layer(x, *args)
         return x
 
 
 def _run_layers(layers: list[nn.Module]):
-    def run(x, attention_mask, rotary):
+    def run(x, *args):
         for layer in layers:
-            x = layer(x, attention_mask, rotary)
+            x = layer(x, *args)
         return x
 
     return run

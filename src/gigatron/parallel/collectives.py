@@ -29,37 +29,37 @@ def _tp(pctx: ParallelContext) -> tuple[Any, int, int]:
     return pctx.group("tp"), pctx.tp_size, pctx.tp_rank
 
 
-def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: Any, size: int = 0, rank: int = 0) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     return x
 
 
-def _split_last(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+def _split_last(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
     return x.chunk(size, dim=-1)[rank].contiguous()
 
 
-def _gather_last(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def _gather_last(x: torch.Tensor, group: Any, size: int, rank: int = 0) -> torch.Tensor:
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
 
 
-def _split_first(x: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+def _split_first(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
     if x.shape[0] % size:
         raise ValueError(f"sequence length {x.shape[0]} is not divisible by tp size {size}")
     return x.chunk(size, dim=0)[rank].contiguous()
 
 
-def _gather_first(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def _gather_first(x: torch.Tensor, group: Any, size: int, rank: int = 0) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] * size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x, group=group)
     return out
 
 
-def _reduce_scatter_first(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def _reduce_scatter_first(x: torch.Tensor, group: Any, size: int, rank: int = 0) -> torch.Tensor:
     # Gloo gained reduce_scatter for tensors in recent torch versions (checked on 2.13: it works);
     # a native reduce-scatter moves 1/size of the data an all-reduce + slice would.
     x = x.contiguous()
@@ -70,117 +70,72 @@ def _reduce_scatter_first(x: torch.Tensor, group: Any, size: int) -> torch.Tenso
     return out
 
 
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size, rank):
-        ctx.group = group
-        return x
+def _identity(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
+    return x
+
+
+def _reduce_copy(x: torch.Tensor, group: Any, size: int, rank: int) -> torch.Tensor:
+    return _all_reduce(x.clone(), group)  # the input stays as it was
+
+
+class _Conjugate(torch.autograd.Function):
+    """A collective in forward and its conjugate in backward: `ops` = (forward, backward), each
+    `(x, group, size, rank) -> tensor`."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None, None, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size, rank):
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size, rank):
-        ctx.group, ctx.size = group, size
-        return _split_last(x, size, rank)
+    def forward(ctx, x, ops, group, size, rank):
+        ctx.backward_op, ctx.group, ctx.size, ctx.rank = ops[1], group, size, rank
+        return ops[0](x, group, size, rank)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group, ctx.size), None, None, None
+        return ctx.backward_op(grad, ctx.group, ctx.size, ctx.rank), None, None, None, None
 
 
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size, rank):
-        ctx.size, ctx.rank = size, rank
-        return _gather_last(x, group, size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last(grad, ctx.size, ctx.rank), None, None, None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size, rank):
-        ctx.group, ctx.size = group, size
-        return _split_first(x, size, rank)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_first(grad, ctx.group, ctx.size), None, None, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size, rank, reduce_grads):
-        ctx.group, ctx.size, ctx.rank, ctx.reduce_grads = group, size, rank, reduce_grads
-        return _gather_first(x, group, size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.reduce_grads:
-            return _reduce_scatter_first(grad, ctx.group, ctx.size), None, None, None, None
-        return _split_first(grad, ctx.size, ctx.rank), None, None, None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size, rank):
-        ctx.group, ctx.size = group, size
-        return _reduce_scatter_first(x, group, size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_first(grad, ctx.group, ctx.size), None, None, None
+# (forward, backward) pairs; every function takes (x, group, size, rank).
+_COPY = (_identity, _all_reduce)
+_REDUCE = (_reduce_copy, _identity)
+_SCATTER_LAST = (_split_last, _gather_last)
+_GATHER_LAST = (_gather_last, _split_last)
+_SCATTER_FIRST = (_split_first, _gather_first)
+_GATHER_FIRST = (_gather_first, _reduce_scatter_first)
+_GATHER_FIRST_KEEP_SLICE = (_gather_first, _split_first)
+_REDUCE_SCATTER_FIRST = (_reduce_scatter_first, _gather_first)
 
 
 def copy_to_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient over tp (input of a column-parallel layer)."""
     if pctx.tp_size == 1:
         return x
-    return _CopyToTP.apply(x, *_tp(pctx))
+    return _Conjugate.apply(x, _COPY, *_tp(pctx))
 
 
 def reduce_from_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
     """All-reduce forward over tp, identity backward (output of a row-parallel layer)."""
     if pctx.tp_size == 1:
         return x
-    return _ReduceFromTP.apply(x, *_tp(pctx))
+    return _Conjugate.apply(x, _REDUCE, *_tp(pctx))
 
 
 def scatter_to_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
     """Keep this rank's slice of the last dimension; the gradient is all-gathered."""
     if pctx.tp_size == 1:
         return x
-    return _ScatterToTP.apply(x, *_tp(pctx))
+    return _Conjugate.apply(x, _SCATTER_LAST, *_tp(pctx))
 
 
 def gather_from_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
     """All-gather along the last dimension; the gradient is split."""
     if pctx.tp_size == 1:
         return x
-    return _GatherFromTP.apply(x, *_tp(pctx))
+    return _Conjugate.apply(x, _GATHER_LAST, *_tp(pctx))
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
     """Keep this rank's slice of dimension 0 (the sequence); the gradient is all-gathered."""
     if pctx.tp_size == 1:
         return x
-    return _ScatterToSP.apply(x, *_tp(pctx))
+    return _Conjugate.apply(x, _SCATTER_FIRST, *_tp(pctx))
 
 
 def gather_from_sequence_parallel_region(
@@ -191,7 +146,8 @@ def gather_from_sequence_parallel_region(
     `reduce_grads=False`, just keeps this rank's slice."""
     if pctx.tp_size == 1:
         return x
-    return _GatherFromSP.apply(x, *_tp(pctx), reduce_grads)
+    ops = _GATHER_FIRST if reduce_grads else _GATHER_FIRST_KEEP_SLICE
+    return _Conjugate.apply(x, ops, *_tp(pctx))
 
 
 def reduce_scatter_to_sequence_parallel_region(
@@ -200,7 +156,7 @@ def reduce_scatter_to_sequence_parallel_region(
     """Sum over tp and keep this rank's slice of dimension 0; the gradient is all-gathered."""
     if pctx.tp_size == 1:
         return x
-    return _ReduceScatterToSP.apply(x, *_tp(pctx))
+    return _Conjugate.apply(x, _REDUCE_SCATTER_FIRST, *_tp(pctx))
 
 
 # ---- context parallelism: the same collectives in the context-parallel group -------------------
@@ -243,7 +199,7 @@ def gather_from_context_parallel_region(x: torch.Tensor, pctx: ParallelContext) 
     every rank's queries contributed to the gradient of every gathered key and value."""
     if pctx.cp_size == 1:
         return x
-    return _GatherFromSP.apply(x, *_cp(pctx), True)
+    return _Conjugate.apply(x, _GATHER_FIRST, *_cp(pctx))
 
 
 def all_to_all_context_parallel(
@@ -267,7 +223,7 @@ def gather_along_first_dim(x: torch.Tensor, pctx: ParallelContext, group: str) -
     (each rank's computation on gathered rows sends its partial gradient back to their owner)."""
     if pctx.size(group) == 1:
         return x
-    return _GatherFromSP.apply(x, *_group(pctx, group), True)
+    return _Conjugate.apply(x, _GATHER_FIRST, *_group(pctx, group))
 
 
 def reduce_scatter_along_first_dim(
@@ -276,7 +232,7 @@ def reduce_scatter_along_first_dim(
     """Sum over the group and keep this rank's equal slice of dim 0; the gradient is gathered."""
     if pctx.size(group) == 1:
         return x
-    return _ReduceScatterToSP.apply(x, *_group(pctx, group))
+    return _Conjugate.apply(x, _REDUCE_SCATTER_FIRST, *_group(pctx, group))
 
 
 def all_gather_tensor(x: torch.Tensor, pctx: ParallelContext, group: str) -> torch.Tensor:

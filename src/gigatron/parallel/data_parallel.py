@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.pipeline_stage import ChunkWrapper
 
 # torch >= 2.13 names the flat-tensor collectives *_single; older releases only have *_tensor.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -184,7 +185,7 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(ChunkWrapper):
     """Wraps a model chunk with gradient buffers and data-parallel gradient reduction.
 
     The wrapper is transparent: `forward`, `state_dict`, `load_state_dict` and unknown attributes
@@ -262,15 +263,7 @@ class DistributedDataParallel(nn.Module):
                         submodule.register_forward_pre_hook(self._wait_param_gather)
                     )
 
-    # ---- transparency ------------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self._modules["module"], name)
-
+    # ---- transparency (attribute reads go to .module: ChunkWrapper) ----------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 

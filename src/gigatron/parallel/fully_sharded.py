@@ -35,6 +35,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.pipeline_stage import ChunkWrapper
 
 # Megatron's sharding strategies -> FSDP2's reshard_after_forward.
 RESHARD_AFTER_FORWARD = {"optim_grads_params": True, "optim_grads": False}
@@ -75,7 +76,7 @@ def _outermost_layers(module: nn.Module) -> list[nn.Module]:
     return layers
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(ChunkWrapper):
     """One model chunk sharded with FSDP2 over the data-parallel group (see module docstring)."""
 
     def __init__(
@@ -115,14 +116,6 @@ class FullyShardedDataParallel(nn.Module):
         self.strategy = strategy
         self.compute_dtype = compute_dtype
         self._gathered: dict[str, Any] | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self._modules["module"], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with warnings.catch_warnings():

@@ -5,7 +5,8 @@ A `forward_step(data_iterator, model_chunk)` returns `(output, loss_fn)`; on the
 stage `loss_fn(output)` returns `(loss_sum, num_tokens, report)`: the summed masked per-token loss
 of the micro-batch, its token count, and a dict of detached values to log.
 The schedule normalises the loss (by the token count unless `per_token_loss`, and by the number
-of micro-batches), multiplies by the loss scale, and runs backward.
+of micro-batches), multiplies by the loss scale, and runs backward. Model chunks are
+`PipelineStage`s (parallel/pipeline_stage.py); a `ScheduleObserver` sees the steps.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gigatron.parallel.pipeline import (
     backward_from_output,
     pipeline_tensor_shape,
 )
+from gigatron.parallel.pipeline_stage import PipelineStage, no_sync, pipeline_stage
 
 ForwardStep = Callable[[Iterator, nn.Module], tuple[torch.Tensor, Callable]]
 
@@ -47,10 +49,6 @@ class ScheduleConfig:
     # Interleaved schedule: micro-batches run on one virtual stage before moving to the next
     # (--microbatch-group-size-per-virtual-pipeline-stage); None = the pipeline size.
     microbatch_group_size: int | None = None
-    # Observability (tests, benchmarks): `trace` receives ("F" | "B", chunk, micro-batch) in
-    # execution order; `stats` accumulates "compute_s" and "recv_wait_s" (pipelined runs).
-    trace: list | None = None
-    stats: dict[str, float] | None = None
     # Models that pass several tensors between stages (T5): stage_shapes(pp_rank) gives the
     # shapes of what that stage sends forward (a list); stages then receive lists, and
     # `chunk.set_input_tensor` gets a list. None: one hidden-state tensor of
@@ -58,8 +56,28 @@ class ScheduleConfig:
     stage_shapes: StageShapes | None = None
 
 
-def _no_sync(chunk: nn.Module):
-    return chunk.no_sync() if hasattr(chunk, "no_sync") else contextlib.nullcontext()
+class ScheduleObserver:
+    """Hooks into a forward-backward pass (tracing, timing); the base ignores everything."""
+
+    def on_step(self, kind: str, chunk: int, microbatch: int) -> None:
+        """Before each step, in execution order: "F" (forward) or "B" (backward) of model chunk
+        `chunk` (its index on this rank) on `microbatch`."""
+
+    def on_pass_end(self, compute_s: float, recv_wait_s: float) -> None:
+        """After a pipelined pass: seconds spent in forward and backward compute, and waiting
+        for pipeline receives."""
+
+
+class ScheduleTimes(ScheduleObserver):
+    """Compute and receive-wait seconds summed over pipelined passes (benchmarks)."""
+
+    def __init__(self) -> None:
+        self.compute_s = 0.0
+        self.recv_wait_s = 0.0
+
+    def on_pass_end(self, compute_s: float, recv_wait_s: float) -> None:
+        self.compute_s += compute_s
+        self.recv_wait_s += recv_wait_s
 
 
 def compute_loss(
@@ -87,9 +105,9 @@ def forward_backward_no_pipelining(
     data_iterator: Iterator,
     model_chunks: list[nn.Module],
     num_microbatches: int,
-    pctx: ParallelContext,
     config: ScheduleConfig,
     forward_only: bool = False,
+    observer: ScheduleObserver | None = None,
 ) -> list[dict[str, Any]]:
     """Gradient accumulation over micro-batches; gradient reduction only after the last one."""
     assert len(model_chunks) == 1, "without pipeline parallelism there is exactly one model chunk"
@@ -97,15 +115,15 @@ def forward_backward_no_pipelining(
     reports = []
     for index in range(num_microbatches):
         last = index == num_microbatches - 1
-        context = contextlib.nullcontext() if last or forward_only else _no_sync(model)
+        context = contextlib.nullcontext() if last or forward_only else no_sync(model)
         with context:
-            if config.trace is not None:
-                config.trace.append(("F", 0, index))
+            if observer is not None:
+                observer.on_step("F", 0, index)
             output, loss_fn = forward_step(data_iterator, model)
             loss, report = compute_loss(output, loss_fn, num_microbatches, config, forward_only)
             if not forward_only:
-                if config.trace is not None:
-                    config.trace.append(("B", 0, index))
+                if observer is not None:
+                    observer.on_step("B", 0, index)
                 loss.backward()
         reports.append(report)
     return reports
@@ -207,176 +225,147 @@ def _chunk_iterators(data_iterator: Any, num_chunks: int) -> list[Any]:
     return [shared.view(chunk) for chunk in range(num_chunks)]
 
 
-def _set_input_tensor(chunk: nn.Module, tensor: torch.Tensor | list[torch.Tensor]) -> None:
-    """Hand the received activation to the chunk (through a DDP wrapper when there is one)."""
-    target = chunk if hasattr(chunk, "set_input_tensor") else getattr(chunk, "module", None)
-    if target is None or not hasattr(target, "set_input_tensor"):
-        raise TypeError(
-            f"{type(chunk).__name__} has no set_input_tensor(); a pipeline stage after the first "
-            "takes its input from the previous stage through it"
-        )
-    target.set_input_tensor(tensor)
-
-
-def forward_backward_pipelining(
-    forward_step: ForwardStep,
-    data_iterator: Iterator | list[Iterator] | None,
-    model_chunks: list[nn.Module],
-    num_microbatches: int,
-    pctx: ParallelContext,
-    config: ScheduleConfig,
-    forward_only: bool = False,
-) -> list[dict[str, Any]]:
-    """Run the steps of `pipeline_schedule_order` for this rank: 1F1B with one chunk,
-    interleaved 1F1B with several (virtual stages)."""
-    pp_size, pp_rank = pctx.pp_size, pctx.pp_rank
-    num_chunks = len(model_chunks)
-    order = pipeline_schedule_order(
-        pp_size, pp_rank, num_microbatches, num_chunks, config.microbatch_group_size, forward_only
-    )
-    iterators = _chunk_iterators(data_iterator, num_chunks)
-    shape = pipeline_tensor_shape(
-        config.seq_length,
-        config.micro_batch_size,
-        config.hidden_size,
-        pctx.tp_size,
-        pctx.cp_size,
-        config.sequence_parallel,
-    )
-    comm = PipelineCommunicator(
-        pctx, shape, config.pipeline_dtype, num_microbatches, num_chunks, config.stage_shapes
-    )
-
-    def is_first_stage(chunk: int) -> bool:
-        return pp_rank == 0 and chunk == 0
-
-    def is_last_stage(chunk: int) -> bool:
-        return pp_rank == pp_size - 1 and chunk == num_chunks - 1
-
-    def needed_recv(step: tuple[str, int, int]) -> int | None:
-        kind, chunk, _ = step
-        if kind == "F":
-            return None if is_first_stage(chunk) else ACTIVATION
-        return None if is_last_stage(chunk) else GRADIENT
-
-    # The receive each step starts for a later one (the next step that needs a receive), so it
-    # overlaps this step's compute; it goes out together with this step's send, if any.
-    next_recv: list[tuple[int, int, int] | None] = [None] * len(order)
-    upcoming = None
-    for index in range(len(order) - 1, -1, -1):
-        next_recv[index] = upcoming
-        kind_needed = needed_recv(order[index])
-        if kind_needed is not None:
-            upcoming = (kind_needed, order[index][1], order[index][2])
-
-    inputs: dict[tuple[int, int], torch.Tensor | None] = {}
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
-    reports: list[dict[str, Any]] = []
-    compute_s = 0.0
-    for index, step in enumerate(order):
-        kind, chunk_id, mb = step
-        chunk = model_chunks[chunk_id]
-        if config.trace is not None:
-            config.trace.append(step)
-        if kind == "F":
-            input_tensor = None
-            if not is_first_stage(chunk_id):
-                input_tensor = comm.recv(ACTIVATION, chunk_id, mb)
-                if not forward_only:
-                    for received in _as_list(input_tensor):
-                        received.requires_grad_(True)
-                _set_input_tensor(chunk, input_tensor)
-            began = time.perf_counter()
-            output, loss_fn = forward_step(iterators[chunk_id], chunk)
-            if is_last_stage(chunk_id):
-                output, report = compute_loss(
-                    output, loss_fn, num_microbatches, config, forward_only
-                )
-                reports.append(report)
-            compute_s += time.perf_counter() - began
-            if not is_last_stage(chunk_id):
-                comm.send(
-                    ACTIVATION, chunk_id, mb, output, free_after=output, then_recv=next_recv[index]
-                )
-            if not forward_only:
-                inputs[(chunk_id, mb)] = input_tensor
-                outputs[(chunk_id, mb)] = output
-        else:
-            grad_output = None
-            if not is_last_stage(chunk_id):
-                grad_output = comm.recv(GRADIENT, chunk_id, mb)
-                comm.wait_send(ACTIVATION, chunk_id, mb)
-            input_tensor = inputs.pop((chunk_id, mb))
-            output = outputs.pop((chunk_id, mb))
-            # Gradient reduction (DDP) runs only with each chunk's last micro-batch.
-            last = mb == num_microbatches - 1
-            began = time.perf_counter()
-            with contextlib.nullcontext() if last else _no_sync(chunk):
-                backward_from_output(output, grad_output)
-            compute_s += time.perf_counter() - began
-            del output, grad_output
-            if input_tensor is not None:
-                # A chunk that ignored an input gives it a zero gradient.
-                grads = [
-                    t.grad if t.grad is not None else torch.zeros_like(t)
-                    for t in _as_list(input_tensor)
-                ]
-                grad_input = grads if isinstance(input_tensor, list) else grads[0]
-                comm.send(GRADIENT, chunk_id, mb, grad_input, then_recv=next_recv[index])
-        if next_recv[index] is not None:
-            comm.post_recv(*next_recv[index])  # a no-op when the send above started it
-    comm.finish()
-    if config.stats is not None:
-        config.stats["compute_s"] = config.stats.get("compute_s", 0.0) + compute_s
-        config.stats["recv_wait_s"] = config.stats.get("recv_wait_s", 0.0) + comm.recv_wait_s
-    return reports
+def _received_grads(input_tensor: torch.Tensor | list[torch.Tensor]):
+    """The gradients of what a stage received, in the message's form (a chunk that ignored an
+    input gives it a zero gradient)."""
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in _as_list(input_tensor)]
+    return grads if isinstance(input_tensor, list) else grads[0]
 
 
 def _as_list(tensors: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     return list(tensors) if isinstance(tensors, (list, tuple)) else [tensors]
 
 
-def forward_backward_pipelining_1f1b(
-    forward_step: ForwardStep,
-    data_iterator: Iterator | None,
-    model_chunks: list[nn.Module],
-    num_microbatches: int,
-    pctx: ParallelContext,
-    config: ScheduleConfig,
-    forward_only: bool = False,
-) -> list[dict[str, Any]]:
-    """1F1B: one model chunk per pipeline rank."""
-    assert len(model_chunks) == 1, "1F1B runs one model chunk per rank; use the interleaved one"
-    return forward_backward_pipelining(
-        forward_step, data_iterator, model_chunks, num_microbatches, pctx, config, forward_only
-    )
+class _PipelinePass:
+    """One pipelined forward-backward pass on this rank: runs the steps of
+    `pipeline_schedule_order`, sends and receives through a `PipelineCommunicator`, and keeps
+    each micro-batch's input and output until its backward."""
 
+    def __init__(
+        self,
+        forward_step: ForwardStep,
+        data_iterator: Iterator | list[Iterator] | None,
+        model_chunks: list[nn.Module],
+        num_microbatches: int,
+        pctx: ParallelContext,
+        config: ScheduleConfig,
+        forward_only: bool,
+    ) -> None:
+        self.forward_step, self.chunks = forward_step, model_chunks
+        self.stages = [pipeline_stage(chunk) for chunk in model_chunks]
+        self.num_microbatches = num_microbatches
+        self.config, self.forward_only = config, forward_only
+        self.pp_size, self.pp_rank = pctx.pp_size, pctx.pp_rank
+        self.iterators = _chunk_iterators(data_iterator, len(model_chunks))
+        shape = pipeline_tensor_shape(
+            config.seq_length,
+            config.micro_batch_size,
+            config.hidden_size,
+            pctx.tp_size,
+            pctx.cp_size,
+            config.sequence_parallel,
+        )
+        self.comm = PipelineCommunicator(
+            pctx, shape, config.pipeline_dtype, num_microbatches, len(model_chunks),
+            config.stage_shapes,
+        )  # fmt: skip
+        self.inputs: dict[tuple[int, int], torch.Tensor | list[torch.Tensor] | None] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.reports: list[dict[str, Any]] = []
+        self.compute_s = 0.0
 
-def forward_backward_pipelining_interleaved(
-    forward_step: ForwardStep,
-    data_iterator: Iterator | list[Iterator] | None,
-    model_chunks: list[nn.Module],
-    num_microbatches: int,
-    pctx: ParallelContext,
-    config: ScheduleConfig,
-    forward_only: bool = False,
-) -> list[dict[str, Any]]:
-    """Interleaved 1F1B: several model chunks (virtual stages) per pipeline rank."""
-    assert len(model_chunks) > 1, "the interleaved schedule needs several model chunks per rank"
-    return forward_backward_pipelining(
-        forward_step, data_iterator, model_chunks, num_microbatches, pctx, config, forward_only
-    )
+    def is_first_stage(self, chunk: int) -> bool:
+        return self.pp_rank == 0 and chunk == 0
+
+    def is_last_stage(self, chunk: int) -> bool:
+        return self.pp_rank == self.pp_size - 1 and chunk == len(self.chunks) - 1
+
+    def needed_recv(self, step: tuple[str, int, int]) -> int | None:
+        """What a step receives before it runs: an activation, a gradient, or nothing."""
+        kind, chunk, _ = step
+        if kind == "F":
+            return None if self.is_first_stage(chunk) else ACTIVATION
+        return None if self.is_last_stage(chunk) else GRADIENT
+
+    def prefetch_plan(self, order: list[tuple[str, int, int]]) -> list[tuple[int, int, int] | None]:
+        """The receive each step starts for a later one (the next step that needs a receive), so
+        it overlaps this step's compute; it goes out together with this step's send, if any."""
+        plan: list[tuple[int, int, int] | None] = [None] * len(order)
+        upcoming = None
+        for index in range(len(order) - 1, -1, -1):
+            plan[index] = upcoming
+            kind_needed = self.needed_recv(order[index])
+            if kind_needed is not None:
+                upcoming = (kind_needed, order[index][1], order[index][2])
+        return plan
+
+    def run(self, order: list[tuple[str, int, int]], observer: ScheduleObserver | None):
+        """Every step of `order`; returns the last stage's reports."""
+        next_recv = self.prefetch_plan(order)
+        for index, step in enumerate(order):
+            kind, chunk_id, mb = step
+            if observer is not None:
+                observer.on_step(kind, chunk_id, mb)
+            if kind == "F":
+                self.forward(chunk_id, mb, next_recv[index])
+            else:
+                self.backward(chunk_id, mb, next_recv[index])
+            if next_recv[index] is not None:
+                self.comm.post_recv(*next_recv[index])  # a no-op when the send started it
+        self.comm.finish()
+        if observer is not None:
+            observer.on_pass_end(self.compute_s, self.comm.recv_wait_s)
+        return self.reports
+
+    def forward(self, chunk_id: int, mb: int, then_recv: tuple[int, int, int] | None) -> None:
+        input_tensor = None
+        if not self.is_first_stage(chunk_id):
+            input_tensor = self.comm.recv(ACTIVATION, chunk_id, mb)
+            if not self.forward_only:
+                for received in _as_list(input_tensor):
+                    received.requires_grad_(True)
+            self.stages[chunk_id].set_input_tensor(input_tensor)
+        began = time.perf_counter()
+        output, loss_fn = self.forward_step(self.iterators[chunk_id], self.chunks[chunk_id])
+        last_stage = self.is_last_stage(chunk_id)
+        if last_stage:
+            output, report = compute_loss(
+                output, loss_fn, self.num_microbatches, self.config, self.forward_only
+            )
+            self.reports.append(report)
+        self.compute_s += time.perf_counter() - began
+        if not last_stage:
+            self.comm.send(ACTIVATION, chunk_id, mb, output, free_after=output, then_recv=then_recv)
+        if not self.forward_only:
+            self.inputs[(chunk_id, mb)] = input_tensor
+            self.outputs[(chunk_id, mb)] = output
+
+    def backward(self, chunk_id: int, mb: int, then_recv: tuple[int, int, int] | None) -> None:
+        grad_output = None
+        if not self.is_last_stage(chunk_id):
+            grad_output = self.comm.recv(GRADIENT, chunk_id, mb)
+            self.comm.wait_send(ACTIVATION, chunk_id, mb)
+        input_tensor = self.inputs.pop((chunk_id, mb))
+        output = self.outputs.pop((chunk_id, mb))
+        # Gradient reduction (DDP) runs only with each chunk's last micro-batch.
+        last = mb == self.num_microbatches - 1
+        began = time.perf_counter()
+        with contextlib.nullcontext() if last else no_sync(self.chunks[chunk_id]):
+            backward_from_output(output, grad_output)
+        self.compute_s += time.perf_counter() - began
+        del output, grad_output
+        if input_tensor is not None:
+            grad_input = _received_grads(input_tensor)
+            self.comm.send(GRADIENT, chunk_id, mb, grad_input, then_recv=then_recv)
 
 
 def set_aux_loss_scale(
-    model_chunks: list[nn.Module], num_microbatches: int, config: ScheduleConfig
+    stages: list[PipelineStage], num_microbatches: int, config: ScheduleConfig
 ) -> None:
-    """Tell every module with auxiliary losses (MoE routers: `set_aux_loss_scale`) the gradient
-    such a loss gets in backward: what the main loss of a micro-batch is multiplied by (the loss
-    scale, divided by the number of micro-batches unless the loss is per token)."""
-    modules = [
-        m for chunk in model_chunks for m in chunk.modules() if hasattr(m, "set_aux_loss_scale")
-    ]
+    """Tell every auxiliary-loss module of the stages (`aux_loss_modules()`: MoE routers) the
+    gradient such a loss gets in backward: what the main loss of a micro-batch is multiplied by
+    (the loss scale, divided by the number of micro-batches unless the loss is per token)."""
+    modules = [module for stage in stages for module in stage.aux_loss_modules()]
     if not modules:
         return
     scale = torch.ones(1)
@@ -396,17 +385,31 @@ def forward_backward(
     pctx: ParallelContext,
     config: ScheduleConfig,
     forward_only: bool = False,
+    observer: ScheduleObserver | None = None,
 ) -> list[dict[str, Any]]:
     """Run one iteration's forward (and backward) passes; returns one report per micro-batch on
-    the last pipeline stage (an empty list elsewhere)."""
+    the last pipeline stage (an empty list elsewhere). Every chunk is a `PipelineStage` (or
+    wraps one); `observer` sees the steps and, pipelined, the pass's timings."""
+    stages = [pipeline_stage(chunk) for chunk in model_chunks]
     if not forward_only:
-        set_aux_loss_scale(model_chunks, num_microbatches, config)
+        set_aux_loss_scale(stages, num_microbatches, config)
     if pctx.pp_size == 1:
         if isinstance(data_iterator, (list, tuple)):
             (data_iterator,) = data_iterator
         return forward_backward_no_pipelining(
-            forward_step, data_iterator, model_chunks, num_microbatches, pctx, config, forward_only
-        )
-    return forward_backward_pipelining(
+            forward_step, data_iterator, model_chunks, num_microbatches, config, forward_only,
+            observer,
+        )  # fmt: skip
+    # 1F1B with one chunk per rank, interleaved 1F1B with several (virtual stages).
+    order = pipeline_schedule_order(
+        pctx.pp_size,
+        pctx.pp_rank,
+        num_microbatches,
+        len(model_chunks),
+        config.microbatch_group_size,
+        forward_only,
+    )
+    run = _PipelinePass(
         forward_step, data_iterator, model_chunks, num_microbatches, pctx, config, forward_only
     )
+    return run.run(order, observer)

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from gigatron.models.bert import BertModel, replicated_linear
+from gigatron.parallel.pipeline_stage import PipelineStage
 from gigatron.parallel.tensor_parallel import initialize_parameters
 
 
-class BertClassifier(nn.Module):
+class BertClassifier(PipelineStage):
     """`forward(tokens, position_ids, attention_mask, tokentype_ids) -> [b, outputs]` logits,
     `outputs` = the classes, or 1 (a choice's score) for multiple choice. Parameter names:
     `bert.*` (the pretrained chunk), `pooler.*` when the checkpoint had none, and Megatron's

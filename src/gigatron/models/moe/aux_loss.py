@@ -12,8 +12,9 @@ been added to the main loss with weight 1.
 it), or just the loss scale under `--calculate-per-token-loss`, where the layer also multiplies
 the auxiliary loss by its micro-batch's token count (the loop divides every gradient by the
 global token count). Data-parallel averaging then applies to it as to the main loss. The
-schedule sets it on every module that has `set_aux_loss_scale` at the start of each
-forward-backward pass (`AuxLossScale` below), so nothing is global.
+schedule sets it on the auxiliary-loss modules each stage names (`PipelineStage.aux_loss_modules`:
+the routers) at the start of each forward-backward pass (`AuxLossScale` below), so nothing is
+global.
 """
 
 from __future__ import annotations

@@ -22,12 +22,13 @@ from gigatron.models.moe.aux_loss import AuxLossScale, attach_aux_loss, in_backw
 from gigatron.models.moe.reports import RoutingStats
 from gigatron.models.moe.spec import MoESpec
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.pipeline_stage import AuxLossModule
 from gigatron.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 TOKEN_GROUP = "tp_cp"
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(AuxLossModule):
     """Routes each token to `topk` experts; see the module docstring and models/moe/routing.py."""
 
     def __init__(

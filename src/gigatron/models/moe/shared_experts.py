@@ -7,45 +7,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gigatron.models.activations import mlp_activation
+from gigatron.models.transformer import MLP
 from gigatron.parallel.context import ParallelContext
-from gigatron.parallel.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    set_tensor_parallel_attributes,
-)
+from gigatron.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 
-class SharedExpertMLP(nn.Module):
+class SharedExpertMLP(MLP):
     """`forward(x [s, b, h]) -> [s, b, h]` in the layer's (tensor/sequence-parallel) layout.
 
-    Parameters: `linear_fc1.weight`, `linear_fc2.weight` (as the dense MLP) and, with the gate,
-    `gate_weight` [1, h] (replicated over tp; sequence-parallel like a norm weight).
+    Parameters: `linear_fc1.weight`, `linear_fc2.weight` (the dense MLP's, Megatron's names:
+    mlp.shared_experts.linear_fc1.weight, ...) and, with the gate, `gate_weight` [1, h]
+    (replicated over tp; sequence-parallel like a norm weight).
     """
 
     def __init__(self, spec, pctx: ParallelContext, ffn_hidden_size: int, gate: bool) -> None:
-        super().__init__()
-        # Parameter names as Megatron's (mlp.shared_experts.linear_fc1.weight, ...).
-        self.linear_fc1 = ColumnParallelLinear(
-            spec.hidden_size,
-            ffn_hidden_size * (2 if spec.gated_linear_unit else 1),
-            pctx,
-            bias=spec.add_bias_linear,
-            sequence_parallel=spec.sequence_parallel,
-            init_std=spec.init_method_std,
-            stride=2 if spec.gated_linear_unit else 1,
-            dtype=spec.params_dtype,
-        )
-        self.linear_fc2 = RowParallelLinear(
-            ffn_hidden_size,
-            spec.hidden_size,
-            pctx,
-            bias=spec.add_bias_linear,
-            sequence_parallel=spec.sequence_parallel,
-            init_std=spec.output_init_std,
-            dtype=spec.params_dtype,
-        )
-        self.activation = mlp_activation(spec)
+        super().__init__(spec, pctx, ffn_hidden_size=ffn_hidden_size)
         if gate:
             self.gate_weight = nn.Parameter(
                 torch.empty(1, spec.hidden_size, dtype=spec.params_dtype, device=pctx.device)
@@ -58,7 +34,7 @@ class SharedExpertMLP(nn.Module):
             self.gate_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.linear_fc2(self.activation(self.linear_fc1(x)))
+        out = super().forward(x)
         if self.gate_weight is not None:
             out = out * torch.sigmoid(F.linear(x, self.gate_weight))
         return out
