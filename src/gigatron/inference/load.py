@@ -195,7 +195,7 @@ def _build_and_load(
 ) -> LoadedModel:
     from gigatron.checkpoint.formats import load_checkpoint
     from gigatron.families import get_family
-    from gigatron.training.pretrain import build_run_tokenizer
+    from gigatron.training.run import build_context, build_tokenizer
 
     p = cfg.parallel
     p.sequence_parallel = False  # nothing to split in one-token steps; weights are the same
@@ -205,8 +205,8 @@ def _build_and_load(
     for name in ("tokenizer_model", "vocab_file", "merge_file"):
         if getattr(args, name, None):
             setattr(cfg.tokenizer, name, getattr(args, name))
-    tokenizer = build_run_tokenizer(cfg)
-    pctx = ParallelContext.from_config(cfg)
+    tokenizer = build_tokenizer(cfg)
+    pctx = build_context(cfg)
     chunks = get_family(family).build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
     load_checkpoint(load_dir, chunks, None, None, pctx, cfg, iteration=iteration)
     for chunk in chunks:
