@@ -74,13 +74,16 @@ def log_interval(iterations: int) -> int:
     return max(1, iterations // PLOT_POINTS)
 
 
-def plot_title(args: argparse.Namespace, parameters: int | None) -> str:
-    """The run's shape, for the loss plot."""
+def plot_title(args: argparse.Namespace, parameters: int | None, done: int | None = None) -> str:
+    """The run's shape, for the loss plot; `done` < --iterations: where --minutes stopped it."""
     size = f", {parameters / 1e6:.2f}M parameters" if parameters else ""
+    iterations = f"{args.iterations} iterations"
+    if done is not None and done < args.iterations:
+        iterations = f"{done} of {args.iterations} iterations (--minutes {args.minutes:g})"
     return (
         f"gigatron quickstart: GPT {args.num_layers} layers x {args.hidden_size} hidden{size}\n"
         f"seq {args.seq_length}, global batch {args.global_batch_size}, vocab {args.vocab_size}, "
-        f"lr {args.lr:g}, {args.iterations} iterations"
+        f"lr {args.lr:g}, {iterations}"
     )
 
 
@@ -237,7 +240,8 @@ def _plot_and_summary(
     from gigatron.training.plot import plot_loss, read_metrics  # why: matplotlib is heavy
 
     startup = [r for r in read_metrics(metrics_path) if r.get("type") == "startup"]
-    title = plot_title(args, startup[-1].get("parameters") if startup else None)
+    parameters = startup[-1].get("parameters") if startup else None
+    title = plot_title(args, parameters, result.iteration)
     png = plot_loss(metrics_path, os.path.join(out, "loss.png"), title=title)
     valid = sorted(result.valid_losses.items())
     summary = {

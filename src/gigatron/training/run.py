@@ -320,9 +320,9 @@ def build_run(
     pctx = build_context(cfg)
     parts = RunParts(cfg, family, pctx, None, None, dist.is_initialized() and pctx.world_size > 1)
     try:
-        print_arguments(cfg, pctx, print_line)
         seed_everything(cfg.training.seed, pctx)
-        parts.tokenizer = build_tokenizer(cfg)
+        parts.tokenizer = build_tokenizer(cfg)  # may set --tokenizer-type: print after it
+        print_arguments(cfg, pctx, print_line)
         parts.calculator = build_num_microbatches_calculator(cfg, pctx.dp_size)
         if prepare is not None:
             prepare(parts)
