@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 import yaml
 
 from gigatron.config.root import config_to_dict
+from gigatron.errors import GigatronError
 from gigatron.families import get_family
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.data_parallel import DistributedDataParallel
@@ -98,6 +100,10 @@ def test_write_run_config_only_with_save(tmp_path):
     path = write_run_config(cfg, str(tmp_path / "new"), ParallelContext.single())
     assert path == str(tmp_path / "new" / CONFIG_FILENAME)
     assert yaml.safe_load(open(path).read())["model"]["num_layers"] == 2
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(GigatronError, match=r"--save .*file/sub: cannot write config.yaml"):
+        write_run_config(cfg, str(blocker / "sub"), ParallelContext.single())
 
 
 def test_thread_choice():

@@ -260,11 +260,17 @@ def write_run_config(
         return None
     path = os.path.join(save_dir, CONFIG_FILENAME)
     if pctx.rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
         partial = path + ".tmp"
-        with open(partial, "w", encoding="utf-8") as handle:
-            yaml.safe_dump(config_to_dict(cfg), handle, sort_keys=False)
-        os.replace(partial, path)
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            with open(partial, "w", encoding="utf-8") as handle:
+                yaml.safe_dump(config_to_dict(cfg), handle, sort_keys=False)
+            os.replace(partial, path)
+        except OSError as error:
+            raise GigatronError(
+                f"--save {save_dir}: cannot write {CONFIG_FILENAME} there ({error.strerror}); "
+                "give a directory this user can write"
+            ) from None
     return path
 
 
