@@ -191,3 +191,14 @@ def test_quickstart_plot_title_says_where_the_time_limit_stopped():
     full = plot_title(args, 2_500_000, 800)
     assert full.endswith("lr 0.002, 800 iterations") and "2.50M parameters" in full
     assert plot_title(args, None, 34).endswith("lr 0.002, 34 of 800 iterations (--minutes 3.5)")
+
+
+def test_log_window_averages_each_loss_over_the_iterations_that_had_it():
+    from gigatron.training.loop import LogWindow, StepResult
+
+    window = LogWindow.empty(("lm_loss", "mtp_loss"))
+    window.add(StepResult({"lm_loss": 2.0, "mtp_loss": 4.0}, True, 1.0, None), 0.5, 8, 10.0)
+    window.add(StepResult({"lm_loss": 3.0}, False, None, None), 1.5, 16, 30.0)
+    assert window.mean_losses() == {"lm_loss": 2.5, "mtp_loss": 4.0}
+    assert (window.iterations, window.time, window.samples, window.flops) == (2, 2.0, 24, 40.0)
+    assert LogWindow.empty(("lm_loss",)).mean_losses() == {"lm_loss": None}
