@@ -20,6 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from gigatron.errors import GigatronError
 
@@ -74,13 +75,16 @@ def log_interval(iterations: int) -> int:
     return max(1, iterations // PLOT_POINTS)
 
 
-def plot_title(args: argparse.Namespace, parameters: int | None) -> str:
-    """The run's shape, for the loss plot."""
+def plot_title(args: argparse.Namespace, parameters: int | None, done: int | None = None) -> str:
+    """The run's shape, for the loss plot; `done` < --iterations: where --minutes stopped it."""
     size = f", {parameters / 1e6:.2f}M parameters" if parameters else ""
+    iterations = f"{args.iterations} iterations"
+    if done is not None and done < args.iterations:
+        iterations = f"{done} of {args.iterations} iterations (--minutes {args.minutes:g})"
     return (
         f"gigatron quickstart: GPT {args.num_layers} layers x {args.hidden_size} hidden{size}\n"
         f"seq {args.seq_length}, global batch {args.global_batch_size}, vocab {args.vocab_size}, "
-        f"lr {args.lr:g}, {args.iterations} iterations"
+        f"lr {args.lr:g}, {iterations}"
     )
 
 
@@ -90,16 +94,36 @@ def _step(number: int, text: str) -> None:
 
 def main(argv: Sequence[str]) -> int:
     """`gigatron quickstart [options]`."""
-    # why: the whole stack loads when run, not for `quickstart --help`
-    from gigatron.data import preprocess, train_tokenizer
-    from gigatron.data.tokenizers import build_tokenizer
-    from gigatron.inference import SamplingParams
-    from gigatron.inference.load import build_engine
-    from gigatron.parallel.context import ParallelContext
-    from gigatron.training.plot import plot_loss, read_metrics
+    # why: the training stack loads after parsing, so --help stays fast
     from gigatron.training.pretrain import parse_pretrain_config, pretrain
+    from gigatron.training.run import apply_thread_choice
 
     args = build_parser().parse_args(list(argv))
+    _check_arguments(args)
+    apply_thread_choice()  # one process: a few threads (docs/training.md)
+    started = time.perf_counter()
+    out, checkpoints, metrics_path = _fresh_output_dir(args.output_dir)
+    tokenizer_flags, data_prefix = _prepare_data(args, out)
+
+    _step(4, f"pretrain: GPT {args.num_layers} layers x {args.hidden_size} hidden")
+    flags = pretrain_flags(args, data_prefix, tokenizer_flags, checkpoints, metrics_path)
+    print("gigatron pretrain gpt " + " ".join(flags), flush=True)
+    cfg = parse_pretrain_config(flags, world_size=1)
+    result, chunks = pretrain(cfg, keep_model=True, evaluate_on_early_exit=True)
+    if result.exit_reason == "exit-duration":
+        print(f"stopped after {args.minutes} minutes at iteration {result.iteration}")
+
+    _step(5, "sample")
+    _print_sample(args, cfg, chunks)
+
+    _step(6, "plot")
+    summary = _plot_and_summary(args, out, metrics_path, result, started)
+    print(f"checkpoint: {checkpoints}   metrics: {metrics_path}")
+    print(f"done in {summary['seconds']:.0f} s; all outputs are in {out}")
+    return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
     for value, flag in (
         (args.iterations, "--iterations"),
         (args.hidden_size, "--hidden-size"),
@@ -111,8 +135,11 @@ def main(argv: Sequence[str]) -> int:
             raise GigatronError(f"{flag} {value}: must be positive")
     if args.hidden_size % 4:
         raise GigatronError(f"--hidden-size {args.hidden_size}: use a multiple of 4 (4 heads)")
-    started = time.perf_counter()
-    out = os.path.abspath(args.output_dir)
+
+
+def _fresh_output_dir(output_dir: str) -> tuple[str, str, str]:
+    """(output dir, checkpoints dir, metrics file); what an earlier quickstart left is removed."""
+    out = os.path.abspath(output_dir)
     os.makedirs(out, exist_ok=True)
     checkpoints = os.path.join(out, "checkpoints")
     metrics_path = os.path.join(out, "metrics.jsonl")
@@ -121,6 +148,12 @@ def main(argv: Sequence[str]) -> int:
     for stale in (metrics_path, os.path.join(out, "loss.png")):
         if os.path.exists(stale):
             os.remove(stale)
+    return out, checkpoints, metrics_path
+
+
+def _prepare_data(args: argparse.Namespace, out: str) -> tuple[list[str], str]:
+    """Steps 1-3 (corpus, tokenizer, .bin/.idx); returns the tokenizer flags and data prefix."""
+    from gigatron.data import preprocess, train_tokenizer  # why: keeps --help fast
 
     _step(1, "corpus: Python's help topics (pydoc_data.topics)")
     corpus = os.path.join(out, "corpus.jsonl")
@@ -146,12 +179,20 @@ def main(argv: Sequence[str]) -> int:
         ["--input", corpus, "--output-prefix", prefix, "--append-eod", "--workers", "1",
          *tokenizer_flags]
     )  # fmt: skip
-    data_prefix = f"{prefix}_text_document"
+    return tokenizer_flags, f"{prefix}_text_document"
 
-    _step(4, f"pretrain: GPT {args.num_layers} layers x {args.hidden_size} hidden")
+
+def pretrain_flags(
+    args: argparse.Namespace,
+    data_prefix: str,
+    tokenizer_flags: list[str],
+    checkpoints: str,
+    metrics_path: str,
+) -> list[str]:
+    """The `gigatron pretrain gpt` flags of step 4 (printed, so the step can be rerun)."""
     # Eight validations, the last one at the final iteration.
     eval_interval = max(1, args.iterations // 8)
-    flags = [
+    return [
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
         "--num-attention-heads", "4", "--seq-length", str(args.seq_length),
         "--max-position-embeddings", str(args.seq_length),
@@ -170,13 +211,16 @@ def main(argv: Sequence[str]) -> int:
         "--exit-duration-in-mins", str(args.minutes), "--seed", str(args.seed),
         "--device", "cpu",
     ]  # fmt: skip
-    print("gigatron pretrain gpt " + " ".join(flags), flush=True)
-    cfg = parse_pretrain_config(flags, world_size=1)
-    result, chunks = pretrain(cfg, keep_model=True, evaluate_on_early_exit=True)
-    if result.exit_reason == "exit-duration":
-        print(f"stopped after {args.minutes} minutes at iteration {result.iteration}")
 
-    _step(5, "sample")
+
+def _print_sample(args: argparse.Namespace, cfg: Any, chunks: list[Any]) -> None:
+    """Step 5: the prompt continued by the trained model."""
+    # why: inference and the tokenizers load only when this step runs
+    from gigatron.data.tokenizers import build_tokenizer
+    from gigatron.inference import SamplingParams
+    from gigatron.inference.load import build_engine
+    from gigatron.parallel.context import ParallelContext
+
     tokenizer = build_tokenizer(cfg.tokenizer)
     engine = build_engine(chunks, ParallelContext.single(), tokenizer, max_batch_size=1)
     prompt_ids = tokenizer.tokenize(args.prompt)[-(args.seq_length - 1) :]
@@ -189,9 +233,16 @@ def main(argv: Sequence[str]) -> int:
     print("sample (top-5 sampling, temperature 0.8):")
     print(args.prompt + sample.text)
 
-    _step(6, "plot")
+
+def _plot_and_summary(
+    args: argparse.Namespace, out: str, metrics_path: str, result: Any, started: float
+) -> dict[str, Any]:
+    """Step 6: loss.png and summary.json; returns the summary."""
+    from gigatron.training.plot import plot_loss, read_metrics  # why: matplotlib is heavy
+
     startup = [r for r in read_metrics(metrics_path) if r.get("type") == "startup"]
-    title = plot_title(args, startup[-1].get("parameters") if startup else None)
+    parameters = startup[-1].get("parameters") if startup else None
+    title = plot_title(args, parameters, result.iteration)
     png = plot_loss(metrics_path, os.path.join(out, "loss.png"), title=title)
     valid = sorted(result.valid_losses.items())
     summary = {
@@ -209,6 +260,4 @@ def main(argv: Sequence[str]) -> int:
             f"validation loss: {valid[0][1]:.3f} at iteration {valid[0][0]} -> "
             f"{valid[-1][1]:.3f} at iteration {valid[-1][0]}"
         )
-    print(f"checkpoint: {checkpoints}   metrics: {metrics_path}")
-    print(f"done in {summary['seconds']:.0f} s; all outputs are in {out}")
-    return 0
+    return summary

@@ -23,7 +23,8 @@ from gigatron.optim.batch_schedule import (
 from gigatron.optim.optimizer import get_param_groups, make_torch_optimizer
 from gigatron.parallel.context import ParallelContext
 from gigatron.training.metrics import MetricsLogger
-from gigatron.training.pretrain import grad_dtype, parse_pretrain_config
+from gigatron.training.pretrain import parse_pretrain_config
+from gigatron.training.run import grad_dtype
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--padded-vocab-size", "128",

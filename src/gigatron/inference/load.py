@@ -27,6 +27,7 @@ from gigatron.families import get_family
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
 from gigatron.parallel.context import ParallelContext
+from gigatron.training.run import build_context
 
 
 def build_engine(
@@ -200,7 +201,7 @@ def _build_and_load(
         if getattr(args, name, None):
             setattr(cfg.tokenizer, name, getattr(args, name))
     tokenizer = build_run_tokenizer(cfg)
-    pctx = ParallelContext.from_config(cfg)
+    pctx = build_context(cfg)
     chunks = get_family(family).build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
     load_checkpoint(load_dir, chunks, None, None, pctx, cfg, iteration=iteration)
     for chunk in chunks:

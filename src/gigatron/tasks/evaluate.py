@@ -54,22 +54,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Progress:
-    """One line on rank 0's stderr, rewritten as batches finish."""
+    """Rank 0's progress on stderr: one line rewritten in place on a terminal; elsewhere (a log
+    file, a zero-width console) a full line every LINE_EVERY_S seconds and at the end, with the
+    time left."""
 
-    def __init__(self, label: str, enabled: bool) -> None:
+    LINE_EVERY_S = 10.0
+
+    def __init__(self, label: str, enabled: bool, stream: Any = None) -> None:
+        # why: training.metrics imports torch; here it loads after parsing, so --help stays fast
+        from gigatron.training.metrics import format_eta, is_terminal, terminal_width
+
+        self.format_eta = format_eta
         self.label, self.enabled, self.start = label, enabled, time.perf_counter()
+        self.stream = stream or sys.stderr
+        self.in_place = is_terminal(self.stream) and terminal_width(self.stream) != 0
+        self.last_line = self.start
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
-        rate = done / max(time.perf_counter() - self.start, 1e-9)
-        end = "\n" if done == total else ""
-        print(
-            f"\r{self.label}: {done}/{total} batches ({rate:.1f}/s)",
-            end=end,
-            file=sys.stderr,
-            flush=True,
-        )
+        now = time.perf_counter()
+        rate = done / max(now - self.start, 1e-9)
+        text = f"{self.label}: {done}/{total} batches ({rate:.1f}/s)"
+        if self.in_place:
+            end = "\n" if done == total else ""
+            print(f"\r{text}", end=end, file=self.stream, flush=True)
+        elif done == total or now - self.last_line >= self.LINE_EVERY_S:
+            self.last_line = now
+            eta = self.format_eta((total - done) / max(rate, 1e-9))
+            print(f"{text} | ETA: {eta}", file=self.stream, flush=True)
 
 
 def run_task(loaded: Any, task: ZeroShotTaskConfig, args: argparse.Namespace) -> dict[str, Any]:
@@ -153,6 +166,9 @@ def write_json(path: str | Path, value: Any) -> None:
 
 def evaluate(argv: Sequence[str]) -> dict[str, Any]:
     """Parse, load, evaluate; returns the results (every rank)."""
+
+    from gigatron.training.run import apply_thread_choice
+
     args = build_parser().parse_args(list(argv))
     task = task_config_from_namespace(ZeroShotTaskConfig, args)
     if task.task is None:
@@ -165,6 +181,7 @@ def evaluate(argv: Sequence[str]) -> dict[str, Any]:
         raise GigatronError(f"--micro-batch-size {args.micro_batch_size}: must be at least 1")
     if task.overlapping_eval < 1:
         raise GigatronError(f"--overlapping-eval {task.overlapping_eval}: must be at least 1")
+    apply_thread_choice()  # one process: a few threads (docs/training.md)
     loaded = load_for_inference(args, data_parallel=True)
     try:
         result = run_task(loaded, task, args)

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import math
 import shutil
+import sys
 from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -261,118 +262,115 @@ def build_classifier(cfg, pctx: ParallelContext, vocab_size: int, task: Finetune
 def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any]:
     """Fine-tune (or, with --epochs 0, evaluate); returns the accuracies of every epoch and the
     best one (every rank)."""
-    from gigatron.models.flops import model_flops_per_iteration
-    from gigatron.optim import build_optimizer
-    from gigatron.optim.batch_schedule import build_num_microbatches_calculator
-    from gigatron.optim.lr_schedule import build_lr_scheduler
-    from gigatron.parallel.data_parallel import DistributedDataParallel
-    from gigatron.parallel.random import seed_everything
-    from gigatron.parallel.schedules import ScheduleConfig
-    from gigatron.training.loop import Run, TrainState, train
-    from gigatron.training.metrics import MetricsLogger, default_metrics_path
-    from gigatron.training.pretrain import (
-        apply_process_settings,
-        build_run_tokenizer,
-        grad_dtype,
-        set_determinism,
-    )
+    # why (here and below): the training stack loads when a run starts, so --help stays fast
+    from gigatron.families import get_family
+    from gigatron.training.run import build_metrics, build_run
 
-    set_determinism(cfg)
-    apply_process_settings(cfg)
-    pctx = ParallelContext.from_config(cfg)
-    owns_process_group = dist.is_initialized() and pctx.world_size > 1
+    data: dict[str, Any] = {}
+    parts = build_run(
+        cfg,
+        get_family("bert"),
+        print_line=partial(print, file=stream or sys.stdout, flush=True),
+        prepare=partial(_prepare_data, task, data),
+        build_chunks=lambda c, pctx, vocab_size: [build_classifier(c, pctx, vocab_size, task)],
+        write_config=False,  # its --train-iters comes from the data: --config could not use it
+    )
     metrics = None
     try:
-        t, ckpt = cfg.training, cfg.checkpoint
-        seed_everything(t.seed, pctx)
-        tokenizer = build_run_tokenizer(cfg)
-        for name in ("cls", "sep", "pad"):
-            if getattr(tokenizer, name, None) is None:
-                raise GigatronError(
-                    f"--tokenizer-type {cfg.tokenizer.tokenizer_type}: has no [{name.upper()}] "
-                    "token; fine-tuning BERT needs a WordPiece tokenizer (BertWordPieceLowerCase)"
-                )
-        seq = cfg.model.seq_length
-        read = partial(read_samples, task.task, tokenizer=tokenizer, seq_length=seq)
-        train_samples = [s for path in task.train_data for s in read(path)] if task.epochs else []
-        valid_sets = [(path, read(path)) for path in task.valid_data]
-        calculator = build_num_microbatches_calculator(cfg, pctx.dp_size)
-        global_batch = calculator.global_batch_size
-        per_epoch = batches_per_epoch(len(train_samples), global_batch, task.keep_last)
-        if task.epochs and per_epoch == 0:
-            raise GigatronError(
-                f"--train-data: {len(train_samples)} samples, fewer than one global batch of "
-                f"{global_batch}; lower --global-batch-size or add --keep-last"
-            )
-        t.train_iters = max(1, task.epochs * per_epoch)  # the lr schedule's length
-
-        classifier = build_classifier(cfg, pctx, tokenizer.vocab_size, task)
-        model = [DistributedDataParallel(classifier, pctx, cfg.parallel, grad_dtype(cfg))]
-        optimizer = build_optimizer(cfg, model, pctx)
-        scheduler = build_lr_scheduler(cfg, optimizer)
-        metrics = MetricsLogger(
-            default_metrics_path(cfg.logging.metrics_file, ckpt.save), pctx,
-            train_iters=t.train_iters, tensorboard_dir=cfg.logging.tensorboard_dir,
-            wandb_project=cfg.logging.wandb_project, wandb_exp_name=cfg.logging.wandb_exp_name,
-            progress_bar=False if cfg.logging.no_progress_bar else None, stream=stream,
-            loss_names=LOSS_NAMES, log_throughput=cfg.logging.log_throughput,
-            timing_log_level=cfg.logging.timing_log_level,
-            tensorboard_timers=cfg.logging.log_timers_to_tensorboard,
-            tensorboard_validation_ppl=cfg.logging.log_validation_ppl_to_tensorboard,
-        )  # fmt: skip
-        metrics.message(
-            f"finetune {task.task}: {len(train_samples)} training samples, {per_epoch} "
-            f"iterations per epoch of {global_batch}; validation sets: "
-            + ", ".join(f"{path} ({len(s)})" for path, s in valid_sets)
+        metrics = build_metrics(
+            cfg, parts.pctx, cfg.training.train_iters, LOSS_NAMES, stream=stream
         )
-        choices = 4 if task.task == "RACE" else 1
-        run = Run(
-            cfg=cfg, pctx=pctx, model=model, optimizer=optimizer, scheduler=scheduler,
-            batch_calculator=calculator, forward_step=partial(forward_step, pctx),
-            schedule_config=ScheduleConfig(
-                seq_length=seq, micro_batch_size=t.micro_batch_size * choices,
-                hidden_size=cfg.model.hidden_size, grad_scale_func=optimizer.scale_loss,
-            ),
-            metrics=metrics, train_iters=0, vocab_size=classifier.vocab_size,
-            flops_per_iteration=lambda batch: model_flops_per_iteration(
-                cfg.model, batch * choices, 0
-            ),
-            loss_names=LOSS_NAMES, state=TrainState(),
-        )  # fmt: skip
-        eval_micro = task.eval_micro_batch_size or t.micro_batch_size
-
-        history: list[dict[str, Any]] = []
-        best: dict[str, Any] | None = None
-
-        def evaluate_now(epoch: int) -> dict[str, Any]:
-            return evaluate_epoch(
-                classifier, valid_sets, epoch, run.state.iteration, eval_micro, pctx, metrics,
-                task.task,
-            )  # fmt: skip
-
-        if task.epochs == 0:
-            history.append(evaluate_now(0))
-        for epoch in range(1, task.epochs + 1):
-            run.train_iterator = epoch_batches(
-                train_samples, epoch, t.seed, global_batch, t.micro_batch_size, pctx,
-                task.keep_last,
-            )  # fmt: skip
-            run.train_iters = epoch * per_epoch
-            result = train(run)
-            record = evaluate_now(epoch)
-            history.append(record)
-            if best is None or record["mean_accuracy"] > best["mean_accuracy"]:
-                previous, best = best, record
-                if ckpt.save:
-                    _save_best(run, task, record, previous)
-            if result.exit_reason != "finished":
-                break
-        return {"task": task.task, "epochs": history, "best": best}
+        metrics.message(
+            f"finetune {task.task}: {len(data['train'])} training samples, {data['per_epoch']} "
+            f"iterations per epoch of {parts.calculator.global_batch_size}; validation sets: "
+            + ", ".join(f"{path} ({len(s)})" for path, s in data["valid"])
+        )
+        return _train_epochs(_finetune_loop_run(parts, task, metrics), task, data)
     finally:
         if metrics is not None:
             metrics.close()
-        if owns_process_group:
-            dist.destroy_process_group()
+        parts.close()
+
+
+def _prepare_data(task: FinetuneTaskConfig, data: dict[str, Any], parts: Any) -> None:
+    """Read the samples into `data` and set --train-iters from them (before the model and the
+    learning-rate schedule are built)."""
+    cfg, tokenizer = parts.cfg, parts.tokenizer
+    for name in ("cls", "sep", "pad"):
+        if getattr(tokenizer, name, None) is None:
+            raise GigatronError(
+                f"--tokenizer-type {cfg.tokenizer.tokenizer_type}: has no [{name.upper()}] "
+                "token; fine-tuning BERT needs a WordPiece tokenizer (BertWordPieceLowerCase)"
+            )
+    read = partial(read_samples, task.task, tokenizer=tokenizer, seq_length=cfg.model.seq_length)
+    data["train"] = [s for path in task.train_data for s in read(path)] if task.epochs else []
+    data["valid"] = [(path, read(path)) for path in task.valid_data]
+    global_batch = parts.calculator.global_batch_size
+    data["per_epoch"] = batches_per_epoch(len(data["train"]), global_batch, task.keep_last)
+    if task.epochs and data["per_epoch"] == 0:
+        raise GigatronError(
+            f"--train-data: {len(data['train'])} samples, fewer than one global batch of "
+            f"{global_batch}; lower --global-batch-size or add --keep-last"
+        )
+    cfg.training.train_iters = max(1, task.epochs * data["per_epoch"])  # the lr schedule's length
+
+
+def _finetune_loop_run(parts: Any, task: FinetuneTaskConfig, metrics: Any) -> Any:
+    """The loop's Run for the classifier (its train_iterator is set per epoch)."""
+    from gigatron.families.gpt.flops import model_flops_per_iteration
+    from gigatron.parallel.schedules import ScheduleConfig
+    from gigatron.training.loop import Run
+
+    cfg, t = parts.cfg, parts.cfg.training
+    choices = 4 if task.task == "RACE" else 1
+    return Run(
+        cfg=cfg, pctx=parts.pctx, model=parts.model, optimizer=parts.optimizer,
+        scheduler=parts.scheduler, batch_calculator=parts.calculator,
+        forward_step=partial(forward_step, parts.pctx),
+        schedule_config=ScheduleConfig(
+            seq_length=cfg.model.seq_length, micro_batch_size=t.micro_batch_size * choices,
+            hidden_size=cfg.model.hidden_size, grad_scale_func=parts.optimizer.scale_loss,
+        ),
+        metrics=metrics, train_iters=0, vocab_size=parts.model[0].module.vocab_size,
+        flops_per_iteration=lambda batch: model_flops_per_iteration(cfg.model, batch * choices, 0),
+        loss_names=LOSS_NAMES, state=parts.state,
+    )  # fmt: skip
+
+
+def _train_epochs(run: Any, task: FinetuneTaskConfig, data: dict[str, Any]) -> dict[str, Any]:
+    """Train epoch by epoch, measure the accuracy after each, keep the best checkpoint."""
+    from gigatron.training.loop import train
+
+    t, pctx = run.cfg.training, run.pctx
+    classifier = run.model[0].module
+    eval_micro = task.eval_micro_batch_size or t.micro_batch_size
+    history: list[dict[str, Any]] = []
+    best: dict[str, Any] | None = None
+
+    def evaluate_now(epoch: int) -> dict[str, Any]:
+        return evaluate_epoch(
+            classifier, data["valid"], epoch, run.state.iteration, eval_micro, pctx, run.metrics,
+            task.task,
+        )  # fmt: skip
+
+    if task.epochs == 0:
+        history.append(evaluate_now(0))
+    for epoch in range(1, task.epochs + 1):
+        run.train_iterator = epoch_batches(
+            data["train"], epoch, t.seed, run.batch_calculator.global_batch_size,
+            t.micro_batch_size, pctx, task.keep_last,
+        )  # fmt: skip
+        run.train_iters = epoch * data["per_epoch"]
+        result = train(run)
+        record = evaluate_now(epoch)
+        history.append(record)
+        if best is None or record["mean_accuracy"] > best["mean_accuracy"]:
+            previous, best = best, record
+            if run.cfg.checkpoint.save:
+                _save_best(run, task, record, previous)
+        if result.exit_reason != "finished":
+            break
+    return {"task": task.task, "epochs": history, "best": best}
 
 
 def evaluate_epoch(
@@ -437,6 +435,9 @@ def _save_best(run: Any, task: FinetuneTaskConfig, record: dict, previous: dict 
 
 
 def main(argv: Sequence[str]) -> int:
+    from gigatron.training.run import apply_thread_choice  # why: the training stack is heavy
+
     cfg, task = parse_finetune_args(argv)
+    apply_thread_choice()  # one process: a few threads (docs/training.md)
     finetune(cfg, task)
     return 0

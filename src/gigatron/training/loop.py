@@ -4,7 +4,7 @@ the exit conditions.
 
 `train(run)` and `evaluate(...)` know no model family: the family-specific parts are the
 `forward_step`, `loss_names` and `flops_per_iteration` in `run` (from the family's record in
-gigatron.families), and everything is built by training/pretrain.py.
+gigatron.families), and everything is built by training/run.py's builders (pretrain.py, tasks/finetune.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class TrainState:
 
 @dataclass
 class Run:
-    """Everything the loop works on (built by training/pretrain.py)."""
+    """Everything the loop works on (assembled by pretrain.py and tasks/finetune.py)."""
 
     cfg: Any
     pctx: ParallelContext
@@ -156,7 +156,17 @@ def mean_losses(totals: dict[str, tuple[float, float]]) -> dict[str, float]:
     return {name: s / n for name, (s, n) in totals.items() if n > 0}
 
 
-def train_step(run: Run, num_microbatches: int) -> dict[str, Any]:
+@dataclass
+class StepResult:
+    """What one training iteration gives the loop."""
+
+    losses: dict[str, float]  # name -> mean over the iteration's tokens
+    success: bool  # False: the optimizer skipped the step (fp16 overflow)
+    grad_norm: float | None
+    num_zeros: Any  # zeros in the gradients (--log-num-zeros-in-grad), else None
+
+
+def train_step(run: Run, num_microbatches: int) -> StepResult:
     """One iteration: forward-backward over the micro-batches, gradient sync, optimizer step."""
     pctx = run.pctx
     run.optimizer.zero_grad()  # also zeroes the DDP gradient buffers
@@ -194,12 +204,7 @@ def train_step(run: Run, num_microbatches: int) -> dict[str, Any]:
     empty_unused_memory(level, 1, pctx.device)
     if check and success and grad_norm is not None and not math.isfinite(grad_norm):
         raise _non_finite_error(run, "gradient norm", grad_norm)
-    return {
-        "losses": losses,
-        "success": bool(success),
-        "grad_norm": grad_norm,
-        "num_zeros": num_zeros,
-    }
+    return StepResult(losses, bool(success), grad_norm, num_zeros)
 
 
 def _non_finite_error(run: Run, what: str, value: float | None) -> GigatronError:
@@ -291,10 +296,33 @@ def _save(run: Run, result: TrainResult, collector: ManualGC) -> None:
     )
 
 
-def _new_window(names: Sequence[str]) -> dict[str, Any]:
+@dataclass
+class LogWindow:
     """Sums over the iterations since the last log line."""
-    losses = {name: [0.0, 0] for name in names}
-    return {"losses": losses, "iterations": 0, "time": 0.0, "samples": 0, "flops": 0.0}
+
+    losses: dict[str, list[float]]  # name -> [sum of iteration means, iterations that had it]
+    iterations: int = 0
+    time: float = 0.0
+    samples: int = 0
+    flops: float = 0.0
+
+    @classmethod
+    def empty(cls, names: Sequence[str]) -> LogWindow:
+        return cls({name: [0.0, 0] for name in names})
+
+    def add(self, step: StepResult, seconds: float, samples: int, flops: float) -> None:
+        for name, value in step.losses.items():
+            self.losses[name][0] += value
+            self.losses[name][1] += 1
+        self.iterations += 1
+        self.time += seconds
+        self.samples += samples
+        self.flops += flops
+
+    def mean_losses(self) -> dict[str, float | None]:
+        return {
+            name: (total / count if count else None) for name, (total, count) in self.losses.items()
+        }
 
 
 def _optional_figures(run: Run) -> dict[str, float]:
@@ -336,11 +364,8 @@ def train(run: Run) -> TrainResult:
 def _train_iterations(
     run: Run, result: TrainResult, start_time: float, profiler: StepProfiler, collector: ManualGC
 ) -> TrainResult:
-    cfg, pctx, state = run.cfg, run.pctx, run.state
-    t, ckpt, log = cfg.training, cfg.checkpoint, cfg.logging
-    calc = run.batch_calculator
-    seq_length = cfg.model.seq_length
-    window = _new_window(run.loss_names)
+    state, t = run.state, run.cfg.training
+    window = LogWindow.empty(run.loss_names)
     startup_logged = False
     if t.eval_at_start and state.iteration == 0 and run.valid_iterator is not None:
         _evaluate_and_log(run, "valid", run.valid_iterator, result, collector)
@@ -351,111 +376,134 @@ def _train_iterations(
             and state.iteration < run.train_iters
             and run.train_iterator is not None
         ):
-            calc.update(state.consumed_train_samples)
-            global_batch = calc.get_current_global_batch_size()
-            run.metrics.iteration_started(state.iteration + 1)  # a notice if it is slow
-            profiler.before_iteration(state.iteration)
-            iteration_start = time.perf_counter()
-            step = train_step(run, calc.get())
-            iteration_time = time.perf_counter() - iteration_start
-            state.iteration += 1
-            profiler.after_iteration(state.iteration)
-            collector.after_iteration(state.iteration)
-            state.consumed_train_samples += global_batch
-            if step["success"]:
-                run.scheduler.step(increment=global_batch)
-            else:
-                state.skipped_iterations += 1
-            flops = run.flops_per_iteration(global_batch)
-            state.floating_point_operations_so_far += flops
-            # Skipped (fp16 overflow) iterations count too: their losses are still real ones.
-            if step["losses"]:
-                result.train_reports[state.iteration] = step["losses"]
-            if run.loss_names[0] in step["losses"]:
-                result.train_losses[state.iteration] = step["losses"][run.loss_names[0]]
-            for name, value in step["losses"].items():
-                window["losses"][name][0] += value
-                window["losses"][name][1] += 1
-            window["iterations"] += 1
-            window["time"] += iteration_time
-            window["samples"] += global_batch
-            window["flops"] += flops
-
+            step, global_batch = _run_iteration(run, result, window, profiler, collector)
             if not startup_logged:
                 # After the first step, so that lazily created optimizer state is measured.
                 startup_logged = True
                 if run.startup_record is not None:
                     run.metrics.log_startup(run.startup_record())
-
-            if state.iteration % log.log_interval == 0 or state.iteration == run.train_iters:
-                average_time = window["time"] / window["iterations"]
-                tokens_per_s = window["samples"] * seq_length / window["time"]
-                # Over the whole window: the batch (and so the FLOPs) may grow during ramp-up.
-                utilisation = mfu(window["flops"], window["time"], pctx.world_size, run.peak_flops)
-                run.metrics.log_iteration(
-                    {
-                        "iteration": state.iteration,
-                        "consumed_samples": state.consumed_train_samples,
-                        **{
-                            name: (total / count if count else None)
-                            for name, (total, count) in window["losses"].items()
-                        },
-                        "lr": _current_lr(run),
-                        "grad_norm": step["grad_norm"],
-                        "loss_scale": float(run.optimizer.get_loss_scale()),
-                        "iteration_time_s": average_time,
-                        "tokens_per_s": tokens_per_s,
-                        "mfu": utilisation,
-                        "tflops_per_s": window["flops"] / window["time"] / 1e12,
-                        "skipped_iterations": state.skipped_iterations,
-                        "num_zeros": step["num_zeros"],
-                        "global_batch_size": global_batch,
-                        **{f"time_{k}_ms": v for k, v in run.timers.elapsed_ms().items()},
-                        **_optional_figures(run),
-                    },
-                    train_iters=run.train_iters,
-                )
-                window = _new_window(run.loss_names)
-
-            if (
-                t.eval_interval
-                and state.iteration % t.eval_interval == 0
-                and run.valid_iterator is not None
-            ):
-                _evaluate_and_log(run, "valid", run.valid_iterator, result, collector)
-
-            if ckpt.save and ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
-                _save(run, result, collector)
-            if run.after_iteration is not None:
-                run.after_iteration()
-
-            # Exit conditions, decided together by all ranks.
-            reason = None
-            if _any_rank(exit_signal.received, pctx):
-                reason = "signal"
-            elif t.exit_duration_in_mins is not None and _any_rank(
-                (time.perf_counter() - start_time) / 60.0 > t.exit_duration_in_mins, pctx
-            ):
-                reason = "exit-duration"
-            elif t.exit_interval and state.iteration % t.exit_interval == 0:
-                reason = "exit-interval"
+            log_interval = run.cfg.logging.log_interval
+            if state.iteration % log_interval == 0 or state.iteration == run.train_iters:
+                _log_window(run, window, step, global_batch)
+                window = LogWindow.empty(run.loss_names)
+            _after_iteration(run, result, collector)
+            reason = _exit_reason(run, exit_signal, start_time)
             if reason is not None:
-                if ckpt.save:
-                    _save(run, result, collector)
-                if (
-                    run.evaluate_on_early_exit
-                    and run.valid_iterator is not None
-                    and t.eval_iters > 0
-                    and state.iteration not in result.valid_losses
-                ):
-                    _evaluate_and_log(run, "valid", run.valid_iterator, result, collector)
-                run.metrics.message(f"exiting at iteration {state.iteration} ({reason})")
-                result.exit_reason = reason
-                result.iteration = state.iteration
-                return result
+                return _exit_early(run, result, collector, reason)
+    return _finish(run, result, collector)
 
+
+def _run_iteration(
+    run: Run,
+    result: TrainResult,
+    window: LogWindow,
+    profiler: StepProfiler,
+    collector: ManualGC,
+) -> tuple[StepResult, int]:
+    """One training iteration and its bookkeeping; returns the step and its global batch."""
+    state, calc = run.state, run.batch_calculator
+    calc.update(state.consumed_train_samples)
+    global_batch = calc.get_current_global_batch_size()
+    run.metrics.iteration_started(state.iteration + 1)  # a notice if it is slow
+    profiler.before_iteration(state.iteration)
+    iteration_start = time.perf_counter()
+    step = train_step(run, calc.get())
+    iteration_time = time.perf_counter() - iteration_start
+    state.iteration += 1
+    profiler.after_iteration(state.iteration)
+    collector.after_iteration(state.iteration)
+    state.consumed_train_samples += global_batch
+    if step.success:
+        run.scheduler.step(increment=global_batch)
+    else:
+        state.skipped_iterations += 1
+    flops = run.flops_per_iteration(global_batch)
+    state.floating_point_operations_so_far += flops
+    # Skipped (fp16 overflow) iterations count too: their losses are still real ones.
+    if step.losses:
+        result.train_reports[state.iteration] = step.losses
+    if run.loss_names[0] in step.losses:
+        result.train_losses[state.iteration] = step.losses[run.loss_names[0]]
+    window.add(step, iteration_time, global_batch, flops)
+    return step, global_batch
+
+
+def _log_window(run: Run, window: LogWindow, step: StepResult, global_batch: int) -> None:
+    """The train record (log line or bar, metrics.jsonl, TensorBoard) of the window."""
+    state = run.state
+    tokens_per_s = window.samples * run.cfg.model.seq_length / window.time
+    # Over the whole window: the batch (and so the FLOPs) may grow during ramp-up.
+    utilisation = mfu(window.flops, window.time, run.pctx.world_size, run.peak_flops)
+    run.metrics.log_iteration(
+        {
+            "iteration": state.iteration,
+            "consumed_samples": state.consumed_train_samples,
+            **window.mean_losses(),
+            "lr": _current_lr(run),
+            "grad_norm": step.grad_norm,
+            "loss_scale": float(run.optimizer.get_loss_scale()),
+            "iteration_time_s": window.time / window.iterations,
+            "tokens_per_s": tokens_per_s,
+            "mfu": utilisation,
+            "tflops_per_s": window.flops / window.time / 1e12,
+            "skipped_iterations": state.skipped_iterations,
+            "num_zeros": step.num_zeros,
+            "global_batch_size": global_batch,
+            **{f"time_{k}_ms": v for k, v in run.timers.elapsed_ms().items()},
+            **_optional_figures(run),
+        },
+        train_iters=run.train_iters,
+    )
+
+
+def _after_iteration(run: Run, result: TrainResult, collector: ManualGC) -> None:
+    """Validation and checkpoint at their intervals, then the after-iteration hook."""
+    t, ckpt, iteration = run.cfg.training, run.cfg.checkpoint, run.state.iteration
+    if t.eval_interval and iteration % t.eval_interval == 0 and run.valid_iterator is not None:
+        _evaluate_and_log(run, "valid", run.valid_iterator, result, collector)
+    if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0:
+        _save(run, result, collector)
+    if run.after_iteration is not None:
+        run.after_iteration()
+
+
+def _exit_reason(run: Run, exit_signal: ExitSignal, start_time: float) -> str | None:
+    """Exit conditions, decided together by all ranks."""
+    t, pctx = run.cfg.training, run.pctx
+    if _any_rank(exit_signal.received, pctx):
+        return "signal"
+    if t.exit_duration_in_mins is not None and _any_rank(
+        (time.perf_counter() - start_time) / 60.0 > t.exit_duration_in_mins, pctx
+    ):
+        return "exit-duration"
+    if t.exit_interval and run.state.iteration % t.exit_interval == 0:
+        return "exit-interval"
+    return None
+
+
+def _exit_early(run: Run, result: TrainResult, collector: ManualGC, reason: str) -> TrainResult:
+    """Save (with --save), validate when asked, and stop."""
+    state = run.state
+    if run.cfg.checkpoint.save:
+        _save(run, result, collector)
+    if (
+        run.evaluate_on_early_exit
+        and run.valid_iterator is not None
+        and run.cfg.training.eval_iters > 0
+        and state.iteration not in result.valid_losses
+    ):
+        _evaluate_and_log(run, "valid", run.valid_iterator, result, collector)
+    run.metrics.message(f"exiting at iteration {state.iteration} ({reason})")
+    result.exit_reason = reason
     result.iteration = state.iteration
-    if ckpt.save and state.iteration > 0:
+    return result
+
+
+def _finish(run: Run, result: TrainResult, collector: ManualGC) -> TrainResult:
+    """The end of the iterations: the last checkpoint, validation and test."""
+    state, t = run.state, run.cfg.training
+    result.iteration = state.iteration
+    if run.cfg.checkpoint.save and state.iteration > 0:
         _save(run, result, collector)
     if run.valid_iterator is not None and t.eval_iters > 0:
         if state.iteration not in result.valid_losses:

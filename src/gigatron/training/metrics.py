@@ -9,6 +9,7 @@ a `type` of `startup`, `train` or `eval`, so the file can be read with
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -92,7 +93,8 @@ class MetricsLogger:
         if wandb_project:
             self._wandb = _open_wandb(wandb_project, wandb_exp_name, self.message)
         if progress_bar is None:
-            progress_bar = bool(getattr(self.stream, "isatty", lambda: False)())
+            # A bar only on a terminal that has a width; log lines everywhere else.
+            progress_bar = is_terminal(self.stream) and terminal_width(self.stream) != 0
         if progress_bar and train_iters:
             # why: tqdm loads only for a terminal's progress bar
             from tqdm import tqdm
@@ -180,10 +182,7 @@ class MetricsLogger:
         self._scalars(scalars, iteration)
         if self._bar is not None:
             self._bar.update(iteration - self._bar.n)
-            loss = record.get(self.loss_names[0])
-            self._bar.set_postfix_str(
-                f"loss {loss:.4f} lr {record.get('lr', 0):.2e}" if loss is not None else ""
-            )
+            self._bar.set_postfix_str(bar_postfix(record, self.loss_names[0]))
         else:
             self.message(
                 format_log_line(
@@ -245,6 +244,40 @@ class MetricsLogger:
             self._file = None
 
 
+def is_terminal(stream: Any) -> bool:
+    """Whether `stream` is a terminal (a file or pipe is not)."""
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def terminal_width(stream: Any) -> int | None:
+    """Columns of the terminal behind `stream` (0 on some consoles), None when unknown."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+def bar_postfix(record: dict[str, Any], loss_name: str) -> str:
+    """The progress bar's figures: loss, learning rate, grad norm, tokens/s."""
+    pieces = []
+    for label, key, fmt in (
+        ("loss", loss_name, ".4f"),
+        ("lr", "lr", ".2e"),
+        ("grad norm", "grad_norm", ".3f"),
+        ("tokens/s", "tokens_per_s", ".0f"),
+    ):
+        value = record.get(key)
+        if isinstance(value, (int, float)):
+            pieces.append(f"{label} {value:{fmt}}")
+    return " ".join(pieces)
+
+
+def format_eta(seconds: float) -> str:
+    """h:mm:ss (days as hours)."""
+    total = max(0, round(seconds))
+    return f"{total // 3600}:{total // 60 % 60:02d}:{total % 60:02d}"
+
+
 def _label(name: str) -> str:
     """A loss report name as Megatron prints it: lm_loss -> "lm loss"."""
     return name.replace("_", " ")
@@ -257,8 +290,9 @@ def format_log_line(
     log_throughput: bool = False,
     world_size: int = 1,
 ) -> str:
-    """Megatron-style `iteration  N/ M | ... |` line; `log_throughput` adds the model TFLOP/s
-    per GPU (per process on CPU)."""
+    """Megatron-style `iteration  N/ M | ... |` line, ending with the time left at this pace
+    (ETA) when `train_iters` is known; `log_throughput` adds the model TFLOP/s per GPU (per
+    process on CPU)."""
     total = train_iters if train_iters is not None else "?"
     parts = [f" iteration {record['iteration']:8d}/{total:>8}"]
 
@@ -284,6 +318,10 @@ def format_log_line(
     if "params_norm" in record:
         add("params norm", "params_norm", ".3f")
     add("number of skipped iterations", "skipped_iterations", "3d")
+    if isinstance(train_iters, int) and record.get("iteration_time_s") is not None:
+        # Remaining iterations at this window's pace.
+        remaining = max(0, train_iters - record["iteration"]) * record["iteration_time_s"]
+        parts.append(f"ETA: {format_eta(remaining)}")
     return " | ".join(parts) + " |"
 
 
