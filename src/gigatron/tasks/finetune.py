@@ -259,7 +259,7 @@ def build_classifier(cfg, pctx: ParallelContext, vocab_size: int, task: Finetune
 def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any]:
     """Fine-tune (or, with --epochs 0, evaluate); returns the accuracies of every epoch and the
     best one (every rank)."""
-    from gigatron.models.flops import model_flops_per_iteration
+    from gigatron.families.gpt.flops import model_flops_per_iteration
     from gigatron.optim import build_optimizer
     from gigatron.optim.batch_schedule import build_num_microbatches_calculator
     from gigatron.optim.lr_schedule import build_lr_scheduler
