@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from gigatron.config import parse_config
-from gigatron.models.flops import (
-    device_peak_flops,
-    forward_flops_per_token,
-    mfu,
-    mla_flops_per_token,
-    model_flops_per_iteration,
-)
+from gigatron.families.gpt.flops import mla_flops_per_token, model_flops_per_iteration
+from gigatron.models.flops import device_peak_flops, forward_flops_per_token, mfu
 
 
 def test_plain_gpt_matches_the_megatron_paper_formula():

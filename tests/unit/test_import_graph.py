@@ -1,7 +1,8 @@
 """The package's imports form no cycle and follow the layer order: module-level ones and lazy
 ones inside functions alike (imports under `if TYPE_CHECKING:` are for annotations only and do not
 count). The order is the import-linter contract in pyproject.toml (`lint-imports` in .ci/run)
-and the block at the top of docs/architecture.md; these tests keep the three in step."""
+and the block at the top of docs/architecture.md; these tests keep the three in step. No module
+imports another module's private (`_x`) names."""
 
 from __future__ import annotations
 
@@ -143,3 +144,14 @@ def test_the_architecture_layout_names_every_file_and_folder():
     folders = {f"{p.parent.name}/" for p in package.rglob("*/__init__.py")}
     missing = sorted((files | folders) - named)
     assert not missing, f"docs/architecture.md's Layout does not name {missing}"
+
+
+def test_no_module_imports_another_modules_private_names():
+    reaches = []
+    for path in (SRC / "gigatron").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gigatron"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                private = [name for name in private if not name.startswith("__")]
+                reaches += [f"{path.relative_to(SRC)}: {node.module}.{n}" for n in private]
+    assert not reaches, reaches

@@ -7,7 +7,7 @@ import re
 import shlex
 from pathlib import Path
 
-from gigatron.models.flops import model_flops_per_iteration
+from gigatron.families.gpt.flops import model_flops_per_iteration
 from gigatron.training.pretrain import parse_pretrain_config
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()

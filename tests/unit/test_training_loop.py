@@ -19,7 +19,7 @@ from torch import nn
 from gigatron.config import parse_config
 from gigatron.errors import GigatronError
 from gigatron.families.gpt import make_forward_step
-from gigatron.models.flops import model_flops_per_iteration
+from gigatron.families.gpt.flops import model_flops_per_iteration
 from gigatron.optim import build_lr_scheduler, build_num_microbatches_calculator, build_optimizer
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.data_parallel import DistributedDataParallel

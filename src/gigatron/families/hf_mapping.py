@@ -49,33 +49,39 @@ def model_config_from_hf(hf_config: Any) -> dict[str, Any]:
             "vocab_size": c["vocab_size"],
         }
     if model_type in ("llama", "mistral"):
-        heads = c["num_attention_heads"]
-        groups = c.get("num_key_value_heads") or heads
-        hidden = c["hidden_size"]
-        return {
-            "num_layers": c["num_hidden_layers"],
-            "hidden_size": hidden,
-            "num_attention_heads": heads,
-            "group_query_attention": groups != heads,
-            "num_query_groups": groups,
-            "kv_channels": c.get("head_dim") or hidden // heads,
-            "ffn_hidden_size": c["intermediate_size"],
-            "seq_length": c.get("max_position_embeddings", 4096),
-            "max_position_embeddings": c.get("max_position_embeddings", 4096),
-            "position_embedding_type": "rope",
-            "rotary_base": int(
-                c.get("rope_theta") or c.get("rope_parameters", {}).get("rope_theta", 10000)
-            ),
-            "normalization": "RMSNorm",
-            "layernorm_epsilon": c.get("rms_norm_eps", 1e-6),
-            "swiglu": True,
-            "add_bias_linear": False,
-            "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
-            "vocab_size": c["vocab_size"],
-        }
+        return llama_like_values(c)
     raise GigatronError(
         f"Hugging Face model_type {model_type!r} is not supported; supported: gpt2, llama, mistral"
     )
+
+
+def llama_like_values(c: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig values (plus `vocab_size`) that every Llama-style config.json (Llama,
+    Mistral, Qwen2, Mixtral, Qwen2-MoE) gives the same way: grouped-query attention, RoPE,
+    RMSNorm, SwiGLU, no linear biases."""
+    heads, hidden = c["num_attention_heads"], c["hidden_size"]
+    groups = c.get("num_key_value_heads") or heads
+    positions = c.get("max_position_embeddings", 4096)
+    rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000)
+    return {
+        "num_layers": c["num_hidden_layers"],
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "group_query_attention": groups != heads,
+        "num_query_groups": groups,
+        "kv_channels": c.get("head_dim") or hidden // heads,
+        "ffn_hidden_size": c["intermediate_size"],
+        "seq_length": positions,
+        "max_position_embeddings": positions,
+        "position_embedding_type": "rope",
+        "rotary_base": int(rope),
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": c.get("rms_norm_eps", 1e-6),
+        "swiglu": True,
+        "add_bias_linear": False,
+        "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
+        "vocab_size": c["vocab_size"],
+    }
 
 
 def pad_rows(weight: Tensor, rows: int) -> Tensor:

@@ -20,9 +20,9 @@ from gigatron.data.bert_dataset import build_bert_datasets
 from gigatron.errors import GigatronError
 from gigatron.families.bert.hf_bert import BertHFAdapter
 from gigatron.families.gpt import token_losses
+from gigatron.families.gpt.flops import model_flops_per_iteration
 from gigatron.families.registry import ModelFamily
 from gigatron.models.bert import build_bert_model
-from gigatron.models.flops import model_flops_per_iteration
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import sequence_positions
 

@@ -15,9 +15,9 @@ from torch import nn
 from gigatron.data.batch import get_batch
 from gigatron.data.gpt_dataset import build_gpt_datasets
 from gigatron.data.sft_dataset import build_sft_datasets
+from gigatron.families.gpt.flops import model_flops_per_iteration
 from gigatron.families.gpt.hf_gpt import GPTHFAdapter
 from gigatron.families.registry import ModelFamily
-from gigatron.models.flops import model_flops_per_iteration
 from gigatron.models.gpt import build_model
 from gigatron.models.moe import MoESpec, collect_moe_reports, update_expert_bias
 from gigatron.models.moe import report_names as moe_report_names

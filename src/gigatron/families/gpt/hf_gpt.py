@@ -66,8 +66,6 @@ def _llama_values(c: dict[str, Any]) -> dict[str, Any]:
             "config.json attention_bias/mlp_bias: biases on every projection are not supported "
             "for Llama models (Qwen2's q/k/v biases are)"
         )
-    heads, hidden = c["num_attention_heads"], c["hidden_size"]
-    groups = c.get("num_key_value_heads") or heads
     positions = c.get("max_position_embeddings", 4096)
     window = c.get("sliding_window") if c.get("use_sliding_window", True) else None
     if window and window < positions:
@@ -76,25 +74,8 @@ def _llama_values(c: dict[str, Any]) -> dict[str, Any]:
             f"sequences longer than {window} tokens give other results than the original",
             stacklevel=2,
         )
-    values = {
-        "num_layers": c["num_hidden_layers"],
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "group_query_attention": groups != heads,
-        "num_query_groups": groups,
-        "kv_channels": c.get("head_dim") or hidden // heads,
-        "ffn_hidden_size": c["intermediate_size"],
-        "seq_length": positions,
-        "max_position_embeddings": positions,
-        "position_embedding_type": "rope",
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": c.get("rms_norm_eps", 1e-6),
-        "swiglu": True,
-        "add_bias_linear": False,
-        "add_qkv_bias": c.get("model_type") == "qwen2",
-        "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
-        "vocab_size": c["vocab_size"],
-    }
+    values = hf_mapping.llama_like_values(c)
+    values["add_qkv_bias"] = c.get("model_type") == "qwen2"
     values.update(rope_values(c))
     return values
 

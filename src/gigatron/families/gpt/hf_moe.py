@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import fuse_qkv, pad_rows, split_qkv
+from gigatron.families.hf_mapping import fuse_qkv, llama_like_values, pad_rows, split_qkv
 
 Tensor = torch.Tensor
 StateDict = dict[str, Tensor]
@@ -151,28 +151,7 @@ def config_from_hf(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             f"Hugging Face model_type {model_type!r} is not a supported MoE model; supported: "
             "mixtral, qwen2_moe"
         )
-    heads, hidden = c["num_attention_heads"], c["hidden_size"]
-    groups = c.get("num_key_value_heads") or heads
-    rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000)
-    model = {
-        "num_layers": c["num_hidden_layers"],
-        "hidden_size": hidden,
-        "num_attention_heads": heads,
-        "group_query_attention": groups != heads,
-        "num_query_groups": groups,
-        "kv_channels": c.get("head_dim") or hidden // heads,
-        "ffn_hidden_size": c["intermediate_size"],
-        "seq_length": c.get("max_position_embeddings", 4096),
-        "max_position_embeddings": c.get("max_position_embeddings", 4096),
-        "position_embedding_type": "rope",
-        "rotary_base": int(rope),
-        "normalization": "RMSNorm",
-        "layernorm_epsilon": c.get("rms_norm_eps", 1e-6),
-        "swiglu": True,
-        "add_bias_linear": False,
-        "untie_embeddings_and_output_weights": not c.get("tie_word_embeddings", False),
-        "vocab_size": c["vocab_size"],
-    }
+    model = llama_like_values(c)
     pattern = "[" + ",".join(str(int(v)) for v in moe_layer_flags(c)) + "]"
     moe: dict[str, Any] = {
         "num_experts": c["num_local_experts"] if model_type == "mixtral" else c["num_experts"],
