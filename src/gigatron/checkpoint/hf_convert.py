@@ -24,6 +24,8 @@ from typing import Any
 from gigatron.checkpoint.convert import WORD_EMBEDDING, _check_target, build_target_layout
 from gigatron.checkpoint.gigatron_io import CheckpointSource, write_checkpoint
 from gigatron.checkpoint.hf_adapter import WindowedMap, adapter_for, call_map
+from gigatron.checkpoint.hf_input_checks import cleaned_on_failure, config_values, read_config_file
+from gigatron.checkpoint.hf_layouts import canonical_source, model_folder
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -85,7 +87,7 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
             f"--load {folder}: has no {CONFIG_FILE}; give a Hugging Face model folder "
             "(save_pretrained output)"
         )
-    return json.loads(path.read_text())
+    return read_config_file(path)
 
 
 def _family_adapter(model_type: str | None, family: str | None) -> tuple[str, Any]:
@@ -118,10 +120,11 @@ def hf_to_gigatron(
     """Import a Hugging Face folder as a gigatron `release` checkpoint for the target layout."""
     from gigatron.config import config_from_dict
 
+    load = model_folder(load)  # in a sentence-transformers folder: the Transformer module's
     raw_config = read_hf_config(load)  # kept as written, for the export
     hf_config = decoded(raw_config)
     family, adapter = _family_adapter(hf_config.get("model_type"), family)
-    values = adapter.config_from_hf(hf_config)
+    values = config_values(adapter, hf_config, load / CONFIG_FILE)
     cfg = config_from_dict(values, source=f"{load / CONFIG_FILE} (as gigatron flags)")
     _check_target(cfg, tp, pp, vp, ep, family)
     layout = build_target_layout(cfg, tp, pp, vp, ep, values["vocab_size"], family)
@@ -137,28 +140,37 @@ def hf_to_gigatron(
         f"{tp}, pipeline-parallel {pp}" + (f", expert-parallel {ep}" if ep > 1 else "")
     )
     save.mkdir(parents=True, exist_ok=True)
-    with SafetensorsFolder(load) as source:
-        mapping = WindowedMap(
-            lambda view: call_map(
-                adapter.from_hf,
-                view,
-                model.num_layers,
-                model.num_attention_heads,
-                padded,
-                hf_config=hf_config,
-            ),
-            source,
-        )
+    with SafetensorsFolder(load) as stored:
+        source = canonical_source(stored, hf_config, load)  # base models, missing heads
+        try:
+            mapping = WindowedMap(
+                lambda view: call_map(
+                    adapter.from_hf,
+                    view,
+                    model.num_layers,
+                    model.num_attention_heads,
+                    padded,
+                    hf_config=hf_config,
+                ),
+                source,
+            )
+        except KeyError as missing:
+            raise GigatronError(
+                f"--load {load}: has no tensor {missing} that a {hf_config.get('model_type')} "
+                f"checkpoint holds; it holds {', '.join(source.names()[:8])}, ...: give a "
+                "complete model folder"
+            ) from None
 
         def check_all_used() -> None:
             unused = [
                 n for n in source.names() if n not in mapping.used and not IGNORED_HF.search(n)
             ]
             if unused:
+                more = f" (and {len(unused) - 20} more)" if len(unused) > 20 else ""
                 raise GigatronError(
-                    f"--load {load}: holds tensors gigatron has no place for: "
-                    f"{', '.join(unused[:5])}; this {hf_config.get('model_type')} variant is "
-                    "not supported"
+                    f"--load {load}: holds {len(unused)} tensor(s) gigatron has no place for: "
+                    f"{', '.join(unused[:20])}{more}; this {hf_config.get('model_type')} "
+                    "variant is not supported"
                 )
 
         extra = {
@@ -336,6 +348,12 @@ def main(argv: Sequence[str]) -> int:
     log = lambda text: print(text, flush=True)  # noqa: E731
     pair = (args.source, args.target)
     _refuse_unused_flags(args)
+    with cleaned_on_failure(save):  # no half-written --save left behind
+        _convert(args, pair, load, save, log)
+    return 0
+
+
+def _convert(args: argparse.Namespace, pair: tuple[str, str], load: Path, save: Path, log: Any):
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     if pair == ("hf", "gigatron"):
         hf_to_gigatron(
@@ -372,4 +390,3 @@ def main(argv: Sequence[str]) -> int:
             f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "
             "gigatron, gigatron -> hf, megatron -> gigatron, gigatron -> megatron"
         )
-    return 0
