@@ -26,6 +26,7 @@ from gigatron.checkpoint.gigatron_io import CheckpointSource, write_checkpoint
 from gigatron.checkpoint.hf_adapter import WindowedMap, adapter_for, call_map
 from gigatron.checkpoint.hf_input_checks import cleaned_on_failure, config_values, read_config_file
 from gigatron.checkpoint.hf_layouts import canonical_source, model_folder
+from gigatron.checkpoint.hf_tokenizer_export import TOKENIZER_FILES, plan_tokenizer_export
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -35,11 +36,6 @@ from gigatron.checkpoint.torch_format import (
 from gigatron.errors import GigatronError
 
 CONFIG_FILE = "config.json"
-# Files a Hugging Face folder keeps next to the weights that belong to the tokenizer.
-TOKENIZER_FILES = re.compile(
-    r"^(tokenizer.*|vocab\..*|merges\.txt|special_tokens_map\.json|added_tokens\.json|"
-    r".*\.tiktoken|spiece\.model|sentencepiece.*\.model|generation_config\.json)$"
-)
 # Hugging Face tensors that are not weights (buffers some versions saved).
 IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq|position_ids)$")
 FORMATS = ["hf", "gigatron", "megatron"]
@@ -206,8 +202,12 @@ def gigatron_to_hf(
     iteration: int | None = None,
     max_shard_bytes: int | None = None,
     log: Any = print,
+    tokenizer: dict[str, str | None] | None = None,
+    tokenizer_mode: str = "if-any",
 ) -> Path:
-    """Export a gigatron checkpoint (any layout) as a Hugging Face folder."""
+    """Export a gigatron checkpoint (any layout) as a Hugging Face folder. `tokenizer`: the
+    convert command's tokenizer flags over the run's; `tokenizer_mode`: "required", "if-any"
+    or "none" (checkpoint/hf_tokenizer_export.py)."""
     located = locate_iteration(load, iteration)
     if located is None:
         raise GigatronError(f"--load {load}: no latest_checkpointed_iteration.txt there")
@@ -219,6 +219,9 @@ def gigatron_to_hf(
     if adapter is None:
         raise GigatronError(f"{iteration_dir}: family {family} has no Hugging Face adapter")
     source = CheckpointSource(iteration_dir, cfg, family)
+    tokenizer_files = plan_tokenizer_export(
+        load, getattr(cfg, "tokenizer", None), tokenizer, tokenizer_mode, str(iteration_dir)
+    )
     if not hf_config:
         if not hasattr(adapter, "config_to_hf"):
             raise GigatronError(
@@ -250,7 +253,7 @@ def gigatron_to_hf(
     log(f"exporting {iteration_dir} (family {family}) to {save}")
     files = write_safetensors(save, mapping.plan, mapping.outputs(), max_shard_bytes)
     (save / CONFIG_FILE).write_text(json.dumps(raw_config, indent=2) + "\n")
-    copied = copy_tokenizer_files(load, save)
+    copied = tokenizer_files.write(save)
     log(f"wrote {', '.join(files)} and {CONFIG_FILE}; tokenizer files: {copied or 'none'}")
     return save
 
@@ -305,9 +308,25 @@ def _parser() -> argparse.ArgumentParser:
         help="largest safetensors file of a Hugging Face target (default 5GB); larger models "
         "are sharded with an index file",
     )
+    for flag, what in (
+        ("--tokenizer-type", "tokenizer kind"),
+        ("--vocab-file", "vocabulary file (GPT-2 vocab.json, BERT vocab.txt)"),
+        ("--merge-file", "GPT-2 merges.txt"),
+        ("--tokenizer-model", "Hugging Face tokenizer folder or tokenizer.json"),
+    ):
+        parser.add_argument(
+            flag, default=None, help=f"--to hf: {what} to export (default: the run's)"
+        )
+    parser.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="--to hf: export the weights without tokenizer files (default: the run's "
+        "tokenizer is written, or the export is refused)",
+    )
     return parser
 
 
+_TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 _TARGET_FLAGS = (
     "target_tensor_parallel_size",
     "target_pipeline_parallel_size",
@@ -329,6 +348,11 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
         unused.append("max_shard_size")
     if args.source == "hf" and args.ckpt_step is not None:
         unused.append("ckpt_step")
+    if args.target != "hf":
+        unused += [f for f in _TOKENIZER_FLAGS if getattr(args, f) is not None]
+        unused += ["no_tokenizer"] if args.no_tokenizer else []
+    elif args.no_tokenizer:
+        unused += [f for f in _TOKENIZER_FLAGS if getattr(args, f) is not None]
     if unused:
         flags = ", ".join("--" + name.replace("_", "-") for name in unused)
         raise GigatronError(
@@ -367,7 +391,15 @@ def _convert(args: argparse.Namespace, pair: tuple[str, str], load: Path, save: 
             log,
         )
     elif pair == ("gigatron", "hf"):
-        gigatron_to_hf(load, save, args.ckpt_step, parse_size(args.max_shard_size or "5GB"), log)
+        gigatron_to_hf(
+            load,
+            save,
+            args.ckpt_step,
+            parse_size(args.max_shard_size or "5GB"),
+            log,
+            {f: getattr(args, f) for f in _TOKENIZER_FLAGS},
+            "none" if args.no_tokenizer else "required",
+        )
     elif pair == ("gigatron", "megatron"):
         from gigatron.checkpoint.megatron_convert import gigatron_to_megatron
 
