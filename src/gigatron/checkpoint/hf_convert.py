@@ -8,7 +8,8 @@ Hugging Face: the family comes from `config.json`'s `model_type` (or `--family`)
 families' adapters (checkpoint/hf_adapter.py); weights are read from safetensors one layer at a
 time and written to every target rank's file at once (gigatron_io.py), or to safetensors shards
 (safetensors_io.py). The imported checkpoint keeps the Hugging Face `config.json` (`hf_config`),
-so exporting it writes the same config; tokenizer files are copied both ways.
+so exporting it writes the same config; tokenizer files are copied both ways, and an export of a
+trained model writes the run's tokenizer (hf_tokenizer_export.py).
 """
 
 from __future__ import annotations
