@@ -119,17 +119,26 @@ def test_bert_without_pooler_gets_one_and_says_so(tmp_path, capsys):
     assert not state["pooler.bias"].any()
 
 
+def _decoder_config(kind: str, tied: bool):
+    if kind == "GPT2Model":  # always tied
+        return transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4)
+    config_class = getattr(transformers, kind.replace("Model", "Config"))
+    return config_class(**SMALL_DECODER, tie_word_embeddings=tied)
+
+
 @pytest.mark.parametrize(
     "kind, tied",
-    [("LlamaModel", False), ("MistralModel", False), ("Qwen2Model", False), ("Qwen2Model", True)],
-)
+    [("LlamaModel", False), ("MistralModel", False), ("Qwen2Model", False), ("Qwen2Model", True),
+     ("GPT2Model", True)],
+)  # fmt: skip
 def test_decoder_base_models_give_the_same_hidden_states(tmp_path, capsys, kind, tied):
-    config_class = getattr(transformers, kind.replace("Model", "Config"))
-    config = config_class(**SMALL_DECODER, tie_word_embeddings=tied)
-    hf = getattr(transformers, kind)(config)
+    hf = getattr(transformers, kind)(_decoder_config(kind, tied))
     _save(hf, tmp_path / "hf")
     names = load_file(tmp_path / "hf" / "model.safetensors")
-    assert "embed_tokens.weight" in names and not any(n.startswith("model.") for n in names)
+    prefix, embedding = (
+        ("transformer.", "wte") if kind == "GPT2Model" else ("model.", "embed_tokens")
+    )
+    assert f"{embedding}.weight" in names and not any(n.startswith(prefix) for n in names)
     err = _convert(tmp_path / "hf", tmp_path / "ckpt", capsys)
     warned = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warned) == (0 if tied else 1), err
@@ -141,7 +150,7 @@ def test_decoder_base_models_give_the_same_hidden_states(tmp_path, capsys, kind,
     positions = torch.arange(SEQ).expand(2, SEQ)
     with torch.no_grad():
         expected = hf(tokens).last_hidden_state
-        rotary = model.rotary(positions)
+        rotary = model.rotary(positions) if model.rotary is not None else None
         hidden = model.decoder(model.embedding(tokens, positions), None, rotary).transpose(0, 1)
     assert (hidden - expected).abs().max().item() < 1e-5
     if not tied:
@@ -161,4 +170,5 @@ def test_tensors_no_mapping_knows_are_refused_by_name(tmp_path, capsys):
     assert code == 2
     assert "2 tensor(s) gigatron has no place for" in err
     assert "classifier.weight" in err and "classifier.bias" in err
+    assert "bert.classifier" not in err  # named as stored
     assert not (tmp_path / "ckpt").exists()

@@ -46,10 +46,12 @@ class Head:
 
 @dataclass(frozen=True)
 class Layout:
-    """The adapter's names of one kind of model: the prefix base models lack, a tensor every
-    checkpoint holds (without the prefix), the word embedding (for shapes), the heads."""
+    """The adapter's names of one kind of model: the prefix base models lack, the first parts
+    of the names that get it, a tensor every checkpoint holds (without the prefix), the word
+    embedding (for shapes), the heads."""
 
     prefix: str
+    roots: tuple[str, ...]
     marker: str
     embedding: str
     heads: tuple[Head, ...] = ()
@@ -65,6 +67,7 @@ def _hidden(h: int, v: int) -> tuple[int, ...]:
 
 _BERT = Layout(
     "bert.",
+    ("embeddings", "encoder", "pooler"),
     "embeddings.word_embeddings.weight",
     "bert.embeddings.word_embeddings.weight",
     (
@@ -81,6 +84,7 @@ _BERT = Layout(
 )
 _LLAMA = Layout(
     "model.",
+    ("embed_tokens", "layers", "norm"),
     "embed_tokens.weight",
     "model.embed_tokens.weight",
     (
@@ -94,7 +98,9 @@ _LLAMA = Layout(
 )
 LAYOUTS = {
     "bert": _BERT,
-    "gpt2": Layout("transformer.", "wte.weight", "transformer.wte.weight"),
+    "gpt2": Layout(
+        "transformer.", ("wte", "wpe", "h", "ln_f"), "wte.weight", "transformer.wte.weight"
+    ),
     **dict.fromkeys(("llama", "mistral", "qwen2", "mixtral", "qwen2_moe"), _LLAMA),
 }
 
@@ -129,46 +135,40 @@ def _initial(head: Head, shape: tuple[int, ...], dtype: torch.dtype, std: float)
 
 
 class LayoutSource:
-    """The tensors of `stored`, each name with `prefix` added, and the initialised `heads`
-    (name -> (meta tensor, function giving the tensor))."""
+    """The tensors of `stored` under the adapter's names (`renamed`: adapter name -> stored
+    name), and the initialised `heads` (name -> (meta tensor, function giving the tensor))."""
 
     def __init__(
         self,
         stored: TensorSource,
-        prefix: str,
+        renamed: dict[str, str],
         heads: dict[str, tuple[torch.Tensor, Callable[[], torch.Tensor]]],
     ) -> None:
-        self.stored, self.prefix, self.heads = stored, prefix, heads
-        self._names = [prefix + name for name in stored.names()] + list(heads)
+        self.stored, self.renamed, self.heads = stored, renamed, heads
 
     def names(self) -> list[str]:
-        return list(self._names)
+        return [*self.renamed, *self.heads]
 
     def __contains__(self, name: object) -> bool:
-        return name in self.heads or _stored_name(self.stored, self.prefix, name) is not None
+        return name in self.heads or name in self.renamed
 
     def tensor(self, name: str) -> torch.Tensor:
         if name in self.heads:
             return self.heads[name][1]()
-        return self.stored.tensor(name[len(self.prefix) :])
+        return self.stored.tensor(self.renamed[name])
 
     def meta(self, name: str) -> torch.Tensor:
         if name in self.heads:
             return self.heads[name][0]
-        return self.stored.meta(name[len(self.prefix) :])
+        return self.stored.meta(self.renamed[name])
 
 
-def _stored_name(stored: TensorSource, prefix: str, name: object) -> str | None:
-    """The stored name of the adapter's `name`, or None when `stored` lacks it."""
-    if not isinstance(name, str) or not name.startswith(prefix):
-        return None
-    return name[len(prefix) :] if name[len(prefix) :] in stored else None
-
-
-def _prefix(layout: Layout, names: set[str]) -> str:
-    if any(name.startswith(layout.prefix) for name in names):
-        return ""
-    return layout.prefix if layout.marker in names else ""
+def _renamed(layout: Layout, names: list[str]) -> dict[str, str]:
+    """Adapter name -> stored name: a base model's names (those under the layout's roots, when
+    its marker shows the prefix missing) get the prefix, others keep theirs."""
+    base = layout.marker in names and not any(n.startswith(layout.prefix) for n in names)
+    roots = layout.roots if base else ()
+    return {(layout.prefix + n if n.split(".")[0] in roots else n): n for n in names}
 
 
 def canonical_source(stored: TensorSource, hf_config: dict[str, Any], where: Path) -> TensorSource:
@@ -177,18 +177,13 @@ def canonical_source(stored: TensorSource, hf_config: dict[str, Any], where: Pat
     layout = LAYOUTS.get(str(hf_config.get("model_type")))
     if layout is None:
         return stored
-    prefix = _prefix(layout, set(stored.names()))
-    embedding = _stored_name(stored, prefix, layout.embedding)
-    if embedding is None:
+    renamed = _renamed(layout, stored.names())
+    if layout.embedding not in renamed:
         return stored  # not a layout this module knows: the adapter names what it misses
-    meta = stored.meta(embedding)
+    meta = stored.meta(renamed[layout.embedding])
     (vocab, hidden), dtype = meta.shape, meta.dtype
     std = float(hf_config.get("initializer_range", 0.02))
-    missing = [
-        head
-        for head in layout.heads
-        if head.needed(hf_config) and _stored_name(stored, prefix, head.name) is None
-    ]
+    missing = [head for head in layout.heads if head.needed(hf_config) and head.name not in renamed]
     heads = {}
     for head in missing:
         shape = head.shape(hidden, vocab)
@@ -202,4 +197,4 @@ def canonical_source(stored: TensorSource, hf_config: dict[str, Any], where: Pat
             "what they compute",
             stacklevel=2,
         )
-    return LayoutSource(stored, prefix, heads)
+    return LayoutSource(stored, renamed, heads)
