@@ -64,6 +64,14 @@ def _index(folder: Path, shard: str) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
+def _modules(folder: Path, text: str) -> None:
+    """A sentence-transformers folder: modules.json names where the model is."""
+    (folder / "config.json").unlink()
+    (folder / "modules.json").write_text(text)
+
+
+_LEAVING = [{"path": "../../hf", "type": "sentence_transformers.models.Transformer"}]
+
 CASES = {
     "config truncated": (
         lambda f: _edit_config(f, lambda t: t[: len(t) // 2]),
@@ -101,6 +109,18 @@ CASES = {
     "absolute shard path": (
         lambda f: _index(f, "/etc/passwd"),
         ["model.safetensors.index.json", "/etc/passwd", "outside"],
+    ),
+    "index not JSON": (
+        lambda f: (f / "model.safetensors.index.json").write_text("{"),
+        ["model.safetensors.index.json", "not an index file"],
+    ),
+    "modules.json not JSON": (
+        lambda f: _modules(f, "{"),
+        ["modules.json", "names no sentence_transformers.models.Transformer module"],
+    ),
+    "modules.json leaving the folder": (
+        lambda f: _modules(f, json.dumps(_LEAVING)),
+        ["modules.json", "'../../hf' leaves", "refused"],
     ),
 }
 
