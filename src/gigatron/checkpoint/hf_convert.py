@@ -27,7 +27,11 @@ from gigatron.checkpoint.gigatron_io import CheckpointSource, write_checkpoint
 from gigatron.checkpoint.hf_adapter import WindowedMap, adapter_for, call_map
 from gigatron.checkpoint.hf_input_checks import cleaned_on_failure, config_values, read_config_file
 from gigatron.checkpoint.hf_layouts import canonical_source, model_folder
-from gigatron.checkpoint.hf_tokenizer_export import TOKENIZER_FILES, plan_tokenizer_export
+from gigatron.checkpoint.hf_tokenizer_export import (
+    TOKENIZER_FILES,
+    TOKENIZER_FLAGS,
+    plan_tokenizer_export,
+)
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -327,7 +331,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-_TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 _TARGET_FLAGS = (
     "target_tensor_parallel_size",
     "target_pipeline_parallel_size",
@@ -350,10 +353,10 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
     if args.source == "hf" and args.ckpt_step is not None:
         unused.append("ckpt_step")
     if args.target != "hf":
-        unused += [f for f in _TOKENIZER_FLAGS if getattr(args, f) is not None]
+        unused += [f for f in TOKENIZER_FLAGS if getattr(args, f) is not None]
         unused += ["no_tokenizer"] if args.no_tokenizer else []
     elif args.no_tokenizer:
-        unused += [f for f in _TOKENIZER_FLAGS if getattr(args, f) is not None]
+        unused += [f for f in TOKENIZER_FLAGS if getattr(args, f) is not None]
     if unused:
         flags = ", ".join("--" + name.replace("_", "-") for name in unused)
         raise GigatronError(
@@ -378,7 +381,9 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _convert(args: argparse.Namespace, pair: tuple[str, str], load: Path, save: Path, log: Any):
+def _convert(
+    args: argparse.Namespace, pair: tuple[str, str], load: Path, save: Path, log: Any
+) -> None:
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     if pair == ("hf", "gigatron"):
         hf_to_gigatron(
@@ -398,7 +403,7 @@ def _convert(args: argparse.Namespace, pair: tuple[str, str], load: Path, save: 
             args.ckpt_step,
             parse_size(args.max_shard_size or "5GB"),
             log,
-            {f: getattr(args, f) for f in _TOKENIZER_FLAGS},
+            {f: getattr(args, f) for f in TOKENIZER_FLAGS},
             "none" if args.no_tokenizer else "required",
         )
     elif pair == ("gigatron", "megatron"):

@@ -31,7 +31,7 @@ TOKENIZER_FILES = re.compile(
     r"^(tokenizer.*|vocab\..*|merges\.txt|special_tokens_map\.json|added_tokens\.json|"
     r".*\.tiktoken|spiece\.model|sentencepiece.*\.model|generation_config\.json)$"
 )
-FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 _GPT2_END = "<|endoftext|>"
 _GENERATION_CONFIG = "generation_config.json"
 _FIX = (
@@ -129,7 +129,7 @@ def plan_tokenizer_export(
     if mode == "none":
         return TokenizerFiles(generation)
     given = {name: value for name, value in (given or {}).items() if value is not None}
-    unknown = set(given) - set(FLAGS)
+    unknown = set(given) - set(TOKENIZER_FLAGS)
     if unknown:
         raise ValueError(f"not tokenizer flags: {sorted(unknown)}")
     if not given and len(kept) > len(generation):  # copied there by the import from HF
