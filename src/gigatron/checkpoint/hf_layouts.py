@@ -181,8 +181,12 @@ def canonical_source(stored: TensorSource, hf_config: dict[str, Any], where: Pat
     if layout.embedding not in renamed:
         return stored  # not a layout this module knows: the adapter names what it misses
     meta = stored.meta(renamed[layout.embedding])
+    if meta.dim() != 2:
+        return stored  # the adapter or the layout check names the wrong shape
     (vocab, hidden), dtype = meta.shape, meta.dtype
-    std = float(hf_config.get("initializer_range", 0.02))
+    std = hf_config.get("initializer_range", 0.02)
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not std > 0:
+        std = 0.02  # transformers' default, where the config has no usable one
     missing = [head for head in layout.heads if head.needed(hf_config) and head.name not in renamed]
     heads = {}
     for head in missing:
