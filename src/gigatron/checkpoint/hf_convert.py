@@ -8,7 +8,8 @@ Hugging Face: the family comes from `config.json`'s `model_type` (or `--family`)
 families' adapters (checkpoint/hf_adapter.py); weights are read from safetensors one layer at a
 time and written to every target rank's file at once (gigatron_io.py), or to safetensors shards
 (safetensors_io.py). The imported checkpoint keeps the Hugging Face `config.json` (`hf_config`),
-so exporting it writes the same config; tokenizer files are copied both ways.
+so exporting it writes the same config; tokenizer files are copied both ways, and an export of a
+trained model writes the run's tokenizer (hf_tokenizer_export.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ from gigatron.checkpoint.convert import (
 )
 from gigatron.checkpoint.gigatron_io import CheckpointSource, write_checkpoint
 from gigatron.checkpoint.hf_adapter import WindowedMap, adapter_for, call_map
+from gigatron.checkpoint.hf_input_checks import cleaned_on_failure, config_values, read_config_file
+from gigatron.checkpoint.hf_layouts import canonical_source, model_folder
+from gigatron.checkpoint.hf_tokenizer_export import (
+    TOKENIZER_FILES,
+    TOKENIZER_FLAGS,
+    plan_tokenizer_export,
+)
 from gigatron.checkpoint.megatron_convert import gigatron_to_megatron, megatron_to_gigatron
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
 from gigatron.checkpoint.torch_format import (
@@ -41,11 +49,6 @@ from gigatron.errors import GigatronError
 from gigatron.families import get_family
 
 CONFIG_FILE = "config.json"
-# Files a Hugging Face folder keeps next to the weights that belong to the tokenizer.
-TOKENIZER_FILES = re.compile(
-    r"^(tokenizer.*|vocab\..*|merges\.txt|special_tokens_map\.json|added_tokens\.json|"
-    r".*\.tiktoken|spiece\.model|sentencepiece.*\.model|generation_config\.json)$"
-)
 # Hugging Face tensors that are not weights (buffers some versions saved).
 IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq|position_ids)$")
 FORMATS = ["hf", "gigatron", "megatron"]
@@ -93,7 +96,7 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
             f"--load {folder}: has no {CONFIG_FILE}; give a Hugging Face model folder "
             "(save_pretrained output)"
         )
-    return json.loads(path.read_text())
+    return read_config_file(path)
 
 
 def _family_adapter(model_type: str | None, family: str | None) -> tuple[str, Any]:
@@ -124,10 +127,11 @@ def hf_to_gigatron(
 ) -> Path:
     """Import a Hugging Face folder as a gigatron `release` checkpoint for the target layout."""
 
+    load = model_folder(load)  # in a sentence-transformers folder: the Transformer module's
     raw_config = read_hf_config(load)  # kept as written, for the export
     hf_config = decoded(raw_config)
     family, adapter = _family_adapter(hf_config.get("model_type"), family)
-    values = adapter.config_from_hf(hf_config)
+    values = config_values(adapter, hf_config, load / CONFIG_FILE)
     cfg = config_from_dict(values, source=f"{load / CONFIG_FILE} (as gigatron flags)")
     check_target(cfg, tp, pp, vp, ep, family)
     layout = build_target_layout(cfg, tp, pp, vp, ep, values["vocab_size"], family)
@@ -143,28 +147,37 @@ def hf_to_gigatron(
         f"{tp}, pipeline-parallel {pp}" + (f", expert-parallel {ep}" if ep > 1 else "")
     )
     save.mkdir(parents=True, exist_ok=True)
-    with SafetensorsFolder(load) as source:
-        mapping = WindowedMap(
-            lambda view: call_map(
-                adapter.from_hf,
-                view,
-                model.num_layers,
-                model.num_attention_heads,
-                padded,
-                hf_config=hf_config,
-            ),
-            source,
-        )
+    with SafetensorsFolder(load) as stored:
+        source = canonical_source(stored, hf_config, load)  # base models, missing heads
+        try:
+            mapping = WindowedMap(
+                lambda view: call_map(
+                    adapter.from_hf,
+                    view,
+                    model.num_layers,
+                    model.num_attention_heads,
+                    padded,
+                    hf_config=hf_config,
+                ),
+                source,
+            )
+        except KeyError as missing:
+            raise GigatronError(
+                f"--load {load}: has no tensor {missing} that a {hf_config.get('model_type')} "
+                f"checkpoint holds; it holds {', '.join(source.names()[:8])}, ...: give a "
+                "complete model folder"
+            ) from None
 
         def check_all_used() -> None:
             unused = [
                 n for n in source.names() if n not in mapping.used and not IGNORED_HF.search(n)
             ]
             if unused:
+                more = f" (and {len(unused) - 20} more)" if len(unused) > 20 else ""
                 raise GigatronError(
-                    f"--load {load}: holds tensors gigatron has no place for: "
-                    f"{', '.join(unused[:5])}; this {hf_config.get('model_type')} variant is "
-                    "not supported"
+                    f"--load {load}: holds {len(unused)} tensor(s) gigatron has no place for: "
+                    f"{', '.join(unused[:20])}{more}; this {hf_config.get('model_type')} "
+                    "variant is not supported"
                 )
 
         extra = {
@@ -198,8 +211,12 @@ def gigatron_to_hf(
     iteration: int | None = None,
     max_shard_bytes: int | None = None,
     log: Any = print,
+    tokenizer: dict[str, str | None] | None = None,
+    tokenizer_mode: str = "if-any",
 ) -> Path:
-    """Export a gigatron checkpoint (any layout) as a Hugging Face folder."""
+    """Export a gigatron checkpoint (any layout) as a Hugging Face folder. `tokenizer`: the
+    convert command's tokenizer flags over the run's; `tokenizer_mode`: "required", "if-any"
+    or "none" (checkpoint/hf_tokenizer_export.py)."""
     located = locate_iteration(load, iteration)
     if located is None:
         raise GigatronError(f"--load {load}: no latest_checkpointed_iteration.txt there")
@@ -210,6 +227,9 @@ def gigatron_to_hf(
     if adapter is None:
         raise GigatronError(f"{iteration_dir}: family {family} has no Hugging Face adapter")
     source = CheckpointSource(iteration_dir, cfg, family)
+    tokenizer_files = plan_tokenizer_export(
+        load, getattr(cfg, "tokenizer", None), tokenizer, tokenizer_mode, str(iteration_dir)
+    )
     if not hf_config:
         if not hasattr(adapter, "config_to_hf"):
             raise GigatronError(
@@ -240,7 +260,7 @@ def gigatron_to_hf(
     log(f"exporting {iteration_dir} (family {family}) to {save}")
     files = write_safetensors(save, mapping.plan, mapping.outputs(), max_shard_bytes)
     (save / CONFIG_FILE).write_text(json.dumps(raw_config, indent=2) + "\n")
-    copied = copy_tokenizer_files(load, save)
+    copied = tokenizer_files.write(save)
     log(f"wrote {', '.join(files)} and {CONFIG_FILE}; tokenizer files: {copied or 'none'}")
     return save
 
@@ -295,6 +315,21 @@ def _parser() -> argparse.ArgumentParser:
         help="largest safetensors file of a Hugging Face target (default 5GB); larger models "
         "are sharded with an index file",
     )
+    for flag, what in (
+        ("--tokenizer-type", "tokenizer kind"),
+        ("--vocab-file", "vocabulary file (GPT-2 vocab.json, BERT vocab.txt)"),
+        ("--merge-file", "GPT-2 merges.txt"),
+        ("--tokenizer-model", "Hugging Face tokenizer folder or tokenizer.json"),
+    ):
+        parser.add_argument(
+            flag, default=None, help=f"--to hf: {what} to export (default: the run's)"
+        )
+    parser.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        help="--to hf: export the weights without tokenizer files (default: the run's "
+        "tokenizer is written, or the export is refused)",
+    )
     return parser
 
 
@@ -319,6 +354,11 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
         unused.append("max_shard_size")
     if args.source == "hf" and args.ckpt_step is not None:
         unused.append("ckpt_step")
+    if args.target != "hf":
+        unused += [f for f in TOKENIZER_FLAGS if getattr(args, f) is not None]
+        unused += ["no_tokenizer"] if args.no_tokenizer else []
+    elif args.no_tokenizer:
+        unused += [f for f in TOKENIZER_FLAGS if getattr(args, f) is not None]
     if unused:
         flags = ", ".join("--" + name.replace("_", "-") for name in unused)
         raise GigatronError(
@@ -338,6 +378,14 @@ def main(argv: Sequence[str]) -> int:
     log = lambda text: print(text, flush=True)  # noqa: E731
     pair = (args.source, args.target)
     _refuse_unused_flags(args)
+    with cleaned_on_failure(save):  # no half-written --save left behind
+        _convert(args, pair, load, save, log)
+    return 0
+
+
+def _convert(
+    args: argparse.Namespace, pair: tuple[str, str], load: Path, save: Path, log: Any
+) -> None:
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     if pair == ("hf", "gigatron"):
         hf_to_gigatron(
@@ -351,7 +399,15 @@ def main(argv: Sequence[str]) -> int:
             log,
         )
     elif pair == ("gigatron", "hf"):
-        gigatron_to_hf(load, save, args.ckpt_step, parse_size(args.max_shard_size or "5GB"), log)
+        gigatron_to_hf(
+            load,
+            save,
+            args.ckpt_step,
+            parse_size(args.max_shard_size or "5GB"),
+            log,
+            {f: getattr(args, f) for f in TOKENIZER_FLAGS},
+            "none" if args.no_tokenizer else "required",
+        )
     elif pair == ("gigatron", "megatron"):
         gigatron_to_megatron(load, save, args.ckpt_step, args.megatron_te_names, log)
     elif pair == ("megatron", "gigatron"):
@@ -370,4 +426,3 @@ def main(argv: Sequence[str]) -> int:
             f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "
             "gigatron, gigatron -> hf, megatron -> gigatron, gigatron -> megatron"
         )
-    return 0

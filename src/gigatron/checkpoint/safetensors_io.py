@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from gigatron.errors import GigatronError
 
@@ -39,6 +39,66 @@ _DTYPES = {
     "BOOL": torch.bool,
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_MAX_HEADER = 100 * 2**20  # the largest header safetensors itself reads
+
+
+def _damaged(path: Path, what: str) -> GigatronError:
+    return GigatronError(
+        f"{path}: not a readable safetensors file ({what}); download or save it again "
+        "(save_pretrained(..., safe_serialization=True))"
+    )
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """The tensor entries of a safetensors file's header, checked against the file's size
+    (a damaged file is refused with its name, never read past its end)."""
+    size = path.stat().st_size if path.is_file() else -1
+    if size < 8:
+        raise _damaged(path, "missing" if size < 0 else f"{size} bytes, no header")
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        if length > min(size - 8, _MAX_HEADER):
+            raise _damaged(path, f"the header claims {length} bytes; the file has {size}")
+        text = handle.read(length)
+    try:
+        header = json.loads(text.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise _damaged(path, "the header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _damaged(path, "the header is not a JSON object")
+    entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+    for name, entry in entries.items():
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2):
+            raise _damaged(path, f"tensor {name} has no data_offsets")
+        if not all(isinstance(x, int) for x in offsets) or not 0 <= offsets[0] <= offsets[1]:
+            raise _damaged(path, f"tensor {name} has data_offsets {offsets}")
+        if 8 + length + offsets[1] > size:
+            raise _damaged(path, f"tensor {name} ends past the end of the file")
+    return entries
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The weight map of an index file: tensor name -> shard file, each shard inside the
+    index's folder (a path that leaves it, or an absolute one, is refused)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise GigatronError(
+            f"{index}: not an index file (a JSON object with a weight_map); save the model "
+            "again or remove the file"
+        ) from None
+    if not isinstance(weight_map, dict):
+        raise GigatronError(f"{index}: weight_map is not an object of tensor name -> file")
+    folder = index.parent.resolve()
+    for name, file in weight_map.items():
+        inside = isinstance(file, str) and not Path(file).is_absolute()
+        if not inside or not (folder / file).resolve().is_relative_to(folder):
+            raise GigatronError(
+                f"{index}: tensor {name} names shard {file!r}, outside {index.parent}; refused "
+                "(shards must be files of the model folder)"
+            )
+    return weight_map
 
 
 class SafetensorsFolder:
@@ -48,10 +108,9 @@ class SafetensorsFolder:
         self.folder = Path(folder)
         index = self.folder / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_index(index)
         elif (self.folder / SINGLE_FILE).is_file():
-            with safe_open(self.folder / SINGLE_FILE, "pt") as handle:
-                weight_map = {name: SINGLE_FILE for name in handle.keys()}
+            weight_map = dict.fromkeys(read_header(self.folder / SINGLE_FILE), SINGLE_FILE)
         else:
             raise GigatronError(
                 f"--load {self.folder}: has no {SINGLE_FILE} or {INDEX_FILE}; gigatron reads "
@@ -64,7 +123,13 @@ class SafetensorsFolder:
     def _handle(self, name: str):
         file = self.weight_map[name]
         if file not in self._handles:
-            self._handles[file] = safe_open(self.folder / file, "pt")
+            path = self.folder / file
+            if file != SINGLE_FILE:
+                read_header(path)  # the index's shards are checked when first opened
+            try:
+                self._handles[file] = safe_open(path, "pt")
+            except (SafetensorError, OSError) as error:
+                raise _damaged(path, str(error)) from None
         return self._handles[file]
 
     def names(self) -> list[str]:
@@ -74,12 +139,24 @@ class SafetensorsFolder:
         return name in self.weight_map
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        try:
+            return self._handle(name).get_tensor(name)
+        except SafetensorError as error:
+            raise _damaged(self.folder / self.weight_map[name], str(error)) from None
 
     def meta(self, name: str) -> torch.Tensor:
         """A meta tensor with the stored shape and dtype (nothing is read)."""
-        view = self._handle(name).get_slice(name)
-        return torch.empty(view.get_shape(), dtype=_DTYPES[view.get_dtype()], device="meta")
+        try:
+            view = self._handle(name).get_slice(name)
+            shape, dtype = view.get_shape(), view.get_dtype()
+        except SafetensorError as error:
+            raise _damaged(self.folder / self.weight_map[name], str(error)) from None
+        if dtype not in _DTYPES:
+            raise GigatronError(
+                f"{self.folder / self.weight_map[name]}: tensor {name} has dtype {dtype}; "
+                f"gigatron reads {', '.join(_DTYPES)}"
+            )
+        return torch.empty(shape, dtype=_DTYPES[dtype], device="meta")
 
     def close(self) -> None:
         self._handles.clear()
