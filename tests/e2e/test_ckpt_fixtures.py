@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gigatron.checkpoint.formats import detect_format, load_checkpoint
+from gigatron.checkpoint.formats import FORMATS, detect_format, get_format, load_checkpoint
 from gigatron.config.root import parse_config
+from gigatron.errors import GigatronError
 from gigatron.models import build_model
 from gigatron.optim import build_optimizer
 from gigatron.optim.lr_schedule import build_lr_scheduler
@@ -74,3 +75,27 @@ def test_old_checkpoint_resumes_to_the_same_losses(fmt: str, tmp_path: Path):
     losses = {r["iteration"]: r["lm_loss"] for r in records if r["type"] == "train"}
     assert losses == pytest.approx(RESUMED_LOSSES, rel=1e-6, abs=0)
     assert (save / "iter_0000004").is_dir()
+
+
+def test_torch_dist_checkpoint_without_metadata_json_names_it(tmp_path: Path):
+    load = tmp_path / "load"
+    shutil.copytree(FIXTURES / "torch_dist", load)
+    (load / "iter_0000002" / "metadata.json").unlink()
+    cfg = parse_config([*FLAGS, "--train-iters", "2", "--ckpt-format", "torch_dist"])
+    pctx = ParallelContext.single()
+    (model,) = build_model(cfg, pctx, vocab_size=64)
+    with pytest.raises(GigatronError) as error:
+        load_checkpoint(load, [model], None, None, pctx, cfg)
+    message = str(error.value)
+    assert "holds torch_dist files (.metadata, common.pt, __0_0.distcp)" in message
+    assert "metadata.json is missing" in message and "torch-format" not in message
+
+
+def test_formats_are_registered_and_detected():
+    assert [get_format(name).name for name in ("torch", "torch_dist")] == ["torch", "torch_dist"]
+    for fmt in ("torch", "torch_dist"):
+        assert [f for f in FORMATS if get_format(f).detect(FIXTURES / fmt / "iter_0000002")] == [
+            fmt
+        ]
+    with pytest.raises(GigatronError, match="--ckpt-format zarr: not a checkpoint format"):
+        get_format("zarr")

@@ -61,6 +61,7 @@ from gigatron.checkpoint.global_view import (
     pieces_of_flat_shard,
     tensor_layout,
 )
+from gigatron.checkpoint.state import LoadFlags, Located, TrainingState, empty_result
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_VERSION,
     RESERVED_KEYS,
@@ -88,6 +89,26 @@ BACKEND = "torch_dist"
 FORMAT_VERSION = 1
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 TIED_OUTPUT = "output_layer.weight"
+
+
+def missing_marker(iteration_dir: Path) -> str | None:
+    """What is wrong when `iteration_dir` holds torch_dist files but no valid metadata.json (a
+    save that did not finish, or a file removed); None when it is not such a directory."""
+    dcp_files = [
+        name for name in (".metadata", COMMON_FILENAME) if (iteration_dir / name).is_file()
+    ]
+    dcp_files += sorted(p.name for p in iteration_dir.glob("*.distcp"))[:1]
+    if not dcp_files or is_dist_checkpoint(iteration_dir):
+        return None
+    marker = iteration_dir / FORMAT_MARKER
+    state = "is missing" if not marker.is_file() else f"does not name {BACKEND!r} as its backend"
+    return (
+        f"{iteration_dir}: holds torch_dist files ({', '.join(dcp_files)}) but its {FORMAT_MARKER} "
+        f"{state}; the save did not finish or the file was removed. Load an earlier iteration "
+        f"with --ckpt-step, or, if every rank's files are there, write {FORMAT_MARKER} as "
+        f'{{"sharded_backend": "{BACKEND}", "sharded_backend_version": 1, '
+        f'"gigatron_format_version": {FORMAT_VERSION}}}'
+    )
 
 
 def is_dist_checkpoint(iteration_dir: Path) -> bool:
@@ -575,9 +596,8 @@ def load_iteration(
     """Load the torch_dist checkpoint in `iteration_dir` into this rank's model (and optimizer,
     schedule, random states per the flags). Returns what `load_checkpoint` returns."""
     ckpt_cfg = getattr(cfg, "checkpoint", None)
-    finetune = bool(getattr(ckpt_cfg, "finetune", False))
-    no_load_optim = bool(getattr(ckpt_cfg, "no_load_optim", False))
-    no_load_rng = bool(getattr(ckpt_cfg, "no_load_rng", False))
+    flags = LoadFlags.of(cfg)
+    no_load_optim = flags.no_load_optim
     common_path = iteration_dir / COMMON_FILENAME
     if not common_path.is_file():
         raise GigatronError(f"--load {load_dir}: {common_path} is missing; the checkpoint is "
@@ -585,7 +605,7 @@ def load_iteration(
     common = safe_load(common_path)
     metadata = read_metadata(iteration_dir)
 
-    full_state = not release and not finetune
+    full_state = flags.full_state(release)
     if full_state and not no_load_optim and optimizer is not None and "optimizer" not in common:
         raise GigatronError(
             f"{iteration_dir}: has no optimizer state (saved with --no-save-optim); pass "
@@ -611,27 +631,38 @@ def load_iteration(
         # Weights only: the fp32 main params must start from the loaded model weights.
         optimizer.reload_model_params()
 
-    if full_state and not no_load_rng:
+    if flags.rng(release):
         _load_rng(iteration_dir, common, pctx, len(model_chunks), rng_tracker)
 
-    result: dict[str, Any] = {
-        "loaded": True,
-        "iteration": 0,
-        "consumed_train_samples": 0,
-        "consumed_valid_samples": 0,
-        "num_floating_point_operations_so_far": common.get(
-            "num_floating_point_operations_so_far", 0
-        ),
-        "args": common.get("args"),
-        "path": str(iteration_dir),
-        "release": release,
-        "format": BACKEND,
-    }
+    result = empty_result()
+    result.update(loaded=True, args=common.get("args"), path=str(iteration_dir), release=release)
+    result["num_floating_point_operations_so_far"] = common.get(
+        "num_floating_point_operations_so_far", 0
+    )
+    result["format"] = BACKEND
     if full_state:
         result["iteration"] = int(common.get("iteration", 0))
         for key in ("consumed_train_samples", "consumed_valid_samples", "skipped_iterations"):
             result[key] = int(common.get(key, 0))
     return result
+
+
+def load_located(
+    located: Located, target: TrainingState, pctx: ParallelContext, cfg: Any
+) -> dict[str, Any]:
+    """`load_iteration` for the registry (checkpoint/formats.py)."""
+    return load_iteration(
+        located.iteration_dir, located.load_dir, target.model_chunks, target.optimizer,
+        target.scheduler, pctx, cfg, target.rng_tracker, located.release,
+    )  # fmt: skip
+
+
+def save_state(save_dir: str | Path, state: TrainingState, pctx: ParallelContext, cfg: Any) -> Path:
+    """`save_checkpoint` for the registry (checkpoint/formats.py)."""
+    return save_checkpoint(
+        save_dir, state.iteration, state.model_chunks, state.optimizer, state.scheduler, pctx,
+        cfg, state.extra, state.rng_tracker,
+    )  # fmt: skip
 
 
 def _load_rng(
@@ -664,7 +695,10 @@ __all__ = [
     "PendingSave",
     "is_dist_checkpoint",
     "load_iteration",
+    "load_located",
+    "missing_marker",
     "read_full_tensors",
     "save_checkpoint",
+    "save_state",
     "start_save",
 ]
