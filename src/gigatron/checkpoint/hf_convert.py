@@ -21,9 +21,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gigatron.checkpoint.convert import WORD_EMBEDDING, _check_target, build_target_layout
 from gigatron.checkpoint.gigatron_io import CheckpointSource, write_checkpoint
 from gigatron.checkpoint.hf_adapter import WindowedMap, adapter_for, call_map
+from gigatron.checkpoint.layout import (
+    WORD_EMBEDDING,
+    build_target_layout,
+    check_target,
+    true_vocab_size,
+)
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -123,7 +128,7 @@ def hf_to_gigatron(
     family, adapter = _family_adapter(hf_config.get("model_type"), family)
     values = adapter.config_from_hf(hf_config)
     cfg = config_from_dict(values, source=f"{load / CONFIG_FILE} (as gigatron flags)")
-    _check_target(cfg, tp, pp, vp, ep, family)
+    check_target(cfg, tp, pp, vp, ep, family)
     layout = build_target_layout(cfg, tp, pp, vp, ep, values["vocab_size"], family)
     padded = next(
         chunk.state_dict(keep_vars=True)[WORD_EMBEDDING].shape[0] * tp
@@ -213,9 +218,7 @@ def gigatron_to_hf(
                 f"{iteration_dir}: was not imported from Hugging Face and the {family} adapter "
                 "cannot write a config.json for it"
             )
-        from gigatron.checkpoint.convert import _true_vocab_size
-
-        vocab = _true_vocab_size(cfg) or source.meta(WORD_EMBEDDING).shape[0]
+        vocab = true_vocab_size(cfg) or source.meta(WORD_EMBEDDING).shape[0]
         hf_config = adapter.config_to_hf(cfg, vocab)
     raw_config, hf_config = hf_config, decoded(hf_config)
     vocab = hf_config["vocab_size"]
