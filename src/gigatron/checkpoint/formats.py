@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from gigatron.checkpoint import dist_format, torch_format
-from gigatron.checkpoint.state import Located, TrainingState
+from gigatron.checkpoint.state import Located, TrainingState, piecewise_load, piecewise_save
 from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
 
@@ -110,36 +108,8 @@ def load_state(
     return _REGISTRY[name].load(located, state, pctx, cfg)
 
 
-def save_checkpoint(
-    save_dir: str | Path,
-    iteration: int,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
-    pctx: ParallelContext,
-    cfg: Any,
-    extra: dict[str, Any] | None = None,
-    rng_tracker: Any = None,
-    ckpt_format: str | None = None,
-) -> Path:
-    """`save_state` with the state given piece by piece."""
-    state = TrainingState(model_chunks, optimizer, scheduler, rng_tracker, iteration, extra or {})
-    return save_state(save_dir, state, pctx, cfg, ckpt_format)
-
-
-def load_checkpoint(
-    load_dir: str | Path,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
-    pctx: ParallelContext,
-    cfg: Any,
-    rng_tracker: Any = None,
-    iteration: int | None = None,
-) -> dict[str, Any]:
-    """`load_state` with the state given piece by piece."""
-    state = TrainingState(model_chunks, optimizer, scheduler, rng_tracker)
-    return load_state(load_dir, state, pctx, cfg, iteration)
+save_checkpoint = piecewise_save(save_state)  # (..., ckpt_format=None): the older signature
+load_checkpoint = piecewise_load(load_state)
 
 
 def _check_format(load_dir: Path, found: str, ckpt_cfg: Any) -> None:

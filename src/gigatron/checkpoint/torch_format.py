@@ -43,7 +43,16 @@ from gigatron.checkpoint.megatron_format import (
     load_megatron_file,
     to_gigatron_state,
 )
-from gigatron.checkpoint.state import LoadFlags, Located, TrainingState, empty_result
+from gigatron.checkpoint.state import (
+    LoadFlags,
+    Located,
+    TrainingState,
+    check_extra,
+    empty_result,
+    piecewise_load,
+    piecewise_save,
+    save_flags,
+)
 from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
 
@@ -51,15 +60,6 @@ CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
 TMP_SUFFIX = ".tmp"
-# Keys the format owns; `extra` may not overwrite them.
-RESERVED_KEYS = {
-    "checkpoint_version",
-    "iteration",
-    "args",
-    "optimizer",
-    "opt_param_scheduler",
-    "rng_state",
-}
 _MP_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
@@ -230,23 +230,7 @@ def publish_iteration(save_dir: Path, iteration: int) -> None:
     os.replace(tracker_tmp, save_dir / TRACKER_FILENAME)
 
 
-def save_checkpoint(
-    save_dir: str | Path,
-    iteration: int,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
-    pctx: ParallelContext,
-    cfg: Any,
-    extra: dict[str, Any] | None = None,
-    rng_tracker: Any = None,
-) -> Path:
-    """`save_state` with the state given piece by piece (the older signature)."""
-    state = TrainingState(model_chunks, optimizer, scheduler, rng_tracker, iteration, extra or {})
-    return save_state(save_dir, state, pctx, cfg)
-
-
-def _rank_state(state: TrainingState, cfg: Any, no_save_optim: bool, no_save_rng: bool) -> dict:
+def _rank_state(state: TrainingState, cfg: Any, with_optim: bool, with_rng: bool) -> dict:
     """The dict one rank file holds."""
     saved: dict[str, Any] = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -258,12 +242,12 @@ def _rank_state(state: TrainingState, cfg: Any, no_save_optim: bool, no_save_rng
     }
     saved.update(state.extra)
     saved.update(_model_state(state.model_chunks))
-    if not no_save_optim:
+    if with_optim:
         if state.optimizer is not None:
             saved["optimizer"] = state.optimizer.state_dict()
         if state.scheduler is not None:
             saved["opt_param_scheduler"] = state.scheduler.state_dict()
-    if not no_save_rng:
+    if with_rng:
         saved["rng_state"] = get_rng_state(state.rng_tracker)
     return saved
 
@@ -272,12 +256,8 @@ def save_state(save_dir: str | Path, state: TrainingState, pctx: ParallelContext
     """Save this rank's part of `state` as the checkpoint of `state.iteration` (collective:
     every rank calls it). `state.extra` adds top-level keys (`consumed_train_samples`, ...).
     Returns the iteration directory."""
-    clash = RESERVED_KEYS.intersection(state.extra)
-    if clash:
-        raise ValueError(f"save_checkpoint: extra may not set {sorted(clash)}")
-    ckpt_cfg = getattr(cfg, "checkpoint", None)
-    no_save_optim = bool(getattr(ckpt_cfg, "no_save_optim", False))
-    no_save_rng = bool(getattr(ckpt_cfg, "no_save_rng", False))
+    check_extra(state.extra)
+    with_optim, with_rng = save_flags(cfg)
     save_dir = Path(save_dir)
     final = save_dir / iteration_dir_name(state.iteration)
     tmp = save_dir / (final.name + TMP_SUFFIX)
@@ -291,12 +271,10 @@ def save_state(save_dir: str | Path, state: TrainingState, pctx: ParallelContext
     rank_dir = tmp / rank_dir_name(pctx)
     # A sharded (distributed) optimizer writes its own per-rank state (collective over dp).
     optimizer = state.optimizer
-    if optimizer is not None and hasattr(optimizer, "save_sharded_state") and not no_save_optim:
+    if optimizer is not None and hasattr(optimizer, "save_sharded_state") and with_optim:
         optimizer.save_sharded_state(rank_dir)
     if writes_checkpoint(pctx):
-        _write_file(
-            _rank_state(state, cfg, no_save_optim, no_save_rng), rank_dir / CHECKPOINT_FILENAME
-        )
+        _write_file(_rank_state(state, cfg, with_optim, with_rng), rank_dir / CHECKPOINT_FILENAME)
     _barrier(pctx)
     if pctx.rank == 0:
         publish_iteration(save_dir, state.iteration)
@@ -502,32 +480,24 @@ def locate_iteration(load_dir: Path, iteration: int | None = None) -> tuple[Path
     return iteration_dir, iteration, release
 
 
-def load_checkpoint(
+def load_state(
     load_dir: str | Path,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    target: TrainingState,
     pctx: ParallelContext,
     cfg: Any,
-    rng_tracker: Any = None,
     iteration: int | None = None,
 ) -> dict[str, Any]:
-    """Load this rank's part of the checkpoint in `load_dir` into the model (and optimizer,
-    schedule and random states unless `--finetune`, `--no-load-optim`, `--no-load-rng`).
-
-    Returns `{loaded, iteration, consumed_train_samples, consumed_valid_samples,
-    num_floating_point_operations_so_far, args, path, release}`. A directory without a tracker
-    file (a fresh run) gives a warning and iteration 0 with `loaded` False.
-    """
+    """Load this rank's part of the torch-format checkpoint in `load_dir` (latest, `iteration`
+    or `--ckpt-step`) into `target`: the model, and the optimizer, schedule and random states
+    unless `--finetune`, `--no-load-optim`, `--no-load-rng`. A directory without a tracker file
+    (a fresh run) gives a warning and iteration 0 with `loaded` False."""
     load_dir = Path(load_dir)
-    ckpt_cfg = getattr(cfg, "checkpoint", None)
     if iteration is None:
-        iteration = getattr(ckpt_cfg, "ckpt_step", None)
+        iteration = getattr(getattr(cfg, "checkpoint", None), "ckpt_step", None)
     found = locate_iteration(load_dir, iteration)
     if found is None:
         return fresh_start(load_dir, cfg)
-    state = TrainingState(model_chunks, optimizer, scheduler, rng_tracker)
-    return load_located(Located(load_dir, *found), state, pctx, cfg)
+    return load_located(Located(load_dir, *found), target, pctx, cfg)
 
 
 def fresh_start(load_dir: Path, cfg: Any) -> dict[str, Any]:
@@ -673,3 +643,7 @@ def load_located(
     if flags.rng(release):
         _restore_rng(state, path, target, pctx.dp_rank)
     return _loaded_result(state, path, located, flags.full_state(release))
+
+
+save_checkpoint = piecewise_save(save_state)
+load_checkpoint = piecewise_load(load_state)
