@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from gigatron.checkpoint import dist_format, torch_format
-from gigatron.checkpoint.state import Located, TrainingState, piecewise_load, piecewise_save
+from gigatron.checkpoint.state import (
+    Located,
+    TrainingState,
+    empty_result,
+    piecewise_load,
+    piecewise_save,
+)
 from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
 
@@ -89,22 +95,17 @@ def load_state(
 ) -> dict[str, Any]:
     """Load the checkpoint in `load_dir` (latest, `iteration` or `--ckpt-step`) into `state` in
     its own format. Returns `{loaded, iteration, consumed_train_samples, ...}`; a directory
-    with no checkpoint yet gives `loaded` False (torch_format.fresh_start)."""
-    load_dir = Path(load_dir)
-    ckpt_cfg = getattr(cfg, "checkpoint", None)
-    if iteration is None:
-        iteration = getattr(ckpt_cfg, "ckpt_step", None)
-    found = torch_format.locate_iteration(load_dir, iteration)
-    if found is None:
-        return torch_format.fresh_start(load_dir, cfg)
-    located = Located(load_dir, *found)
+    with no checkpoint yet gives `loaded` False (torch_format.locate_for_load)."""
+    located = torch_format.locate_for_load(load_dir, cfg, iteration)
+    if located is None:
+        return empty_result()
     name = detect_format(located.iteration_dir)
     if not _REGISTRY[name].detect(located.iteration_dir):
         problem = dist_format.missing_marker(located.iteration_dir)
         if problem is not None:
-            raise GigatronError(f"--load {load_dir}: {problem}")
+            raise GigatronError(f"--load {located.load_dir}: {problem}")
     else:
-        _check_format(load_dir, name, ckpt_cfg)
+        _check_format(located.load_dir, name, getattr(cfg, "checkpoint", None))
     return _REGISTRY[name].load(located, state, pctx, cfg)
 
 

@@ -29,6 +29,7 @@ from gigatron.checkpoint.layout import (
     check_target,
     true_vocab_size,
 )
+from gigatron.checkpoint.pipeline import Target, convert
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -358,18 +359,9 @@ def main(argv: Sequence[str]) -> int:
 
         gigatron_to_megatron(load, save, args.ckpt_step, args.megatron_te_names, log)
     elif pair == ("megatron", "gigatron"):
-        from gigatron.checkpoint.megatron_convert import megatron_to_gigatron
-
-        megatron_to_gigatron(
-            load,
-            save,
-            args.ckpt_step,
-            tp,
-            pp,
-            args.target_num_virtual_stages_per_pipeline_rank,
-            args.target_expert_parallel_size or 1,
-            log,
-        )
+        vp, ep = args.target_num_virtual_stages_per_pipeline_rank, args.target_expert_parallel_size
+        target = Target(tp, pp, vp, ep or 1)
+        convert("megatron", load, "gigatron", save, target, log, args.ckpt_step)
     else:
         raise GigatronError(
             f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "

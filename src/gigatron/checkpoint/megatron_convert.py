@@ -7,9 +7,9 @@ Engine spec (`--megatron-te-names`: norms fused into the next linear, an empty `
 per Transformer Engine module). Model weights only, as `convert-checkpoint` writes: Megatron-LM
 loads them with `--finetune` (or `--no-load-optim --no-load-rng`).
 
-From Megatron: the files are read with the Megatron allow-list (megatron_format.py), renamed to
-gigatron's names, given a gigatron configuration made from their `args`, and re-split for the
-target layout by `convert-checkpoint`'s machinery.
+From Megatron (`stage_megatron`, the conversion pipeline's `megatron` reader): the files are
+read with the Megatron allow-list (megatron_format.py), renamed to gigatron's names and given a
+gigatron configuration made from their `args`; the pipeline then re-splits them.
 """
 
 from __future__ import annotations
@@ -163,20 +163,3 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
         torch.save(out, target)
     (staged / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
     return staged
-
-
-def megatron_to_gigatron(
-    load: Path,
-    save: Path,
-    iteration: int | None,
-    tp: int | None,
-    pp: int | None,
-    vp: int | None = None,
-    ep: int = 1,
-    log: Any = print,
-) -> Path:
-    """Import a Megatron-LM torch-format checkpoint as a gigatron checkpoint (weights only),
-    re-split for `tp` x `pp` (default: the saved layout)."""
-    from gigatron.checkpoint.pipeline import Target, convert  # why: pipeline imports this module
-
-    return convert("megatron", load, "gigatron", save, Target(tp, pp, vp, ep), log, iteration)

@@ -29,6 +29,7 @@ from gigatron.checkpoint.layout import (
     check_target,
     true_vocab_size,
 )
+from gigatron.checkpoint.megatron_convert import gigatron_to_megatron, stage_megatron
 from gigatron.checkpoint.torch_format import TRACKER_FILENAME, locate_iteration, safe_load
 from gigatron.config import config_from_dict
 from gigatron.errors import GigatronError
@@ -160,8 +161,6 @@ def read_megatron(
     load: Path, iteration: int | None = None, family: str | None = None, **_: Any
 ) -> Iterator[FullModel]:
     """Megatron-LM's torch files, renamed to gigatron's names in a scratch directory."""
-    from gigatron.checkpoint.megatron_convert import stage_megatron  # why: it imports this module
-
     located = locate(load, iteration)
     with tempfile.TemporaryDirectory(prefix="gigatron-megatron-") as tmp:
         staged = stage_megatron(located, Path(tmp), family)
@@ -201,8 +200,6 @@ def write_megatron(
     model: FullModel, save: Path, target: Target, log: Log, te_names: bool = False
 ) -> Path:
     """Megatron-LM's own files (argparse arguments, its parameter names) for `target`."""
-    from gigatron.checkpoint.megatron_convert import gigatron_to_megatron  # why: imports this
-
     with tempfile.TemporaryDirectory(prefix="gigatron-resplit-") as tmp:
         write_gigatron(model, Path(tmp), target, log)
         return gigatron_to_megatron(Path(tmp), save, None, te_names, log)

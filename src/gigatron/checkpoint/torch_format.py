@@ -480,6 +480,24 @@ def locate_iteration(load_dir: Path, iteration: int | None = None) -> tuple[Path
     return iteration_dir, iteration, release
 
 
+def locate_for_load(load_dir: str | Path, cfg: Any, iteration: int | None) -> Located | None:
+    """The iteration of `load_dir` to load (`iteration`, else --ckpt-step, else the tracker
+    file's); None for a fresh start, which `check_fresh_start` allows and a warning names."""
+    load_dir = Path(load_dir)
+    ckpt_cfg = getattr(cfg, "checkpoint", None)
+    if iteration is None:
+        iteration = getattr(ckpt_cfg, "ckpt_step", None)
+    found = locate_iteration(load_dir, iteration)
+    if found is not None:
+        return Located(load_dir, *found)
+    check_fresh_start(load_dir, getattr(ckpt_cfg, "save", None))
+    warnings.warn(
+        f"--load {load_dir}: no checkpoint there yet; starting from scratch at iteration 0",
+        stacklevel=4,
+    )
+    return None
+
+
 def load_state(
     load_dir: str | Path,
     target: TrainingState,
@@ -487,27 +505,10 @@ def load_state(
     cfg: Any,
     iteration: int | None = None,
 ) -> dict[str, Any]:
-    """Load this rank's part of the torch-format checkpoint in `load_dir` (latest, `iteration`
-    or `--ckpt-step`) into `target`: the model, and the optimizer, schedule and random states
-    unless `--finetune`, `--no-load-optim`, `--no-load-rng`. A directory without a tracker file
-    (a fresh run) gives a warning and iteration 0 with `loaded` False."""
-    load_dir = Path(load_dir)
-    if iteration is None:
-        iteration = getattr(getattr(cfg, "checkpoint", None), "ckpt_step", None)
-    found = locate_iteration(load_dir, iteration)
-    if found is None:
-        return fresh_start(load_dir, cfg)
-    return load_located(Located(load_dir, *found), target, pctx, cfg)
-
-
-def fresh_start(load_dir: Path, cfg: Any) -> dict[str, Any]:
-    """`--load` names no checkpoint yet: start at iteration 0 where that is plainly meant."""
-    check_fresh_start(load_dir, getattr(getattr(cfg, "checkpoint", None), "save", None))
-    warnings.warn(
-        f"--load {load_dir}: no checkpoint there yet; starting from scratch at iteration 0",
-        stacklevel=3,
-    )
-    return empty_result()
+    """Load this rank's part of the torch-format checkpoint in `load_dir` into `target` (see
+    `locate_for_load` for which one, `load_located` for what is restored)."""
+    located = locate_for_load(load_dir, cfg, iteration)
+    return empty_result() if located is None else load_located(located, target, pctx, cfg)
 
 
 def _check_layout(located: Located, pctx: ParallelContext) -> None:
