@@ -157,6 +157,12 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
         if family is not None:
             out["gigatron_family"] = family  # --model-type: Megatron's files do not say
         for key in [k for k in state if k == "model" or k.startswith("model")]:
+            if any(str(name).startswith("language_model.") for name in state[key]):
+                raise GigatronError(
+                    f"{path}: holds Megatron-LM's legacy model (language_model.* names), which "
+                    "gigatron does not read; turn it into a Megatron-Core checkpoint with "
+                    "Megatron-LM's own converter first (--loader legacy --saver core)"
+                )
             out[key] = model_to_gigatron(state[key])
         target = staged / iteration_dir.name / path.parent.name / CHECKPOINT_FILENAME
         target.parent.mkdir(parents=True, exist_ok=True)
