@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gigatron.checkpoint.dist_format import PendingSave, start_save
+from gigatron.checkpoint.state import TrainingState
 from gigatron.parallel.context import ParallelContext
 
 
@@ -59,9 +60,12 @@ class AsyncCheckpointSaver:
         copied."""
         start = time.perf_counter()
         self.wait()
+        state = TrainingState(
+            model_chunks, optimizer, scheduler, rng_tracker, iteration, dict(extra or {})
+        )
         self.pending = start_save(
-            save_dir, iteration, model_chunks, optimizer, scheduler, self.pctx, cfg, extra,
-            rng_tracker, run_write=self.executor.submit, process_group=self.group,
+            save_dir, state, self.pctx, cfg, run_write=self.executor.submit,
+            process_group=self.group,
         )  # fmt: skip
         self.blocked_s += time.perf_counter() - start
 

@@ -192,13 +192,16 @@ def read_metadata(iteration_dir: Path) -> Metadata:
     return SafeFileSystemReader(iteration_dir).read_metadata()
 
 
-def read_full_tensors(iteration_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist checkpoint, whole (one process; for tools and tests)."""
+def read_tensors(
+    iteration_dir: str | Path, keys: list[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors `keys` (default: every tensor) of a torch_dist checkpoint, whole (one
+    process; for tools, conversion and tests)."""
     iteration_dir = Path(iteration_dir)
     metadata = read_metadata(iteration_dir)
     pieces = []
     for key, entry in metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
+        if isinstance(entry, TensorStorageMetadata) and (keys is None or key in keys):
             tensor = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
             pieces.append(Piece(key, tensor, (0,) * tensor.dim(), tuple(entry.size)))
     with quiet_single_process():
@@ -209,3 +212,8 @@ def read_full_tensors(iteration_dir: str | Path) -> dict[str, torch.Tensor]:
             no_dist=True,
         )
     return {piece.key: piece.tensor for piece in pieces}
+
+
+def read_full_tensors(iteration_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint, whole (one process; for tools and tests)."""
+    return read_tensors(iteration_dir)

@@ -61,9 +61,17 @@ from gigatron.checkpoint.global_view import (
     pieces_of_flat_shard,
     tensor_layout,
 )
+from gigatron.checkpoint.state import (
+    LoadFlags,
+    Located,
+    TrainingState,
+    check_extra,
+    empty_result,
+    piecewise_save,
+    save_flags,
+)
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_VERSION,
-    RESERVED_KEYS,
     TMP_SUFFIX,
     config_as_dict,
     get_rng_state,
@@ -88,6 +96,26 @@ BACKEND = "torch_dist"
 FORMAT_VERSION = 1
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 TIED_OUTPUT = "output_layer.weight"
+
+
+def missing_marker(iteration_dir: Path) -> str | None:
+    """What is wrong when `iteration_dir` holds torch_dist files but no valid metadata.json (a
+    save that did not finish, or a file removed); None when it is not such a directory."""
+    dcp_files = [
+        name for name in (".metadata", COMMON_FILENAME) if (iteration_dir / name).is_file()
+    ]
+    dcp_files += sorted(p.name for p in iteration_dir.glob("*.distcp"))[:1]
+    if not dcp_files or is_dist_checkpoint(iteration_dir):
+        return None
+    marker = iteration_dir / FORMAT_MARKER
+    state = "is missing" if not marker.is_file() else f"does not name {BACKEND!r} as its backend"
+    return (
+        f"{iteration_dir}: holds torch_dist files ({', '.join(dcp_files)}) but its {FORMAT_MARKER} "
+        f"{state}; the save did not finish or the file was removed. Load an earlier iteration "
+        f"with --ckpt-step, or, if every rank's files are there, write {FORMAT_MARKER} as "
+        f'{{"sharded_backend": "{BACKEND}", "sharded_backend_version": 1, '
+        f'"gigatron_format_version": {FORMAT_VERSION}}}'
+    )
 
 
 def is_dist_checkpoint(iteration_dir: Path) -> bool:
@@ -353,30 +381,21 @@ class PendingSave:
 
 def start_save(
     save_dir: str | Path,
-    iteration: int,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    state: TrainingState,
     pctx: ParallelContext,
     cfg: Any,
-    extra: dict[str, Any] | None = None,
-    rng_tracker: Any = None,
     run_write: Callable[[Callable[[], Any]], Any] | None = None,
     process_group: Any = None,
 ) -> PendingSave:
-    """Write everything but the tensors and start writing those (collective).
+    """Write everything of `state` but the tensors and start writing those (collective).
 
     `run_write(fn)` runs the DCP write: None runs it here and now; an executor's `submit` runs it
     in the background on copies of the tensors (async save; `process_group` must then be a group
     that no other collective uses meanwhile). Returns the save to `finish()`.
     """
-    extra = dict(extra or {})
-    clash = RESERVED_KEYS.intersection(extra)
-    if clash:
-        raise ValueError(f"save_checkpoint: extra may not set {sorted(clash)}")
-    ckpt_cfg = getattr(cfg, "checkpoint", None)
-    with_optim = not bool(getattr(ckpt_cfg, "no_save_optim", False))
-    with_rng = not bool(getattr(ckpt_cfg, "no_save_rng", False))
+    check_extra(state.extra)
+    with_optim, with_rng = save_flags(cfg)
+    iteration, model_chunks, optimizer = state.iteration, state.model_chunks, state.optimizer
     save_dir = Path(save_dir)
     tmp = save_dir / (iteration_dir_name(iteration) + TMP_SUFFIX)
     if pctx.rank == 0:
@@ -392,12 +411,12 @@ def start_save(
             optimizer, model_chunks, pctx, optimizer_state_keys(optimizer), for_load=False
         )
     common = _common_state(
-        iteration, optimizer, scheduler, pctx, cfg, extra, model_chunks, with_optim
+        iteration, optimizer, state.scheduler, pctx, cfg, state.extra, model_chunks, with_optim
     )
     if pctx.rank == 0:
         torch.save(common, tmp / COMMON_FILENAME)
     if with_rng:
-        torch.save(get_rng_state(rng_tracker), tmp / RNG_DIR / f"rank_{pctx.rank:05d}.pt")
+        torch.save(get_rng_state(state.rng_tracker), tmp / RNG_DIR / f"rank_{pctx.rank:05d}.pt")
 
     def write(to_write: list[Piece]) -> None:
         with quiet_single_process():
@@ -416,26 +435,16 @@ def start_save(
     return PendingSave(save_dir, iteration, pctx, run_write(lambda: write(staged)))
 
 
-def save_checkpoint(
-    save_dir: str | Path,
-    iteration: int,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
-    pctx: ParallelContext,
-    cfg: Any,
-    extra: dict[str, Any] | None = None,
-    rng_tracker: Any = None,
-) -> Path:
-    """Save a torch_dist checkpoint for `iteration` (collective; same arguments as the torch
-    format's `save_checkpoint`). Returns the iteration directory."""
-    pending = start_save(
-        save_dir, iteration, model_chunks, optimizer, scheduler, pctx, cfg, extra, rng_tracker
-    )
-    pending.finish()
+def save_state(save_dir: str | Path, state: TrainingState, pctx: ParallelContext, cfg: Any) -> Path:
+    """Save `state` as the torch_dist checkpoint of `state.iteration` (collective). Returns the
+    iteration directory."""
+    start_save(save_dir, state, pctx, cfg).finish()
     if pctx.world_size > 1:
         pctx.barrier()
-    return Path(save_dir) / iteration_dir_name(iteration)
+    return Path(save_dir) / iteration_dir_name(state.iteration)
+
+
+save_checkpoint = piecewise_save(save_state)
 
 
 # ---- load ------------------------------------------------------------------------------------
@@ -561,77 +570,83 @@ def _load_optimizer(
             chunk.start_param_sync(force_sync=True)
 
 
-def load_iteration(
-    iteration_dir: Path,
-    load_dir: Path,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
-    pctx: ParallelContext,
-    cfg: Any,
-    rng_tracker: Any,
-    release: bool,
-) -> dict[str, Any]:
-    """Load the torch_dist checkpoint in `iteration_dir` into this rank's model (and optimizer,
-    schedule, random states per the flags). Returns what `load_checkpoint` returns."""
-    ckpt_cfg = getattr(cfg, "checkpoint", None)
-    finetune = bool(getattr(ckpt_cfg, "finetune", False))
-    no_load_optim = bool(getattr(ckpt_cfg, "no_load_optim", False))
-    no_load_rng = bool(getattr(ckpt_cfg, "no_load_rng", False))
-    common_path = iteration_dir / COMMON_FILENAME
+def _read_common(located: Located) -> dict[str, Any]:
+    common_path = located.iteration_dir / COMMON_FILENAME
     if not common_path.is_file():
-        raise GigatronError(f"--load {load_dir}: {common_path} is missing; the checkpoint is "
-                            "incomplete")  # fmt: skip
-    common = safe_load(common_path)
-    metadata = read_metadata(iteration_dir)
-
-    full_state = not release and not finetune
-    if full_state and not no_load_optim and optimizer is not None and "optimizer" not in common:
         raise GigatronError(
-            f"{iteration_dir}: has no optimizer state (saved with --no-save-optim); pass "
-            "--no-load-optim or --finetune"
+            f"--load {located.load_dir}: {common_path} is missing; the checkpoint is incomplete"
         )
-    pieces = model_pieces(model_chunks, pctx, for_load=True)
-    strictness = getattr(ckpt_cfg, "dist_ckpt_strictness", "assume_ok_unexpected")
-    pieces = apply_strictness(pieces, metadata, strictness, iteration_dir)
+    return safe_load(common_path)
+
+
+def _load_model(
+    target: TrainingState, metadata: Metadata, iteration_dir: Path, pctx: ParallelContext, cfg: Any
+) -> None:
+    strictness = getattr(getattr(cfg, "checkpoint", None), "dist_ckpt_strictness", None)
+    pieces = model_pieces(target.model_chunks, pctx, for_load=True)
+    pieces = apply_strictness(pieces, metadata, strictness or "assume_ok_unexpected", iteration_dir)
     _check_requests(pieces, metadata, iteration_dir, "check the model flags against the "
                     "checkpoint's (--num-layers, --num-experts, ...)")  # fmt: skip
     _load_pieces(pieces, iteration_dir, pctx)
 
-    if full_state and not no_load_optim:
-        if optimizer is not None:
-            _load_optimizer(optimizer, model_chunks, pctx, common, metadata, iteration_dir)
-        if scheduler is not None:
-            if "opt_param_scheduler" not in common:
-                raise GigatronError(
-                    f"{iteration_dir}: has no learning-rate schedule state; pass --no-load-optim"
-                )
-            scheduler.load_state_dict(common["opt_param_scheduler"])
-    elif optimizer is not None:
-        # Weights only: the fp32 main params must start from the loaded model weights.
-        optimizer.reload_model_params()
 
-    if full_state and not no_load_rng:
-        _load_rng(iteration_dir, common, pctx, len(model_chunks), rng_tracker)
+def _restore_optimizer(
+    target: TrainingState,
+    common: dict[str, Any],
+    metadata: Metadata,
+    iteration_dir: Path,
+    pctx: ParallelContext,
+) -> None:
+    if target.optimizer is not None:
+        _load_optimizer(
+            target.optimizer, target.model_chunks, pctx, common, metadata, iteration_dir
+        )
+    if target.scheduler is not None:
+        if "opt_param_scheduler" not in common:
+            raise GigatronError(
+                f"{iteration_dir}: has no learning-rate schedule state; pass --no-load-optim"
+            )
+        target.scheduler.load_state_dict(common["opt_param_scheduler"])
 
-    result: dict[str, Any] = {
-        "loaded": True,
-        "iteration": 0,
-        "consumed_train_samples": 0,
-        "consumed_valid_samples": 0,
-        "num_floating_point_operations_so_far": common.get(
-            "num_floating_point_operations_so_far", 0
-        ),
-        "args": common.get("args"),
-        "path": str(iteration_dir),
-        "release": release,
-        "format": BACKEND,
-    }
+
+def _loaded_result(common: dict[str, Any], located: Located, full_state: bool) -> dict[str, Any]:
+    result = empty_result()
+    result.update(
+        loaded=True, args=common.get("args"), path=str(located.iteration_dir),
+        release=located.release, format=BACKEND,
+        num_floating_point_operations_so_far=common.get("num_floating_point_operations_so_far", 0),
+    )  # fmt: skip
     if full_state:
         result["iteration"] = int(common.get("iteration", 0))
         for key in ("consumed_train_samples", "consumed_valid_samples", "skipped_iterations"):
             result[key] = int(common.get(key, 0))
     return result
+
+
+def load_located(
+    located: Located, target: TrainingState, pctx: ParallelContext, cfg: Any
+) -> dict[str, Any]:
+    """Load the torch_dist iteration `located` into this rank's part of `target` (the model,
+    and the optimizer, schedule and random states per the flags). Returns what
+    `formats.load_checkpoint` returns."""
+    flags, release, iteration_dir = LoadFlags.of(cfg), located.release, located.iteration_dir
+    common = _read_common(located)
+    metadata = read_metadata(iteration_dir)
+    optimizer = target.optimizer
+    if flags.optim(release) and optimizer is not None and "optimizer" not in common:
+        raise GigatronError(
+            f"{iteration_dir}: has no optimizer state (saved with --no-save-optim); pass "
+            "--no-load-optim or --finetune"
+        )
+    _load_model(target, metadata, iteration_dir, pctx, cfg)
+    if flags.optim(release):
+        _restore_optimizer(target, common, metadata, iteration_dir, pctx)
+    elif optimizer is not None:
+        # Weights only: the fp32 main params must start from the loaded model weights.
+        optimizer.reload_model_params()
+    if flags.rng(release):
+        _load_rng(iteration_dir, common, pctx, len(target.model_chunks), target.rng_tracker)
+    return _loaded_result(common, located, flags.full_state(release))
 
 
 def _load_rng(
@@ -663,8 +678,10 @@ def _load_rng(
 __all__ = [
     "PendingSave",
     "is_dist_checkpoint",
-    "load_iteration",
+    "load_located",
+    "missing_marker",
     "read_full_tensors",
     "save_checkpoint",
+    "save_state",
     "start_save",
 ]

@@ -1,79 +1,116 @@
-"""Which checkpoint format saves and loads: `--ckpt-format`, `--auto-detect-ckpt-format`.
+"""Checkpoint formats as one abstraction: `--ckpt-format`, `--auto-detect-ckpt-format`.
 
-`save_checkpoint` / `load_checkpoint` have the torch format's signatures and hand the work to
-torch_format.py (Megatron's per-rank files) or dist_format.py (torch_dist). A checkpoint's format
-is told by its iteration directory: `metadata.json` naming torch_dist, else the torch format.
+A `CheckpointFormat` says whether an iteration directory is in its format (`detect`), saves a
+`TrainingState` (`save`, collective) and loads one (`load`). `torch` (torch_format.py, Megatron's
+per-rank files) and `torch_dist` (dist_format.py, DCP shards) are registered here; a checkpoint's
+format is the first registered one whose `detect` accepts its iteration directory.
+`save_checkpoint` / `load_checkpoint` keep the torch format's signatures for the callers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
 from gigatron.checkpoint import dist_format, torch_format
+from gigatron.checkpoint.state import (
+    Located,
+    TrainingState,
+    empty_result,
+    piecewise_load,
+    piecewise_save,
+)
 from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
 
-FORMATS = ("torch", "torch_dist")
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """One on-disk checkpoint format of the training loop."""
+
+    name: str
+    detect: Callable[[Path], bool]  # iteration directory -> is it in this format
+    save: Callable[[Path, TrainingState, ParallelContext, Any], Path]  # (dir, state, pctx, cfg)
+    load: Callable[[Located, TrainingState, ParallelContext, Any], dict[str, Any]]
+
+
+_REGISTRY: dict[str, CheckpointFormat] = {}
+
+
+def register_format(fmt: CheckpointFormat) -> CheckpointFormat:
+    """Make `fmt` a `--ckpt-format` choice of save and load (detected in registration order)."""
+    _REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def get_format(name: str) -> CheckpointFormat:
+    if name not in _REGISTRY:
+        raise GigatronError(
+            f"--ckpt-format {name}: not a checkpoint format; choose one of {', '.join(_REGISTRY)}"
+        )
+    return _REGISTRY[name]
+
+
+def _is_torch_checkpoint(iteration_dir: Path) -> bool:
+    return iteration_dir.is_dir() and torch_format.saved_layout(iteration_dir) is not None
+
+
+register_format(
+    CheckpointFormat("torch_dist", dist_format.is_dist_checkpoint, dist_format.save_state,
+                     dist_format.load_located)
+)  # fmt: skip
+register_format(
+    CheckpointFormat("torch", _is_torch_checkpoint, torch_format.save_state,
+                     torch_format.load_located)
+)  # fmt: skip
+FORMATS = tuple(_REGISTRY)
 
 
 def detect_format(iteration_dir: Path) -> str:
-    """ "torch_dist" or "torch": the format of the checkpoint in `iteration_dir`."""
-    return "torch_dist" if dist_format.is_dist_checkpoint(iteration_dir) else "torch"
+    """The name of the format of the checkpoint in `iteration_dir`; "torch" when no format
+    recognises it (the torch loader then names what is missing)."""
+    return next((f.name for f in _REGISTRY.values() if f.detect(iteration_dir)), "torch")
 
 
-def save_checkpoint(
+def save_state(
     save_dir: str | Path,
-    iteration: int,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    state: TrainingState,
     pctx: ParallelContext,
     cfg: Any,
-    extra: dict[str, Any] | None = None,
-    rng_tracker: Any = None,
     ckpt_format: str | None = None,
 ) -> Path:
-    """Save in `ckpt_format` (default: the config's `--ckpt-format`); collective."""
-    fmt = ckpt_format or getattr(getattr(cfg, "checkpoint", None), "ckpt_format", "torch")
-    save = dist_format.save_checkpoint if fmt == "torch_dist" else torch_format.save_checkpoint
-    return save(
-        save_dir, iteration, model_chunks, optimizer, scheduler, pctx, cfg, extra, rng_tracker
-    )
+    """Save `state` in `ckpt_format` (default: the config's `--ckpt-format`); collective."""
+    name = ckpt_format or getattr(getattr(cfg, "checkpoint", None), "ckpt_format", "torch")
+    return get_format(name).save(Path(save_dir), state, pctx, cfg)
 
 
-def load_checkpoint(
+def load_state(
     load_dir: str | Path,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
+    state: TrainingState,
     pctx: ParallelContext,
     cfg: Any,
-    rng_tracker: Any = None,
     iteration: int | None = None,
 ) -> dict[str, Any]:
-    """Load the checkpoint in `load_dir` in its format (see module docstring); the result is
-    the torch format's `load_checkpoint` result."""
-    load_dir = Path(load_dir)
-    ckpt_cfg = getattr(cfg, "checkpoint", None)
-    if iteration is None:
-        iteration = getattr(ckpt_cfg, "ckpt_step", None)
-    located = torch_format.locate_iteration(load_dir, iteration) if load_dir.is_dir() else None
-    found = detect_format(located[0]) if located is not None else None
-    if found != "torch_dist":
-        if found == "torch":
-            _check_format(load_dir, found, ckpt_cfg)
-        return torch_format.load_checkpoint(
-            load_dir, model_chunks, optimizer, scheduler, pctx, cfg, rng_tracker, iteration
-        )
-    _check_format(load_dir, found, ckpt_cfg)
-    iteration_dir, _, release = located
-    return dist_format.load_iteration(
-        iteration_dir, load_dir, model_chunks, optimizer, scheduler, pctx, cfg, rng_tracker,
-        release,
-    )  # fmt: skip
+    """Load the checkpoint in `load_dir` (latest, `iteration` or `--ckpt-step`) into `state` in
+    its own format. Returns `{loaded, iteration, consumed_train_samples, ...}`; a directory
+    with no checkpoint yet gives `loaded` False (torch_format.locate_for_load)."""
+    located = torch_format.locate_for_load(load_dir, cfg, iteration)
+    if located is None:
+        return empty_result()
+    name = detect_format(located.iteration_dir)
+    if not _REGISTRY[name].detect(located.iteration_dir):
+        problem = dist_format.missing_marker(located.iteration_dir)
+        if problem is not None:
+            raise GigatronError(f"--load {located.load_dir}: {problem}")
+    else:
+        _check_format(located.load_dir, name, getattr(cfg, "checkpoint", None))
+    return _REGISTRY[name].load(located, state, pctx, cfg)
+
+
+save_checkpoint = piecewise_save(save_state)  # (..., ckpt_format=None): the older signature
+load_checkpoint = piecewise_load(load_state)
 
 
 def _check_format(load_dir: Path, found: str, ckpt_cfg: Any) -> None:

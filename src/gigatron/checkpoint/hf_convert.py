@@ -22,12 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gigatron.checkpoint.convert import (
-    WORD_EMBEDDING,
-    build_target_layout,
-    check_target,
-    true_vocab_size,
-)
 from gigatron.checkpoint.gigatron_io import CheckpointSource, write_checkpoint
 from gigatron.checkpoint.hf_adapter import WindowedMap, adapter_for, call_map
 from gigatron.checkpoint.hf_input_checks import cleaned_on_failure, config_values, read_config_file
@@ -37,7 +31,14 @@ from gigatron.checkpoint.hf_tokenizer_export import (
     TOKENIZER_FLAGS,
     plan_tokenizer_export,
 )
-from gigatron.checkpoint.megatron_convert import gigatron_to_megatron, megatron_to_gigatron
+from gigatron.checkpoint.layout import (
+    WORD_EMBEDDING,
+    build_target_layout,
+    check_target,
+    true_vocab_size,
+)
+from gigatron.checkpoint.megatron_convert import gigatron_to_megatron
+from gigatron.checkpoint.pipeline import Target, convert
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -236,7 +237,6 @@ def gigatron_to_hf(
                 f"{iteration_dir}: was not imported from Hugging Face and the {family} adapter "
                 "cannot write a config.json for it"
             )
-
         vocab = true_vocab_size(cfg) or source.meta(WORD_EMBEDDING).shape[0]
         hf_config = adapter.config_to_hf(cfg, vocab)
     raw_config, hf_config = hf_config, decoded(hf_config)
@@ -411,16 +411,9 @@ def _convert(
     elif pair == ("gigatron", "megatron"):
         gigatron_to_megatron(load, save, args.ckpt_step, args.megatron_te_names, log)
     elif pair == ("megatron", "gigatron"):
-        megatron_to_gigatron(
-            load,
-            save,
-            args.ckpt_step,
-            tp,
-            pp,
-            args.target_num_virtual_stages_per_pipeline_rank,
-            args.target_expert_parallel_size or 1,
-            log,
-        )
+        vp, ep = args.target_num_virtual_stages_per_pipeline_rank, args.target_expert_parallel_size
+        target = Target(tp, pp, vp, ep or 1)
+        convert("megatron", load, "gigatron", save, target, log, args.ckpt_step)
     else:
         raise GigatronError(
             f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "

@@ -7,9 +7,9 @@ Engine spec (`--megatron-te-names`: norms fused into the next linear, an empty `
 per Transformer Engine module). Model weights only, as `convert-checkpoint` writes: Megatron-LM
 loads them with `--finetune` (or `--no-load-optim --no-load-rng`).
 
-From Megatron: the files are read with the Megatron allow-list (megatron_format.py), renamed to
-gigatron's names, given a gigatron configuration made from their `args`, and re-split for the
-target layout by `convert-checkpoint`'s machinery.
+From Megatron (`stage_megatron`, the conversion pipeline's `megatron` reader): the files are
+read with the Megatron allow-list (megatron_format.py), renamed to gigatron's names and given a
+gigatron configuration made from their `args`; the pipeline then re-splits them.
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gigatron.checkpoint.convert import convert_checkpoint
 from gigatron.checkpoint.megatron_format import megatron_te_name, model_to_gigatron
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -140,46 +138,34 @@ def _gigatron_config_dict(args: argparse.Namespace) -> dict[str, Any]:
     return config_as_dict(config_from_dict(out))
 
 
-def megatron_to_gigatron(
-    load: Path,
-    save: Path,
-    iteration: int | None,
-    tp: int | None,
-    pp: int | None,
-    vp: int | None = None,
-    ep: int = 1,
-    log: Any = print,
-) -> Path:
-    """Import a Megatron-LM torch-format checkpoint as a gigatron checkpoint (weights only),
-    re-split for `tp` x `pp` (default: the saved layout)."""
-    located = locate_iteration(load, iteration)
-    if located is None:
-        raise GigatronError(f"--load {load}: no {TRACKER_FILENAME} there")
+def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | None) -> Path:
+    """Rewrite the Megatron-LM files of `located` in `staged` as a gigatron checkpoint of the
+    same layout (gigatron's names and configuration; tensors memory-mapped). Returns `staged`."""
     iteration_dir, iteration, release = located
-    with tempfile.TemporaryDirectory(dir=save.parent if save.parent.exists() else None) as tmp:
-        staged = Path(tmp) / "staged"
-        staged_iteration = staged / iteration_dir.name
-        sizes = None
-        for path in sorted(iteration_dir.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}")):
-            state = safe_load(path, mmap=True)
-            if not isinstance(state.get("args"), argparse.Namespace):
-                raise GigatronError(f"{path}: was not written by Megatron-LM (no argparse args)")
-            args = _gigatron_config_dict(state["args"])
-            parallel = args["parallel"]
-            sizes = (
-                parallel["tensor_model_parallel_size"],
-                parallel["pipeline_model_parallel_size"],
-            )
-            out = {"args": args, "iteration": iteration, "checkpoint_version": 3.0}
-            for key in [k for k in state if k == "model" or k.startswith("model")]:
-                out[key] = model_to_gigatron(state[key])
-            target = staged_iteration / path.parent.name / CHECKPOINT_FILENAME
-            target.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(out, target)
-        if sizes is None:
-            raise GigatronError(f"{iteration_dir}: holds no mp_rank_*/{CHECKPOINT_FILENAME}")
-        (staged / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
-        final = convert_checkpoint(
-            staged, save, tp or sizes[0], pp or sizes[1], target_vp=vp, log=log, target_ep=ep
-        )
-    return final
+    files = sorted(iteration_dir.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}"))
+    if not files:
+        raise GigatronError(f"{iteration_dir}: holds no mp_rank_*/{CHECKPOINT_FILENAME}")
+    for path in files:
+        state = safe_load(path, mmap=True)
+        if not isinstance(state.get("args"), argparse.Namespace):
+            raise GigatronError(f"{path}: was not written by Megatron-LM (no argparse args)")
+        out = {
+            "args": _gigatron_config_dict(state["args"]),
+            "iteration": iteration,
+            "checkpoint_version": 3.0,
+        }
+        if family is not None:
+            out["gigatron_family"] = family  # --model-type: Megatron's files do not say
+        for key in [k for k in state if k == "model" or k.startswith("model")]:
+            if any(str(name).startswith("language_model.") for name in state[key]):
+                raise GigatronError(
+                    f"{path}: holds Megatron-LM's legacy model (language_model.* names), which "
+                    "gigatron does not read; turn it into a Megatron-Core checkpoint with "
+                    "Megatron-LM's own converter first (--loader legacy --saver core)"
+                )
+            out[key] = model_to_gigatron(state[key])
+        target = staged / iteration_dir.name / path.parent.name / CHECKPOINT_FILENAME
+        target.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(out, target)
+    (staged / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
+    return staged

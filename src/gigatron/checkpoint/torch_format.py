@@ -41,6 +41,16 @@ from gigatron.checkpoint.megatron_format import (
     is_megatron_state,
     to_gigatron_state,
 )
+from gigatron.checkpoint.state import (
+    LoadFlags,
+    Located,
+    TrainingState,
+    check_extra,
+    empty_result,
+    piecewise_load,
+    piecewise_save,
+    save_flags,
+)
 from gigatron.errors import GigatronError
 from gigatron.parallel.checkpoint_writer import writes_checkpoint
 from gigatron.parallel.context import ParallelContext
@@ -50,15 +60,6 @@ CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILENAME = "model_optim_rng.pt"
 TMP_SUFFIX = ".tmp"
-# Keys the format owns; `extra` may not overwrite them.
-RESERVED_KEYS = {
-    "checkpoint_version",
-    "iteration",
-    "args",
-    "optimizer",
-    "opt_param_scheduler",
-    "rng_state",
-}
 _MP_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
@@ -217,31 +218,36 @@ def publish_iteration(save_dir: Path, iteration: int) -> None:
     os.replace(tracker_tmp, save_dir / TRACKER_FILENAME)
 
 
-def save_checkpoint(
-    save_dir: str | Path,
-    iteration: int,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
-    pctx: ParallelContext,
-    cfg: Any,
-    extra: dict[str, Any] | None = None,
-    rng_tracker: Any = None,
-) -> Path:
-    """Save this rank's part of the checkpoint for `iteration` (collective: every rank calls it).
+def _rank_state(state: TrainingState, cfg: Any, with_optim: bool, with_rng: bool) -> dict:
+    """The dict one rank file holds."""
+    saved: dict[str, Any] = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": state.iteration,
+        "args": config_as_dict(cfg),
+        "consumed_train_samples": 0,
+        "consumed_valid_samples": 0,
+        "num_floating_point_operations_so_far": 0,
+    }
+    saved.update(state.extra)
+    saved.update(_model_state(state.model_chunks))
+    if with_optim:
+        if state.optimizer is not None:
+            saved["optimizer"] = state.optimizer.state_dict()
+        if state.scheduler is not None:
+            saved["opt_param_scheduler"] = state.scheduler.state_dict()
+    if with_rng:
+        saved["rng_state"] = get_rng_state(state.rng_tracker)
+    return saved
 
-    `extra` adds top-level keys, e.g. `consumed_train_samples`, `consumed_valid_samples`,
-    `num_floating_point_operations_so_far`. Returns the iteration directory.
-    """
-    extra = dict(extra or {})
-    clash = RESERVED_KEYS.intersection(extra)
-    if clash:
-        raise ValueError(f"save_checkpoint: extra may not set {sorted(clash)}")
-    ckpt_cfg = getattr(cfg, "checkpoint", None)
-    no_save_optim = bool(getattr(ckpt_cfg, "no_save_optim", False))
-    no_save_rng = bool(getattr(ckpt_cfg, "no_save_rng", False))
+
+def save_state(save_dir: str | Path, state: TrainingState, pctx: ParallelContext, cfg: Any) -> Path:
+    """Save this rank's part of `state` as the checkpoint of `state.iteration` (collective:
+    every rank calls it). `state.extra` adds top-level keys (`consumed_train_samples`, ...).
+    Returns the iteration directory."""
+    check_extra(state.extra)
+    with_optim, with_rng = save_flags(cfg)
     save_dir = Path(save_dir)
-    final = save_dir / iteration_dir_name(iteration)
+    final = save_dir / iteration_dir_name(state.iteration)
     tmp = save_dir / (final.name + TMP_SUFFIX)
 
     if pctx.rank == 0:
@@ -252,31 +258,14 @@ def save_checkpoint(
 
     rank_dir = tmp / rank_dir_name(pctx)
     # A sharded (distributed) optimizer writes its own per-rank state (collective over dp).
-    sharded_optimizer = optimizer is not None and hasattr(optimizer, "save_sharded_state")
-    if sharded_optimizer and not no_save_optim:
+    optimizer = state.optimizer
+    if optimizer is not None and hasattr(optimizer, "save_sharded_state") and with_optim:
         optimizer.save_sharded_state(rank_dir)
     if writes_checkpoint(pctx):
-        state: dict[str, Any] = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": iteration,
-            "args": config_as_dict(cfg),
-            "consumed_train_samples": 0,
-            "consumed_valid_samples": 0,
-            "num_floating_point_operations_so_far": 0,
-        }
-        state.update(extra)
-        state.update(_model_state(model_chunks))
-        if not no_save_optim:
-            if optimizer is not None:
-                state["optimizer"] = optimizer.state_dict()
-            if scheduler is not None:
-                state["opt_param_scheduler"] = scheduler.state_dict()
-        if not no_save_rng:
-            state["rng_state"] = get_rng_state(rng_tracker)
-        _write_file(state, rank_dir / CHECKPOINT_FILENAME)
+        _write_file(_rank_state(state, cfg, with_optim, with_rng), rank_dir / CHECKPOINT_FILENAME)
     _barrier(pctx)
     if pctx.rank == 0:
-        publish_iteration(save_dir, iteration)
+        publish_iteration(save_dir, state.iteration)
     _barrier(pctx)
     return final
 
@@ -447,124 +436,171 @@ def locate_iteration(load_dir: Path, iteration: int | None = None) -> tuple[Path
     return iteration_dir, iteration, release
 
 
-def load_checkpoint(
-    load_dir: str | Path,
-    model_chunks: list[nn.Module],
-    optimizer: Any,
-    scheduler: Any,
-    pctx: ParallelContext,
-    cfg: Any,
-    rng_tracker: Any = None,
-    iteration: int | None = None,
-) -> dict[str, Any]:
-    """Load this rank's part of the checkpoint in `load_dir` into the model (and optimizer,
-    schedule and random states unless `--finetune`, `--no-load-optim`, `--no-load-rng`).
-
-    Returns `{loaded, iteration, consumed_train_samples, consumed_valid_samples,
-    num_floating_point_operations_so_far, args, path, release}`. A directory without a tracker
-    file (a fresh run) gives a warning and iteration 0 with `loaded` False.
-    """
+def locate_for_load(load_dir: str | Path, cfg: Any, iteration: int | None) -> Located | None:
+    """The iteration of `load_dir` to load (`iteration`, else --ckpt-step, else the tracker
+    file's); None for a fresh start, which `check_fresh_start` allows and a warning names."""
     load_dir = Path(load_dir)
     ckpt_cfg = getattr(cfg, "checkpoint", None)
-    finetune = bool(getattr(ckpt_cfg, "finetune", False))
-    no_load_optim = bool(getattr(ckpt_cfg, "no_load_optim", False))
-    no_load_rng = bool(getattr(ckpt_cfg, "no_load_rng", False))
     if iteration is None:
         iteration = getattr(ckpt_cfg, "ckpt_step", None)
-    result: dict[str, Any] = {
-        "loaded": False,
-        "iteration": 0,
-        "consumed_train_samples": 0,
-        "consumed_valid_samples": 0,
-        "num_floating_point_operations_so_far": 0,
-        "args": None,
-        "path": None,
-        "release": False,
-    }
-    located = locate_iteration(load_dir, iteration)
-    if located is None:
-        check_fresh_start(load_dir, getattr(ckpt_cfg, "save", None))
-        warnings.warn(
-            f"--load {load_dir}: no checkpoint there yet; starting from scratch at iteration 0",
-            stacklevel=2,
-        )
-        return result
-    iteration_dir, iteration, release = located
+    found = locate_iteration(load_dir, iteration)
+    if found is not None:
+        return Located(load_dir, *found)
+    check_fresh_start(load_dir, getattr(ckpt_cfg, "save", None))
+    warnings.warn(
+        f"--load {load_dir}: no checkpoint there yet; starting from scratch at iteration 0",
+        stacklevel=4,
+    )
+    return None
 
-    layout = saved_layout(iteration_dir, expert_parallel=pctx.ep_size > 1)
+
+def load_state(
+    load_dir: str | Path,
+    target: TrainingState,
+    pctx: ParallelContext,
+    cfg: Any,
+    iteration: int | None = None,
+) -> dict[str, Any]:
+    """Load this rank's part of the torch-format checkpoint in `load_dir` into `target` (see
+    `locate_for_load` for which one, `load_located` for what is restored)."""
+    located = locate_for_load(load_dir, cfg, iteration)
+    return empty_result() if located is None else load_located(located, target, pctx, cfg)
+
+
+def _check_layout(located: Located, pctx: ParallelContext) -> None:
+    """The checkpoint's mp_rank_* directories must be this run's tp x pp x ep layout."""
+    layout = saved_layout(located.iteration_dir, expert_parallel=pctx.ep_size > 1)
     if layout is None:
         raise GigatronError(
-            f"--load {load_dir}: {iteration_dir.name} holds no mp_rank_* directories; it is not a "
-            "torch-format checkpoint (gigatron reads Megatron's torch format only)"
+            f"--load {located.load_dir}: {located.iteration_dir.name} holds no mp_rank_* "
+            "directories; it is not a torch-format checkpoint (gigatron reads Megatron's torch "
+            "format and torch_dist)"
         )
-    now = f"tensor-parallel {pctx.tp_size}, pipeline-parallel {pctx.pp_size}" + (
-        f", expert-parallel {pctx.ep_size}" if pctx.ep_size > 1 else ""
-    )
     if layout != (pctx.tp_size, pctx.pp_size, pctx.ep_size):
         saved = f"tensor-parallel {layout[0]}, pipeline-parallel {layout[1]}" + (
             f", expert-parallel {layout[2]}" if layout[2] > 1 else ""
         )
-        raise _layout_error(load_dir, saved, pctx, now)
-    path = iteration_dir / rank_dir_name(pctx) / CHECKPOINT_FILENAME
-    if not path.is_file():
-        raise GigatronError(f"--load {load_dir}: {path} is missing; the checkpoint is incomplete")
-    state = safe_load(path)
-    if is_megatron_state(state):  # written by Megatron-LM: its names, optimizer and RNG layout
-        load_optim = not (release or finetune or no_load_optim)
-        state = to_gigatron_state(state, model_chunks, optimizer, rng_tracker, path, load_optim)
+        raise _layout_error(located.load_dir, saved, pctx, _layout_now(pctx))
 
+
+def _layout_now(pctx: ParallelContext) -> str:
+    return f"tensor-parallel {pctx.tp_size}, pipeline-parallel {pctx.pp_size}" + (
+        f", expert-parallel {pctx.ep_size}" if pctx.ep_size > 1 else ""
+    )
+
+
+def _check_saved_sizes(
+    state: dict[str, Any], located: Located, pctx: ParallelContext, num_chunks: int
+) -> None:
+    """The saved expert-parallel size and virtual chunk count must be this run's."""
     sizes = _parallel_sizes(state.get("args"))
     if sizes.get("ep", 1) != pctx.ep_size:
-        raise _layout_error(load_dir, f"expert-parallel {sizes.get('ep')}", pctx, now)
-    saved_chunks = sum(1 for k in state if re.fullmatch(r"model\d+", k)) or 1
-    if saved_chunks != len(model_chunks):
         raise _layout_error(
-            load_dir,
+            located.load_dir, f"expert-parallel {sizes.get('ep')}", pctx, _layout_now(pctx)
+        )
+    saved_chunks = sum(1 for k in state if re.fullmatch(r"model\d+", k)) or 1
+    if saved_chunks != num_chunks:
+        raise _layout_error(
+            located.load_dir,
             f"{saved_chunks} virtual pipeline chunk(s) per rank (vp {sizes.get('vp')})",
             pctx,
-            f"{len(model_chunks)}",
+            f"{num_chunks}",
         )
 
-    if not release and not finetune:
-        _check_saved_states(state, path, optimizer is not None, no_load_optim, no_load_rng)
-    _load_model(state, model_chunks, path)
 
-    if not release and not finetune and not no_load_optim:
-        if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
-            if hasattr(optimizer, "load_sharded_state"):
-                optimizer.load_sharded_state(path.parent)
-        if scheduler is not None:
-            key = "opt_param_scheduler" if "opt_param_scheduler" in state else "lr_scheduler"
-            if key not in state:
-                raise GigatronError(
-                    f"{path}: has no learning-rate schedule state; pass --no-load-optim"
-                )
-            scheduler.load_state_dict(state[key])
-    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
-        # Weights only: the fp32 main params must start from the loaded model weights.
-        optimizer.reload_model_params()
+def _read_rank_file(
+    located: Located, target: TrainingState, pctx: ParallelContext, flags: LoadFlags
+) -> tuple[dict[str, Any], Path]:
+    """This rank's file, in gigatron's names (a Megatron-LM file is translated)."""
+    path = located.iteration_dir / rank_dir_name(pctx) / CHECKPOINT_FILENAME
+    if not path.is_file():
+        raise GigatronError(
+            f"--load {located.load_dir}: {path} is missing; the checkpoint is incomplete"
+        )
+    state = safe_load(path)
+    if is_megatron_state(state):  # written by Megatron-LM: its names, optimizer and RNG layout
+        state = to_gigatron_state(
+            state,
+            target.model_chunks,
+            target.optimizer,
+            target.rng_tracker,
+            path,
+            flags.optim(located.release),
+        )
+    return state, path
 
-    if not release and not finetune and not no_load_rng:
-        rng = state.get("rng_state")
-        if rng is None:
+
+def _restore_optimizer(
+    state: dict[str, Any], path: Path, target: TrainingState, load_optim: bool
+) -> None:
+    optimizer, scheduler = target.optimizer, target.scheduler
+    if not load_optim:
+        if optimizer is not None and hasattr(optimizer, "reload_model_params"):
+            # Weights only: the fp32 main params must start from the loaded model weights.
+            optimizer.reload_model_params()
+        return
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        if hasattr(optimizer, "load_sharded_state"):
+            optimizer.load_sharded_state(path.parent)
+    if scheduler is not None:
+        key = "opt_param_scheduler" if "opt_param_scheduler" in state else "lr_scheduler"
+        if key not in state:
             raise GigatronError(
-                f"{path}: has no random states (saved with --no-save-rng); pass --no-load-rng"
+                f"{path}: has no learning-rate schedule state; pass --no-load-optim"
             )
-        if isinstance(rng, list):  # Megatron's per-data-parallel-rank list
-            rng = rng[pctx.dp_rank] if len(rng) > pctx.dp_rank else rng[0]
-        set_rng_state(rng, rng_tracker)
+        scheduler.load_state_dict(state[key])
 
-    saved_iteration = int(state.get("iteration", state.get("total_iters", iteration)))
+
+def _restore_rng(state: dict[str, Any], path: Path, target: TrainingState, dp_rank: int) -> None:
+    rng = state.get("rng_state")
+    if rng is None:
+        raise GigatronError(
+            f"{path}: has no random states (saved with --no-save-rng); pass --no-load-rng"
+        )
+    if isinstance(rng, list):  # Megatron's per-data-parallel-rank list
+        rng = rng[dp_rank] if len(rng) > dp_rank else rng[0]
+    set_rng_state(rng, target.rng_tracker)
+
+
+def _loaded_result(
+    state: dict[str, Any], path: Path, located: Located, full_state: bool
+) -> dict[str, Any]:
+    result = empty_result()
     result.update(
         loaded=True,
         args=state.get("args"),
         path=str(path),
-        release=release,
+        release=located.release,
         num_floating_point_operations_so_far=state.get("num_floating_point_operations_so_far", 0),
     )
-    if not finetune and not release:
-        result["iteration"] = saved_iteration
+    if full_state:
+        saved = state.get("iteration", state.get("total_iters", located.iteration))
+        result["iteration"] = int(saved)
         result["consumed_train_samples"] = int(state.get("consumed_train_samples", 0))
         result["consumed_valid_samples"] = int(state.get("consumed_valid_samples", 0))
     return result
+
+
+def load_located(
+    located: Located, target: TrainingState, pctx: ParallelContext, cfg: Any
+) -> dict[str, Any]:
+    """Load the torch-format iteration `located` into `target` (this rank's part); returns
+    what `load_checkpoint` returns."""
+    flags = LoadFlags.of(cfg)
+    release = located.release
+    _check_layout(located, pctx)
+    state, path = _read_rank_file(located, target, pctx, flags)
+    _check_saved_sizes(state, located, pctx, len(target.model_chunks))
+    if flags.full_state(release):
+        wants_optim = target.optimizer is not None
+        _check_saved_states(state, path, wants_optim, flags.no_load_optim, flags.no_load_rng)
+    _load_model(state, target.model_chunks, path)
+    _restore_optimizer(state, path, target, flags.optim(release))
+    if flags.rng(release):
+        _restore_rng(state, path, target, pctx.dp_rank)
+    return _loaded_result(state, path, located, flags.full_state(release))
+
+
+save_checkpoint = piecewise_save(save_state)
+load_checkpoint = piecewise_load(load_state)
