@@ -173,7 +173,7 @@ def _init_worker(options: Options, tokenizer: Any, in_subprocess: bool) -> None:
         _worker["split"] = sentence_splitter(options.lang)
 
 
-def _parse_line(raw: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None, str | None]:
+def parse_line(raw: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None, str | None]:
     """The texts of each key (a list: one text, or pre-split sentences), or an error reason."""
     try:
         text = raw.decode("utf-8")
@@ -218,7 +218,7 @@ def encode_chunk(chunk: Chunk) -> ChunkResult:
         if not raw.strip():
             result.skipped_empty += 1
             continue
-        values, reason = _parse_line(raw, keys)
+        values, reason = parse_line(raw, keys)
         if reason is not None:
             result.invalid.append((line_number, reason))
             if not options.skip_invalid:
