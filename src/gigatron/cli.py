@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "generate text from a checkpoint: gigatron generate --load DIR --prompt TEXT",
     ),
     "serve": (
-        "gigatron.inference.server:main",
+        "gigatron.inference.serve_command:main",
         "serve a checkpoint over HTTP (Megatron's PUT /api and OpenAI's /v1 API)",
     ),
     "text-generation-cli": (
@@ -51,6 +51,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "lm-eval": (
         "gigatron.integrations.lm_eval:main",
         "lm-evaluation-harness with gigatron checkpoints: gigatron lm-eval --model gigatron ...",
+    ),
+    "plot": (
+        "gigatron.training.plot_command:main",
+        "plot a run's training and validation loss: gigatron plot metrics.jsonl",
     ),
     "presets": ("gigatron.models.presets:main", "list the named model shapes"),
     "convert-checkpoint": (

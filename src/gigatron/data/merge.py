@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron merge",
         description="Concatenate indexed datasets made with the same tokenizer into one.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sources = parser.add_mutually_exclusive_group(required=True)
     sources.add_argument(

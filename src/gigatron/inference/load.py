@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from gigatron.errors import GigatronError
+from gigatron.inference.arguments import add_load_arguments  # noqa: F401 (moved; old import path)
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
 from gigatron.parallel.context import ParallelContext
@@ -56,29 +57,6 @@ class LoadedModel:
     chunks: list[nn.Module]
     tokenizer: Any
     iteration: int
-
-
-def add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    """--load and the flags that adjust how a checkpoint is loaded for generation."""
-    group = parser.add_argument_group("checkpoint")
-    group.add_argument("--load", required=True, help="checkpoint directory (written by --save)")
-    group.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: latest)")
-    group.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    group.add_argument(
-        "--tokenizer-model", default=None, help="tokenizer file, if it moved since training"
-    )
-    group.add_argument("--vocab-file", default=None, help="vocabulary file, if it moved")
-    group.add_argument("--merge-file", default=None, help="BPE merges file, if it moved")
-    group.add_argument(
-        "--max-batch-size", type=int, default=8, help="sequences generated at once (cache slots)"
-    )
-    group.add_argument(
-        "--max-sequence-length",
-        type=int,
-        default=None,
-        help="tokens per sequence, prompt included (default: the model's context)",
-    )
-    group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
 
 
 def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) -> LoadedModel:
@@ -152,8 +130,10 @@ def _check_generates(family: str, load_dir: Path) -> None:
 
     if not get_family(family).generation:
         raise GigatronError(
-            f"--load {load_dir}: a '{family}' model, which does not generate text; generation "
-            "needs a GPT or hybrid Mamba (family 'mamba') checkpoint"
+            f"--load {load_dir}: a '{family}' model, which does not generate text; generate, "
+            "serve and evaluate (WikiText perplexity, LAMBADA accuracy) need a GPT or hybrid "
+            "Mamba (family 'mamba') language model; evaluate a BERT checkpoint on MNLI, QQP or "
+            "RACE with gigatron finetune"
         )
 
 
@@ -194,9 +174,11 @@ def _build_and_load(
     cfg: Any, family: str, args: argparse.Namespace, load_dir: Path, iteration: int
 ) -> LoadedModel:
     from gigatron.checkpoint.formats import load_checkpoint
+    from gigatron.config.checkpoint_args import apply_checkpoint_flags
     from gigatron.families import get_family
     from gigatron.training.pretrain import build_run_tokenizer
 
+    apply_checkpoint_flags(cfg, args)  # Megatron's shape/layout/precision flags, if given
     p = cfg.parallel
     p.sequence_parallel = False  # nothing to split in one-token steps; weights are the same
     p.context_parallel_size = 1  # whole sequences on every rank; the weights do not depend on it

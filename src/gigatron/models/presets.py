@@ -48,7 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron presets",
-        description="List the named model shapes usable with --model-preset.",
+        description="List the named model shapes usable with --model-preset, with their "
+        "layers, hidden size, heads, vocabulary and parameter count.",
+        epilog=f"presets: {', '.join(PRESETS)}",
     )
     parser.parse_args(list(argv or []))
     print(preset_table())

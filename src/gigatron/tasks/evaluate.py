@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gigatron.config.checkpoint_args import add_checkpoint_arguments
 from gigatron.config.tasks import ZeroShotTaskConfig, add_task_arguments, task_config_from_namespace
 from gigatron.errors import GigatronError
 
@@ -44,22 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
         "--results-file", default=None, help="write the results here as JSON (default: none)"
     )
     group.add_argument("--no-progress-bar", action="store_true", help="no progress line")
+    # --seq-length is the window above (Megatron's tasks use the model's length the same way).
+    add_checkpoint_arguments(parser, skip=("seq_length",))
     return parser
 
 
 class Progress:
-    """One line on rank 0's stderr, rewritten as batches finish."""
+    """One line on rank 0's stderr, rewritten as batches finish on a terminal; elsewhere (a log
+    file) a line every `log_interval` batches (Megatron's --log-interval) and at the end."""
 
-    def __init__(self, label: str, enabled: bool) -> None:
+    def __init__(self, label: str, enabled: bool, log_interval: int | None = None) -> None:
         self.label, self.enabled, self.start = label, enabled, time.perf_counter()
+        self.terminal = sys.stderr.isatty()
+        self.log_interval = max(1, log_interval or 1)
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
             return
+        if not self.terminal and done != total and done % self.log_interval:
+            return
         rate = done / max(time.perf_counter() - self.start, 1e-9)
-        end = "\n" if done == total else ""
+        end = "\n" if done == total or not self.terminal else ""
         print(
-            f"\r{self.label}: {done}/{total} batches ({rate:.1f}/s)",
+            f"{chr(13) if self.terminal else ''}{self.label}: {done}/{total} batches "
+            f"({rate:.1f}/s)",
             end=end,
             file=sys.stderr,
             flush=True,
@@ -88,7 +97,7 @@ def run_task(loaded: Any, task: ZeroShotTaskConfig, args: argparse.Namespace) ->
         args.micro_batch_size,
         seq_length=seq_length,
         pipeline_dtype=params_dtype(loaded.cfg),
-        on_batch=Progress(task.task, show),
+        on_batch=Progress(task.task, show, getattr(args, "log_interval", None)),
     )
     elapsed = time.perf_counter() - start
     result: dict[str, Any] = {"task": task.task, "valid_data": path, "load": args.load}
@@ -151,11 +160,12 @@ def write_json(path: str | Path, value: Any) -> None:
 
 def evaluate(argv: Sequence[str]) -> dict[str, Any]:
     """Parse, load, evaluate; returns the results (every rank)."""
+    args = build_parser().parse_args(list(argv))
+    # why here: torch-heavy modules load after the flags are parsed (a quick --help)
     import torch.distributed as dist
 
     from gigatron.inference.load import load_for_inference
 
-    args = build_parser().parse_args(list(argv))
     task = task_config_from_namespace(ZeroShotTaskConfig, args)
     if task.task is None:
         raise GigatronError("--task: missing; give --task WIKITEXT103 or --task LAMBADA")

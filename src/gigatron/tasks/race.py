@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from gigatron.errors import GigatronError
-from gigatron.tasks.text_files import read_utf8
 from gigatron.tasks.glue import clean_text, make_sample, pair_ids
+from gigatron.tasks.text_files import read_utf8
 
 NUM_CHOICES = 4
 MAX_QA_LENGTH = 128
