@@ -62,6 +62,9 @@ def add_checkpoint_arguments(parser: argparse.ArgumentParser, skip: Collection[s
     a flag not typed is absent from the namespace."""
     from gigatron.config.root import SECTIONS  # why: see _section_fields
 
+    # The command's own flags of the same names (e.g. evaluate's window --seq-length) are not
+    # checked against the checkpoint.
+    parser.set_defaults(unchecked_flags=tuple(skip))
     for section, names in accepted_fields(skip).items():
         cls = SECTIONS[section]
         hints = field_types(cls)
@@ -84,7 +87,8 @@ def _copy_field(field: dataclasses.Field) -> Any:
 
 def given_flags(namespace: argparse.Namespace) -> dict[str, Any]:
     """The accepted Megatron flags the user typed: field name -> value."""
-    names = [n for fields in accepted_fields().values() for n in fields]
+    skip = getattr(namespace, "unchecked_flags", ())
+    names = [n for fields in accepted_fields(skip).values() for n in fields]
     return {name: getattr(namespace, name) for name in names if hasattr(namespace, name)}
 
 

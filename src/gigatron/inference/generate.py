@@ -72,8 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
 def read_prompts(path: str) -> list[str]:
     if not os.path.isfile(path):
         raise GigatronError(f"--prompts-file {path}: file not found")
-    with open(path, encoding="utf-8") as handle:
-        lines = [line.rstrip("\n") for line in handle if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = [line.rstrip("\n") for line in handle if line.strip()]
+    except UnicodeDecodeError as error:
+        raise GigatronError(
+            f"--prompts-file {path}: not UTF-8 text ({error.reason} at byte {error.start}); "
+            "save the prompts as UTF-8"
+        ) from None
     if not path.endswith(".jsonl"):
         return [line.replace("\\n", "\n") for line in lines]
     prompts = []

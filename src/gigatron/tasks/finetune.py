@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import shutil
 from collections.abc import Iterator, Sequence
@@ -52,10 +53,7 @@ _REFUSED = {
     "load": "resuming a fine-tuning run is not supported; start from --pretrained-checkpoint",
     "train_iters": "--epochs sets the iterations",
     "train_samples": "--epochs sets the samples",
-    "save_interval": "the best checkpoint is saved after each epoch",
     "rampup_batch_size": "fine-tuning keeps one batch size",
-    "eval_interval": "the accuracy is measured after each epoch",
-    "eval_iters": "every validation sample is scored after each epoch",
     "eval_at_start": "--epochs 0 evaluates the pretrained checkpoint",
     "full_validation": "every validation sample is scored after each epoch",
     "skip_train": "--epochs 0 evaluates the pretrained checkpoint",
@@ -93,6 +91,13 @@ def _refuse(cfg, task: FinetuneTaskConfig) -> None:
         raise GigatronError(
             "--use-torch-fsdp2/--use-megatron-fsdp: gigatron finetune wraps the model in "
             "DistributedDataParallel (use --use-distributed-optimizer to shard optimizer state)"
+        )
+    t = cfg.training
+    if t.eval_iters != defaults.training.eval_iters and not t.eval_interval:
+        raise GigatronError(
+            f"--eval-iters {t.eval_iters}: the validation loss is measured every --eval-interval "
+            "iterations only; give --eval-interval too (the accuracy is measured after each "
+            "epoch either way)"
         )
     if task.task is None:
         raise GigatronError("--task: missing; give --task MNLI, QQP or RACE")
@@ -171,6 +176,22 @@ def epoch_batches(
         mine = chosen[pctx.dp_rank * per_rank : (pctx.dp_rank + 1) * per_rank]
         for start in range(0, per_rank, micro_batch):
             yield collate(samples, mine[start : start + micro_batch])
+
+
+def validation_batches(
+    valid_sets: list[tuple[str, list[dict[str, Any]]]],
+    seed: int,
+    global_batch: int,
+    pctx: ParallelContext,
+    training: Any,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Micro-batches of every validation sample, endlessly (--eval-iters of them per
+    --eval-interval): the loop's validation loss, as Megatron's fine-tuning logs it."""
+    samples = [sample for _, samples in valid_sets for sample in samples]
+    for epoch in itertools.count():
+        yield from epoch_batches(
+            samples, epoch, seed, global_batch, training.micro_batch_size, pctx, keep_last=True
+        )
 
 
 # ---- model --------------------------------------------------------------------------------------
@@ -337,6 +358,8 @@ def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any
             ),
             loss_names=LOSS_NAMES, state=TrainState(),
         )  # fmt: skip
+        if t.eval_interval:  # Megatron's validation loss every --eval-interval iterations
+            run.valid_iterator = validation_batches(valid_sets, t.seed, global_batch, pctx, t)
         eval_micro = task.eval_micro_batch_size or t.micro_batch_size
 
         history: list[dict[str, Any]] = []
