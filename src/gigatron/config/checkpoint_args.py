@@ -33,6 +33,26 @@ PRECISION = ("fp16", "bf16")
 # What loading for inference always does; the flags are accepted in Megatron's meaning.
 LOADER = ("no_load_optim", "no_load_rng", "finetune")
 PACING = ("log_interval",)
+# What fixes the shapes of a checkpoint's parameters and its vocabulary: `finetune` checks these
+# against its --pretrained-checkpoint (dropout, sequence length, ... may change for fine-tuning).
+PARAMETER_SHAPES = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "kv_channels",
+    "group_query_attention",
+    "num_query_groups",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "normalization",
+    "swiglu",
+    "add_bias_linear",
+    "untie_embeddings_and_output_weights",
+    "make_vocab_size_divisible_by",
+    "padded_vocab_size",
+    "tokenizer_type",
+)
 
 
 def _section_fields(section: str) -> list[dataclasses.Field]:
@@ -92,13 +112,17 @@ def given_flags(namespace: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(namespace, name) for name in names if hasattr(namespace, name)}
 
 
-def apply_checkpoint_flags(cfg: Any, namespace: argparse.Namespace) -> None:
+def apply_checkpoint_flags(
+    cfg: Any, namespace: argparse.Namespace, only: Collection[str] | None = None
+) -> None:
     """Check the typed shape/layout/tokenizer flags against the checkpoint's configuration `cfg`
     (filling what it does not record) and apply the precision flags; every mismatch is named in
-    one error."""
+    one error. `only`: check these fields alone (fine-tuning may change the rest)."""
     from gigatron.config.root import field_section  # why: see _section_fields
 
     given = given_flags(namespace)
+    if only is not None:
+        given = {name: value for name, value in given.items() if name in only}
     if given.get("fp16") and given.get("bf16"):
         raise GigatronError("--fp16 and --bf16: choose one")
     mismatches = []

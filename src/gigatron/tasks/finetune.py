@@ -57,9 +57,6 @@ _REFUSED = {
     "eval_at_start": "--epochs 0 evaluates the pretrained checkpoint",
     "full_validation": "every validation sample is scored after each epoch",
     "skip_train": "--epochs 0 evaluates the pretrained checkpoint",
-    "finetune": "--pretrained-checkpoint is always loaded as weights only",
-    "no_load_optim": "--pretrained-checkpoint is always loaded as weights only",
-    "no_load_rng": "--pretrained-checkpoint is always loaded as weights only",
     "ckpt_convert_format": "convert checkpoints with gigatron pretrain or convert-checkpoint",
     "ckpt_convert_save": "convert checkpoints with gigatron pretrain or convert-checkpoint",
     "async_save": "the best checkpoint is saved synchronously after its epoch",
@@ -457,7 +454,54 @@ def _save_best(run: Any, task: FinetuneTaskConfig, record: dict, previous: dict 
     )
 
 
+def pretrained_config(path: str) -> Any:
+    """The configuration saved in a gigatron checkpoint (torch or torch_dist), or None when it
+    holds none that gigatron can read (its loader then says what is wrong)."""
+    from gigatron.checkpoint.dist_format import COMMON_FILENAME
+    from gigatron.checkpoint.formats import detect_format
+    from gigatron.checkpoint.torch_format import (
+        CHECKPOINT_FILENAME,
+        locate_iteration,
+        mp_rank_dir_name,
+        safe_load,
+        saved_layout,
+    )
+    from gigatron.config import config_from_dict
+
+    try:
+        located = locate_iteration(Path(path)) if Path(path).is_dir() else None
+        if located is None:
+            return None
+        iteration_dir = located[0]
+        if detect_format(iteration_dir) == "torch_dist":
+            saved = safe_load(iteration_dir / COMMON_FILENAME).get("args")
+        else:
+            layout = saved_layout(iteration_dir)
+            pp = layout[1] if layout else 1
+            first = iteration_dir / mp_rank_dir_name(0, 0, pp) / CHECKPOINT_FILENAME
+            saved = safe_load(first).get("args")
+        if not isinstance(saved, dict) or not saved:
+            return None
+        return config_from_dict(saved, source=f"{iteration_dir} args")
+    except (GigatronError, OSError):
+        return None
+
+
+def check_pretrained_shapes(argv: Sequence[str], task: FinetuneTaskConfig) -> None:
+    """Megatron's model flags that fix parameter shapes must match --pretrained-checkpoint's:
+    a difference is one error naming both values."""
+    from gigatron.config.checkpoint_args import PARAMETER_SHAPES, apply_checkpoint_flags
+
+    if not task.pretrained_checkpoint:
+        return
+    saved = pretrained_config(task.pretrained_checkpoint)
+    if saved is not None:
+        namespace = build_parser().parse_args(list(argv))
+        apply_checkpoint_flags(saved, namespace, only=PARAMETER_SHAPES)
+
+
 def main(argv: Sequence[str]) -> int:
     cfg, task = parse_finetune_args(argv)
+    check_pretrained_shapes(argv, task)
     finetune(cfg, task)
     return 0
