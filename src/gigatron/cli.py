@@ -45,7 +45,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "zero-shot WikiText perplexity or LAMBADA accuracy of a checkpoint (--task ...)",
     ),
     "finetune": (
-        "gigatron.tasks.finetune:main",
+        "gigatron.tasks.finetune_command:main",
         "fine-tune a BERT checkpoint on MNLI, QQP or RACE (--task ...)",
     ),
     "lm-eval": (

@@ -56,7 +56,8 @@ def test_serve_listens_on_this_machine_by_default(capsys):
 
 
 @pytest.mark.parametrize(
-    "command", ["generate", "serve", "evaluate", "text-generation-cli", "preprocess", "plot"]
+    "command",
+    ["generate", "serve", "evaluate", "finetune", "text-generation-cli", "preprocess", "plot"],
 )
 def test_help_loads_no_torch(command):
     """Parsing comes before the torch-heavy imports: --help is quick."""

@@ -12,7 +12,6 @@ refused."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import math
@@ -28,23 +27,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gigatron.config.root import add_config_arguments, config_from_namespace
-from gigatron.config.tasks import FinetuneTaskConfig, add_task_arguments, task_config_from_namespace
+from gigatron.config.root import config_from_namespace
+from gigatron.config.tasks import FinetuneTaskConfig, task_config_from_namespace
 from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
+from gigatron.tasks.finetune_command import build_parser
 
 LOSS_NAMES = ("lm_loss",)  # Megatron's finetuning logs its cross entropy as 'lm loss'
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gigatron finetune",
-        description="fine-tune a BERT checkpoint on MNLI, QQP or RACE",
-        allow_abbrev=False,
-    )
-    add_config_arguments(parser)
-    add_task_arguments(parser, FinetuneTaskConfig)
-    return parser
 
 
 # What a fine-tuning run does not do (a flag -> why); each is refused when set. Every flag of the
