@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "generate text from a checkpoint: gigatron generate --load DIR --prompt TEXT",
     ),
     "serve": (
-        "gigatron.inference.server:main",
+        "gigatron.inference.serve_command:main",
         "serve a checkpoint over HTTP (Megatron's PUT /api and OpenAI's /v1 API)",
     ),
     "text-generation-cli": (
@@ -48,12 +48,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "zero-shot WikiText perplexity or LAMBADA accuracy of a checkpoint (--task ...)",
     ),
     "finetune": (
-        "gigatron.tasks.finetune:main",
+        "gigatron.tasks.finetune_command:main",
         "fine-tune a BERT checkpoint on MNLI, QQP or RACE (--task ...)",
     ),
     "lm-eval": (
         "gigatron.integrations.lm_eval:main",
         "lm-evaluation-harness with gigatron checkpoints: gigatron lm-eval --model gigatron ...",
+    ),
+    "plot": (
+        "gigatron.training.plot_command:main",
+        "plot a run's training and validation loss: gigatron plot metrics.jsonl",
     ),
     "presets": ("gigatron.models.presets:main", "list the named model shapes"),
     "convert-checkpoint": (

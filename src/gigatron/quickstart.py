@@ -22,11 +22,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from gigatron.config.parser import FlagParser
 from gigatron.errors import GigatronError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron quickstart",
         description="Train a small GPT on a corpus shipped with Python, end to end, on CPU.",

@@ -101,6 +101,7 @@ INVALID = [
     ({"prompts": ["a"], "random_seed": -2}, "random_seed must be a positive integer"),
     ({"prompts": ["a"], "no_log": "x"}, "no_log must be a boolean value"),
     ({"prompts": ["a"], "stop_token": 1.5}, "stop_token must be an integer"),
+    ({"prompts": ["a"], "stop_token": 1000000000}, "stop_token 1000000000 is outside the vocabulary [0, 50257); give a token id of the vocabulary, or -1 for none"),
     ({"prompts": ["a"], "length_penalty": 1}, "length_penalty must be a float"),
 ]  # fmt: skip
 

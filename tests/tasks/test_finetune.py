@@ -175,7 +175,7 @@ def test_pretrained_weights_are_loaded_and_the_head_is_new(pretrained, tmp_path)
             ["--no-create-attention-mask-in-dataloader"],
             "--no-create-attention-mask-in-dataloader: not a gigatron finetune flag",
         ),
-        (["--eval-iters", "3"], "--eval-iters: not a gigatron finetune flag"),
+        (["--eval-iters", "3"], "--eval-iters 3: the validation loss is measured every"),
         (["--async-save"], "--async-save: not a gigatron finetune flag"),
         (["--pipeline-model-parallel-size", "2"], "tensor and data parallelism only"),
         (["--use-torch-fsdp2"], "--use-torch-fsdp2/--use-megatron-fsdp: gigatron finetune"),

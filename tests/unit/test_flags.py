@@ -36,6 +36,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from gigatron.data import merge, preprocess, train_tokenizer
     from gigatron.inference import generate, server
     from gigatron.tasks import evaluate, finetune
+    from gigatron.training import plot_command
 
     return {
         "quickstart": quickstart.build_parser,
@@ -49,6 +50,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "serve": server.build_parser,
         "evaluate": evaluate.build_parser,
         "finetune": finetune.build_parser,
+        "plot": plot_command.build_parser,
     }
 
 

@@ -46,6 +46,7 @@ from gigatron.checkpoint.torch_format import (
     safe_load,
 )
 from gigatron.config import config_from_dict
+from gigatron.config.parser import FlagParser
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
 
@@ -266,7 +267,7 @@ def gigatron_to_hf(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         allow_abbrev=False,
         prog="gigatron convert",
         description="Convert checkpoints between gigatron, Hugging Face (safetensors) and "

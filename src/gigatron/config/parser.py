@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import sys
+from collections.abc import Sequence
 from typing import NoReturn
 
 _UNRECOGNIZED = "unrecognized arguments: "
@@ -39,6 +41,16 @@ class FlagParser(argparse.ArgumentParser):
             hint = f"; did you mean {' or '.join(close)}?" if close else ""
             parts.append(f"{flag}: unknown flag{hint}")
         return f"{'; '.join(parts)} (`{self.prog} --help` lists every flag)"
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace=None):  # type: ignore[override]
+        # Unknown flags are named before missing required ones: a mistyped flag is the likelier
+        # mistake, and argparse would otherwise report only what is missing.
+        argv = list(sys.argv[1:] if args is None else args)
+        known = set(self.known_flags())
+        unknown = [a for a in argv if a.startswith("--") and a.split("=", 1)[0] not in known]
+        if unknown and "--" not in argv:
+            self.error(_UNRECOGNIZED + " ".join(unknown))
+        return super().parse_args(argv, namespace)
 
     def error(self, message: str) -> NoReturn:
         if message.startswith(_UNRECOGNIZED):

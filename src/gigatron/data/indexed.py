@@ -134,7 +134,26 @@ class IndexedDataset:
 
     def _open(self) -> None:
         idx_path = index_file_path(self.prefix)
-        bin_path = data_file_path(self.prefix)
+        sequence_count, document_count = self._read_header(idx_path)
+
+        def view(dtype: str, count: int, offset: int) -> np.ndarray:
+            if count == 0:
+                return np.zeros(0, dtype=dtype)
+            mapped = np.memmap(idx_path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+            return mapped.view(np.ndarray)  # a plain read-only array; the map stays its base
+
+        offset = HEADER_SIZE
+        self._sequence_lengths = view("<i4", sequence_count, offset)
+        offset += 4 * sequence_count
+        self._sequence_pointers = view("<i8", sequence_count, offset)
+        offset += 8 * sequence_count
+        self._document_indices = view("<i8", document_count, offset)
+        offset += 8 * document_count
+        self._sequence_modes = view("<i1", sequence_count, offset) if self.multimodal else None
+        self._check_and_map_tokens(idx_path, sequence_count)
+
+    def _read_header(self, idx_path: str) -> tuple[int, int]:
+        """(sequence count, document count) of a checked index header; sets the token dtype."""
         missing = missing_files(self.prefix)
         if missing:
             raise GigatronError(
@@ -182,21 +201,11 @@ class IndexedDataset:
         if document_count < 1:
             raise GigatronError(f"{idx_path}: empty document index; the file is corrupt")
 
-        def view(dtype: str, count: int, offset: int) -> np.ndarray:
-            if count == 0:
-                return np.zeros(0, dtype=dtype)
-            mapped = np.memmap(idx_path, dtype=dtype, mode="r", offset=offset, shape=(count,))
-            return mapped.view(np.ndarray)  # a plain read-only array; the map stays its base
+        return sequence_count, document_count
 
-        offset = HEADER_SIZE
-        self._sequence_lengths = view("<i4", sequence_count, offset)
-        offset += 4 * sequence_count
-        self._sequence_pointers = view("<i8", sequence_count, offset)
-        offset += 8 * sequence_count
-        self._document_indices = view("<i8", document_count, offset)
-        offset += 8 * document_count
-        self._sequence_modes = view("<i1", sequence_count, offset) if self.multimodal else None
-
+    def _check_and_map_tokens(self, idx_path: str, sequence_count: int) -> None:
+        """Check the index against the data file, then map the tokens."""
+        bin_path = data_file_path(self.prefix)
         if self._document_indices[0] != 0 or self._document_indices[-1] != sequence_count:
             raise GigatronError(
                 f"{idx_path}: document indices run from {int(self._document_indices[0])} to "

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from gigatron.config.parser import FlagParser
 from gigatron.data.indexed import (
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -21,10 +22,11 @@ from gigatron.errors import GigatronError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron merge",
         description="Concatenate indexed datasets made with the same tokenizer into one.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sources = parser.add_mutually_exclusive_group(required=True)
     sources.add_argument(

@@ -8,6 +8,7 @@ At most a few chunks per worker are in flight, so memory stays flat whatever the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
 import gzip
@@ -15,8 +16,10 @@ import json
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 import warnings
+import zlib
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from gigatron.config.fields import add_dataclass_arguments
+from gigatron.config.parser import FlagParser
 from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.data.indexed import (
     IndexedDatasetBuilder,
@@ -47,7 +51,7 @@ INPUT_PATTERNS = ("*.jsonl", "*.json", "*.jsonl.gz", "*.json.gz")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron preprocess",
         description="Tokenize loose JSON lines (one document per line) into indexed datasets "
@@ -244,20 +248,53 @@ def encode_chunk(chunk: Chunk) -> ChunkResult:
                 _tokenize_one_by_one(tokenizer, texts[k], counts[k], line_numbers, result)
             )
 
-    # A document is empty when none of its keys has a token; empty ones are skipped (counted).
-    nonempty = [False] * len(line_numbers)
-    for k in range(len(keys)):
+    nonempty = _nonempty_documents(ids_per_key, counts, len(line_numbers))
+    arrays = _checked_arrays(
+        options, tokenizer, ids_per_key, counts, line_numbers, nonempty, result
+    )
+    if arrays is None:
+        return result
+    for key_arrays in arrays.values():
+        key_arrays.tokens = key_arrays.tokens.astype(options.dtype)
+    result.arrays = arrays
+    invalid_lines = {line for line, _ in result.invalid}
+    for d, line_number in enumerate(line_numbers):
+        if line_number not in invalid_lines:
+            result.documents += int(nonempty[d])
+            result.skipped_empty += int(not nonempty[d])
+    return result
+
+
+def _nonempty_documents(
+    ids_per_key: list[list[list[int]]], counts: list[list[int]], documents: int
+) -> list[bool]:
+    """A document is empty when none of its keys has a token; empty ones are skipped."""
+    nonempty = [False] * documents
+    for ids, key_counts in zip(ids_per_key, counts):
         position = 0
-        for d, count in enumerate(counts[k]):
-            if any(ids_per_key[k][position : position + count]):
+        for d, count in enumerate(key_counts):
+            if any(ids[position : position + count]):
                 nonempty[d] = True
             position += count
+    return nonempty
+
+
+def _checked_arrays(
+    options: Options,
+    tokenizer: Any,
+    ids_per_key: list[list[list[int]]],
+    counts: list[list[int]],
+    line_numbers: list[int],
+    nonempty: list[bool],
+    result: ChunkResult,
+) -> dict[str, KeyArrays] | None:
+    """Each key's arrays of the valid, non-empty documents; None when a line is invalid and
+    invalid lines are not skipped. Token ids outside the vocabulary make their line invalid."""
+    keys = options.json_keys
     eod = tokenizer.eod if options.append_eod else None
     for _attempt in range(2):
         invalid_lines = {line for line, _ in result.invalid}
-        keep = [
-            nonempty[d] and line_numbers[d] not in invalid_lines for d in range(len(line_numbers))
-        ]
+        keep = [nonempty[d] and line not in invalid_lines for d, line in enumerate(line_numbers)]
         arrays = {
             key: _assemble(ids_per_key[k], counts[k], keep, eod) for k, key in enumerate(keys)
         }
@@ -276,20 +313,10 @@ def encode_chunk(chunk: Chunk) -> ChunkResult:
                 ids_per_key[k], counts[k], line_numbers, tokenizer.vocab_size, result
             )
         if result.invalid and not options.skip_invalid:
-            return result
+            return None
         if not out_of_range:
             break
-    for key_arrays in arrays.values():
-        key_arrays.tokens = key_arrays.tokens.astype(options.dtype)
-    result.arrays = arrays
-    result.documents = sum(keep)
-    invalid_lines = {line for line, _ in result.invalid}
-    result.skipped_empty += sum(
-        1
-        for d in range(len(line_numbers))
-        if not nonempty[d] and line_numbers[d] not in invalid_lines
-    )
-    return result
+    return arrays
 
 
 def _tokenize_one_by_one(
@@ -389,12 +416,33 @@ def open_input(path: str) -> BinaryIO:
     return open(path, "rb")
 
 
+@contextlib.contextmanager
+def reading(path: str) -> Iterator[BinaryIO]:
+    """An input opened for reading; a truncated or corrupt .gz file, or one that cannot be read,
+    is a clear error instead of a traceback."""
+    try:
+        with open_input(path) as stream:
+            yield stream
+    except (EOFError, zlib.error) as error:
+        raise GigatronError(
+            f"--input {path}: the compressed file is truncated or corrupt ({error}); "
+            "download or compress it again"
+        ) from None
+    except gzip.BadGzipFile:
+        raise GigatronError(
+            f"--input {path}: not a gzip file although it ends in .gz; rename it or "
+            "compress it with gzip"
+        ) from None
+    except OSError as error:
+        raise GigatronError(f"--input {path}: cannot be read ({error})") from None
+
+
 def _count_lines(files: Sequence[str]) -> int:
     """Lines in all files (a last line without its newline counts), reading in 4 MiB blocks."""
     total = 0
     for path in files:
         last = b""
-        with open_input(path) as stream:
+        with reading(path) as stream:
             for block in iter(lambda stream=stream: stream.read(1 << 22), b""):
                 total += block.count(b"\n")
                 last = block
@@ -411,7 +459,7 @@ def read_chunks(files: Sequence[str], partition_starts: Sequence[int]) -> Iterat
     global_line = 0
     partition = 0
     for file_index, path in enumerate(files):
-        with open_input(path) as stream:
+        with reading(path) as stream:
             lines: list[bytes] = []
             size = 0
             first_line = 1
@@ -492,14 +540,210 @@ def _dataset_prefixes(args: argparse.Namespace, level: str) -> dict[str, str]:
     return {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _check_args(args: argparse.Namespace) -> None:
     if args.workers < 1:
         raise GigatronError(f"--workers {args.workers}: must be at least 1")
     if args.partitions < 1:
         raise GigatronError(f"--partitions {args.partitions}: must be at least 1")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise GigatronError(f"--json-keys {' '.join(args.json_keys)}: keys repeat")
+
+
+def prepare_output_dir(output_prefix: str) -> None:
+    """Create the output folder and check that files can be written there, before any work."""
+    output_dir = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(output_dir, exist_ok=True)  # like every later step, write into new folders
+        probe = tempfile.NamedTemporaryFile(dir=output_dir, prefix=".gigatron-probe-")
+        probe.close()
+    except OSError as error:
+        raise GigatronError(
+            f"--output-prefix {output_prefix}: cannot write in {output_dir} "
+            f"({error.strerror}); give a writable location"
+        ) from None
+
+
+class DatasetWriter:
+    """The builders of every key, one partition at a time; the partitions are merged into the
+    final datasets at the end (and removed)."""
+
+    def __init__(self, args: argparse.Namespace, level: str, dtype: Any, partitions: int) -> None:
+        self.args, self.level, self.dtype, self.partitions = args, level, dtype, partitions
+        self.final = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
+        self.builders: dict[str, Any] = {}
+        self.finished_parts: list[str] = []
+        self.current = -1
+        self.tokens = dict.fromkeys(args.json_keys, 0)
+        self.sequences = dict.fromkeys(args.json_keys, 0)
+
+    def prefix(self, partition: int, key: str) -> str:
+        if self.partitions == 1:
+            return self.final[key]
+        return f"{self.args.output_prefix}_{partition}_{key}_{self.level}"
+
+    def _start(self, partition: int) -> None:
+
+        if self.builders:
+            self._finish_partition()
+        self.current = partition
+        for key in self.args.json_keys:
+            path = data_file_path(self.prefix(partition, key))
+            self.builders[key] = IndexedDatasetBuilder(path, self.dtype)
+
+    def _finish_partition(self) -> None:
+
+        for key, builder in self.builders.items():
+            prefix = self.prefix(self.current, key)
+            builder.finalize(index_file_path(prefix))
+            if self.partitions > 1:
+                self.finished_parts.append(prefix)
+        self.builders.clear()
+
+    def add(self, chunk: Chunk, result: ChunkResult) -> None:
+        if chunk.partition != self.current:
+            self._start(chunk.partition)
+        for key, arrays in result.arrays.items():
+            self.builders[key].add_documents(
+                arrays.tokens, arrays.sequence_lengths, arrays.sequences_per_document
+            )
+            self.tokens[key] += int(arrays.tokens.size)
+            self.sequences[key] += int(arrays.sequence_lengths.size)
+
+    def finish(self) -> None:
+
+        if self.current == -1:  # empty input: still write (empty) datasets
+            self._start(0)
+        self._finish_partition()
+        if self.partitions == 1:
+            return
+        for key in self.args.json_keys:
+            merged = IndexedDatasetBuilder(data_file_path(self.final[key]), self.dtype)
+            self.builders[key] = merged
+            for part in range(self.partitions):
+                prefix = self.prefix(part, key)
+                if os.path.exists(index_file_path(prefix)):
+                    merged.add_index(prefix)
+        for key, merged in self.builders.items():
+            merged.finalize(index_file_path(self.final[key]))
+        self.builders.clear()
+        _remove_datasets(self.finished_parts)
+
+    def abort(self) -> None:
+        for builder in self.builders.values():
+            builder.abort()
+        _remove_datasets(self.finished_parts)
+
+
+@dataclass
+class Totals:
+    documents: int = 0
+    empty: int = 0
+    invalid: int = 0
+    examples: list[str] = field(default_factory=list)  # the first skipped lines, for the report
+
+    def count(self, path: str, result: ChunkResult, skip_invalid: bool) -> None:
+        if result.invalid:
+            self.invalid += len(result.invalid)
+            result.invalid.sort()
+            if not skip_invalid:
+                line_number, reason = result.invalid[0]
+                raise GigatronError(
+                    f"{path}:{line_number}: {reason}; fix the line, or pass --skip-invalid "
+                    "to skip bad lines"
+                )
+            for line_number, reason in result.invalid:
+                if len(self.examples) < 10:
+                    self.examples.append(f"{path}:{line_number}: {reason}")
+        self.documents += result.documents
+        self.empty += result.skipped_empty
+
+
+def _encoded_chunks(
+    args: argparse.Namespace, options: Options, tokenizer: Any, files: Sequence[str], pool: Any
+) -> Iterator[tuple[Chunk, ChunkResult]]:
+    partition_starts = partition_starts_for(files, args.partitions)
+    if pool is not None:
+        return _ordered_map(pool, read_chunks(files, partition_starts), args.workers)
+    _init_worker(options, tokenizer, in_subprocess=False)
+    return ((chunk, encode_chunk(chunk)) for chunk in read_chunks(files, partition_starts))
+
+
+def _start_pool(args: argparse.Namespace, options: Options, tokenizer: Any) -> Any:
+    if args.workers == 1:
+        return None
+    fork = sys.platform == "linux"
+    context = multiprocessing.get_context("fork" if fork else "spawn")
+    # Under fork the workers inherit the parent's tokenizer instead of re-reading its files (a
+    # GPT-2 vocabulary takes a noticeable fraction of a second to load).
+    inherited = tokenizer if fork else None
+    return context.Pool(args.workers, initializer=_init_worker, initargs=(options, inherited, True))
+
+
+def _run(
+    args: argparse.Namespace,
+    options: Options,
+    tokenizer: Any,
+    files: Sequence[str],
+    writer: DatasetWriter,
+    progress: Progress,
+) -> Totals:
+    totals = Totals()
+    pool = _start_pool(args, options, tokenizer)
+    try:
+        for chunk, result in _encoded_chunks(args, options, tokenizer, files, pool):
+            totals.count(files[chunk.file_index], result, args.skip_invalid)
+            writer.add(chunk, result)
+            progress.update(result.documents + result.skipped_empty, result.bytes_read)
+        if pool is not None:
+            pool.close()
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        if pool is not None:
+            pool.terminate()
+        raise
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.join()
+    return totals
+
+
+def _report(
+    args: argparse.Namespace,
+    totals: Totals,
+    writer: DatasetWriter,
+    elapsed: float,
+    input_bytes: int,
+) -> None:
+    for line in totals.examples:
+        print(f"skipped {line}", file=sys.stderr)
+    if totals.documents == 0:
+        warnings.warn(
+            f"--input {' '.join(args.input)}: no documents found ({totals.empty} empty, "
+            f"{totals.invalid} invalid); the datasets written are empty and cannot be trained "
+            "on",
+            stacklevel=3,
+        )
+    print(f"documents:        {totals.documents}")
+    for key in args.json_keys:
+        print(
+            f"  {writer.final[key]}.bin/.idx: {writer.sequences[key]} sequences, "
+            f"{writer.tokens[key]} tokens"
+        )
+    print(f"skipped empty:    {totals.empty}")
+    print(f"skipped invalid:  {totals.invalid}")
+    print(
+        f"time:             {elapsed:.2f} s ({input_bytes / max(elapsed, 1e-9) / 1e6:.2f} MB/s, "
+        f"{sum(writer.tokens.values()) / max(elapsed, 1e-9):.0f} tokens/s)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from gigatron.data.tokenizers import build_tokenizer
+
+    args = build_parser().parse_args(argv)
+    _check_args(args)
     tokenizer_cfg = _tokenizer_config(args)
     tokenizer = build_tokenizer(tokenizer_cfg)
     if args.append_eod and tokenizer.eod is None:
@@ -507,14 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--append-eod: {type(tokenizer).__name__} has no end-of-document token"
         )
     files = resolve_inputs(args.input)
-    output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    try:
-        os.makedirs(output_dir, exist_ok=True)  # like every later step, write into new folders
-    except OSError as error:
-        raise GigatronError(
-            f"--output-prefix {args.output_prefix}: cannot create directory {output_dir} "
-            f"({error.strerror}); give a writable location"
-        ) from None
+    prepare_output_dir(args.output_prefix)
     dtype = optimal_dtype(tokenizer.vocab_size)
     level = "sentence" if args.split_sentences else "document"
     options = Options(
@@ -527,15 +764,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         skip_invalid=args.skip_invalid,
         dtype=dtype.str,
     )
-    final_prefixes = _dataset_prefixes(args, level)
-    partition_starts = partition_starts_for(files, args.partitions)
-    partitions = len(partition_starts) + 1
-
-    def partition_prefix(partition: int, key: str) -> str:
-        if partitions == 1:
-            return final_prefixes[key]
-        return f"{args.output_prefix}_{partition}_{key}_{level}"
-
+    writer = DatasetWriter(args, level, dtype, args.partitions)
     any_gz = any(path.endswith(".gz") for path in files)
     progress = Progress(
         None if any_gz else sum(os.path.getsize(p) for p in files), args.log_interval
@@ -548,122 +777,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         file=sys.stderr,
     )
     start = time.perf_counter()
-    builders: dict[str, IndexedDatasetBuilder] = {}
-    finished_parts: list[str] = []
-    current_partition = -1
-    totals = {"documents": 0, "empty": 0, "invalid": 0}
-    tokens = dict.fromkeys(args.json_keys, 0)
-    sequences = dict.fromkeys(args.json_keys, 0)
-    invalid_examples: list[str] = []
-    pool = None
-
-    def finish_partition() -> None:
-        for key, builder in builders.items():
-            prefix = partition_prefix(current_partition, key)
-            builder.finalize(index_file_path(prefix))
-            if partitions > 1:
-                finished_parts.append(prefix)
-        builders.clear()
-
-    try:
-        if args.workers > 1:
-            fork = sys.platform == "linux"
-            context = multiprocessing.get_context("fork" if fork else "spawn")
-            # Under fork the workers inherit the parent's tokenizer instead of re-reading its
-            # files (a GPT-2 vocabulary takes a noticeable fraction of a second to load).
-            inherited = tokenizer if fork else None
-            pool = context.Pool(
-                args.workers, initializer=_init_worker, initargs=(options, inherited, True)
-            )
-            results = _ordered_map(pool, read_chunks(files, partition_starts), args.workers)
-        else:
-            _init_worker(options, tokenizer, in_subprocess=False)
-            results = (
-                (chunk, encode_chunk(chunk)) for chunk in read_chunks(files, partition_starts)
-            )
-        for chunk, result in results:
-            path = files[chunk.file_index]
-            if result.invalid:
-                totals["invalid"] += len(result.invalid)
-                result.invalid.sort()
-                if not args.skip_invalid:
-                    line_number, reason = result.invalid[0]
-                    raise GigatronError(
-                        f"{path}:{line_number}: {reason}; fix the line, or pass --skip-invalid "
-                        "to skip bad lines"
-                    )
-                for line_number, reason in result.invalid:
-                    if len(invalid_examples) < 10:
-                        invalid_examples.append(f"{path}:{line_number}: {reason}")
-            if chunk.partition != current_partition:
-                if builders:
-                    finish_partition()
-                current_partition = chunk.partition
-                for key in args.json_keys:
-                    prefix = partition_prefix(current_partition, key)
-                    builders[key] = IndexedDatasetBuilder(data_file_path(prefix), dtype)
-            for key, arrays in result.arrays.items():
-                builders[key].add_documents(
-                    arrays.tokens, arrays.sequence_lengths, arrays.sequences_per_document
-                )
-                tokens[key] += int(arrays.tokens.size)
-                sequences[key] += int(arrays.sequence_lengths.size)
-            totals["documents"] += result.documents
-            totals["empty"] += result.skipped_empty
-            progress.update(result.documents + result.skipped_empty, result.bytes_read)
-        if pool is not None:
-            pool.close()
-        if current_partition == -1:  # empty input: still write (empty) datasets
-            current_partition = 0
-            for key in args.json_keys:
-                builders[key] = IndexedDatasetBuilder(
-                    data_file_path(partition_prefix(0, key)), dtype
-                )
-        finish_partition()
-        if partitions > 1:
-            for key in args.json_keys:
-                merged = IndexedDatasetBuilder(data_file_path(final_prefixes[key]), dtype)
-                builders[key] = merged
-                for part in range(partitions):
-                    prefix = partition_prefix(part, key)
-                    if os.path.exists(index_file_path(prefix)):
-                        merged.add_index(prefix)
-            for key, merged in builders.items():
-                merged.finalize(index_file_path(final_prefixes[key]))
-            builders.clear()
-            _remove_datasets(finished_parts)
-    except BaseException:
-        for builder in builders.values():
-            builder.abort()
-        _remove_datasets(finished_parts)
-        if pool is not None:
-            pool.terminate()
-        raise
-    finally:
-        progress.close()
-        if pool is not None:
-            pool.join()
-
-    elapsed = time.perf_counter() - start
-    for line in invalid_examples:
-        print(f"skipped {line}", file=sys.stderr)
-    if totals["documents"] == 0:
-        warnings.warn(
-            f"--input {' '.join(args.input)}: no documents found ({totals['empty']} empty, "
-            f"{totals['invalid']} invalid); the datasets written are empty and cannot be trained "
-            "on",
-            stacklevel=2,
-        )
-    input_bytes = progress.bytes
-    print(f"documents:        {totals['documents']}")
-    for key in args.json_keys:
-        print(f"  {final_prefixes[key]}.bin/.idx: {sequences[key]} sequences, {tokens[key]} tokens")
-    print(f"skipped empty:    {totals['empty']}")
-    print(f"skipped invalid:  {totals['invalid']}")
-    print(
-        f"time:             {elapsed:.2f} s ({input_bytes / max(elapsed, 1e-9) / 1e6:.2f} MB/s, "
-        f"{sum(tokens.values()) / max(elapsed, 1e-9):.0f} tokens/s)"
-    )
+    totals = _run(args, options, tokenizer, files, writer, progress)
+    _report(args, totals, writer, time.perf_counter() - start, progress.bytes)
     return 0
 
 

@@ -10,8 +10,10 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
-from gigatron.data.preprocess import open_input, parse_line, resolve_inputs
+from gigatron.config.parser import FlagParser
+from gigatron.data.preprocess import parse_line, reading, resolve_inputs
 from gigatron.errors import GigatronError
 
 TYPES = ["GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase"]
@@ -20,7 +22,7 @@ GPT2_END_OF_TEXT = "<|endoftext|>"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron train-tokenizer",
         description="Train a tokenizer on JSON lines and write the files `gigatron preprocess` "
@@ -58,7 +60,7 @@ def iterate_texts(files: Sequence[str], keys: Sequence[str], skip_invalid: bool)
     """The texts of every key of every line, streamed; bad lines stop with file:line."""
 
     for path in files:
-        with open_input(path) as stream:
+        with reading(path) as stream:
             for line_number, raw in enumerate(stream, start=1):
                 if not raw.strip():
                     continue
@@ -96,37 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Written to a scratch directory first: the output directory never holds half a vocabulary.
     scratch = tempfile.mkdtemp(prefix=".train-tokenizer-", dir=args.output_dir)
     try:
-        if is_bpe:
-            # why: the tokenizers library loads only when training one
-            from tokenizers.implementations import ByteLevelBPETokenizer
-
-            tokenizer = ByteLevelBPETokenizer(add_prefix_space=False)
-            tokenizer.train_from_iterator(
-                texts,
-                vocab_size=args.vocab_size,
-                min_frequency=args.min_frequency,
-                special_tokens=[GPT2_END_OF_TEXT],
-                show_progress=show_progress,
-            )
-            tokenizer.save_model(scratch)
-            outputs = ["vocab.json", "merges.txt"]
-        else:
-            # why: the tokenizers library loads only when training one
-            from tokenizers.implementations import BertWordPieceTokenizer
-
-            lower_case = args.tokenizer_type == "BertWordPieceLowerCase"
-            tokenizer = BertWordPieceTokenizer(
-                lowercase=lower_case, strip_accents=None if lower_case else False
-            )
-            tokenizer.train_from_iterator(
-                texts,
-                vocab_size=args.vocab_size,
-                min_frequency=args.min_frequency,
-                special_tokens=BERT_SPECIAL_TOKENS,
-                show_progress=show_progress,
-            )
-            tokenizer.save_model(scratch)
-            outputs = ["vocab.txt"]
+        tokenizer, outputs = _train(args, texts, scratch, is_bpe, show_progress)
         for name in outputs:
             os.replace(os.path.join(scratch, name), os.path.join(args.output_dir, name))
     finally:
@@ -154,3 +126,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = f"--tokenizer-type {args.tokenizer_type} --vocab-file {paths[0]}"
     print(f"use it with: {flags}")
     return 0
+
+
+def _train(
+    args: argparse.Namespace, texts: Iterator[str], scratch: str, is_bpe: bool, show: bool
+) -> tuple[Any, list[str]]:
+    """Train the tokenizer on `texts` and save it in `scratch`: (tokenizer, file names)."""
+    if is_bpe:
+        from tokenizers.implementations import ByteLevelBPETokenizer
+
+        tokenizer = ByteLevelBPETokenizer(add_prefix_space=False)
+        tokenizer.train_from_iterator(
+            texts,
+            vocab_size=args.vocab_size,
+            min_frequency=args.min_frequency,
+            special_tokens=[GPT2_END_OF_TEXT],
+            show_progress=show,
+        )
+        tokenizer.save_model(scratch)
+        outputs = ["vocab.json", "merges.txt"]
+    else:
+        from tokenizers.implementations import BertWordPieceTokenizer
+
+        lower_case = args.tokenizer_type == "BertWordPieceLowerCase"
+        tokenizer = BertWordPieceTokenizer(
+            lowercase=lower_case, strip_accents=None if lower_case else False
+        )
+        tokenizer.train_from_iterator(
+            texts,
+            vocab_size=args.vocab_size,
+            min_frequency=args.min_frequency,
+            special_tokens=BERT_SPECIAL_TOKENS,
+            show_progress=show,
+        )
+        tokenizer.save_model(scratch)
+        outputs = ["vocab.txt"]
+    return tokenizer, outputs

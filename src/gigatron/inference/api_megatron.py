@@ -53,8 +53,59 @@ def _bool_field(body: dict, name: str) -> bool:
     return value
 
 
-def parse_megatron_request(body: Any, default_stop_token: int | None) -> MegatronRequest:
-    """Validate a `PUT /api` JSON body in Megatron's order; RequestError on the first problem."""
+def parse_megatron_request(
+    body: Any, default_stop_token: int | None, vocab_size: int | None = None
+) -> MegatronRequest:
+    """Validate a `PUT /api` JSON body in Megatron's order; RequestError on the first problem.
+    With `vocab_size`, a `stop_token` past the vocabulary is refused (a negative one: none)."""
+    prompts = _prompts(body)
+    tokens_to_generate, logprobs = _lengths(body)
+    temperature, top_k, top_p = _sampling(body)
+    top_p_decay, top_p_bound = _nucleus_decay(body, top_p)
+    add_bos = _bool_field(body, "add_BOS")
+    if any(len(p) == 0 for p in prompts) and not add_bos:
+        raise RequestError("Empty prompts require add_BOS=true", "add_BOS")
+    stop_on_double_eol = _bool_field(body, "stop_on_double_eol")
+    stop_on_eol = _bool_field(body, "stop_on_eol")
+    prevent_newline = _bool_field(body, "prevent_newline_after_colon")
+    random_seed = body.get("random_seed", -1)
+    if not _is_int(random_seed):
+        raise RequestError("random_seed must be integer", "random_seed")
+    if "random_seed" in body and random_seed < 0:
+        raise RequestError("random_seed must be a positive integer", "random_seed")
+    _bool_field(body, "no_log")
+    stop_token = body.get("stop_token", default_stop_token)
+    if "stop_token" in body and not _is_int(stop_token):
+        raise RequestError("stop_token must be an integer", "stop_token")
+    length_penalty = body.get("length_penalty", 1.0)
+    if "length_penalty" in body and not isinstance(length_penalty, float):
+        raise RequestError("length_penalty must be a float", "length_penalty")
+
+    if stop_token is not None and vocab_size is not None and stop_token >= vocab_size:
+        raise RequestError(
+            f"stop_token {stop_token} is outside the vocabulary [0, {vocab_size}); give a "
+            "token id of the vocabulary, or -1 for none",
+            "stop_token",
+        )
+    params = SamplingParams(
+        max_tokens=tokens_to_generate,
+        temperature=float(temperature),
+        top_k=top_k,
+        top_p=top_p,
+        top_p_decay=top_p_decay,
+        top_p_bound=top_p_bound,
+        seed=random_seed if random_seed >= 0 else None,
+        stop_token_ids=(stop_token,) if stop_token is not None else (),
+        stop_on_eol=stop_on_eol,
+        stop_on_double_eol=stop_on_double_eol,
+        prevent_newline_after_colon=prevent_newline,
+        logprobs=logprobs,
+        prompt_logprobs=logprobs,
+    )
+    return MegatronRequest(prompts, add_bos, params)
+
+
+def _prompts(body: Any) -> list[str]:
     if not isinstance(body, dict):
         raise RequestError("prompts argument required", "prompts")
     if "prompts" not in body:
@@ -73,6 +124,10 @@ def parse_megatron_request(body: Any, default_stop_token: int | None) -> Megatro
     if len(prompts) > MAX_PROMPTS:
         raise RequestError(f"Maximum number of prompts is {MAX_PROMPTS}", "prompts")
 
+    return prompts
+
+
+def _lengths(body: dict) -> tuple[int, bool]:
     tokens_to_generate = body.get("tokens_to_generate", 64)
     if not _is_int(tokens_to_generate):
         raise RequestError(
@@ -86,6 +141,10 @@ def parse_megatron_request(body: Any, default_stop_token: int | None) -> Megatro
     if tokens_to_generate == 0 and not logprobs:
         raise RequestError("tokens_to_generate=0 implies logprobs should be True", "logprobs")
 
+    return tokens_to_generate, logprobs
+
+
+def _sampling(body: dict) -> tuple[float, int, float]:
     temperature = body.get("temperature", 1.0)
     message = "temperature must be a positive number less than or equal to 100.0"
     if not _is_number(temperature) or not 0.0 < temperature <= 100.0:
@@ -107,6 +166,10 @@ def parse_megatron_request(body: Any, default_stop_token: int | None) -> Megatro
         raise RequestError("cannot set both top-k and top-p samplings.", "top_p")
     if not 0 <= top_p <= 1.0:
         raise RequestError("top_p must be less than or equal to 1.0", "top_p")
+    return temperature, top_k, top_p
+
+
+def _nucleus_decay(body: dict, top_p: float) -> tuple[float, float]:
     top_p_decay = body.get("top_p_decay", 0.0)
     if "top_p_decay" in body:
         if not isinstance(top_p_decay, float):
@@ -129,41 +192,7 @@ def parse_megatron_request(body: Any, default_stop_token: int | None) -> Megatro
             raise RequestError(
                 "top_p_bound must be greater than 0 and less than top_p", "top_p_bound"
             )
-    add_bos = _bool_field(body, "add_BOS")
-    if any(len(p) == 0 for p in prompts) and not add_bos:
-        raise RequestError("Empty prompts require add_BOS=true", "add_BOS")
-    stop_on_double_eol = _bool_field(body, "stop_on_double_eol")
-    stop_on_eol = _bool_field(body, "stop_on_eol")
-    prevent_newline = _bool_field(body, "prevent_newline_after_colon")
-    random_seed = body.get("random_seed", -1)
-    if not _is_int(random_seed):
-        raise RequestError("random_seed must be integer", "random_seed")
-    if "random_seed" in body and random_seed < 0:
-        raise RequestError("random_seed must be a positive integer", "random_seed")
-    _bool_field(body, "no_log")
-    stop_token = body.get("stop_token", default_stop_token)
-    if "stop_token" in body and not _is_int(stop_token):
-        raise RequestError("stop_token must be an integer", "stop_token")
-    length_penalty = body.get("length_penalty", 1.0)
-    if "length_penalty" in body and not isinstance(length_penalty, float):
-        raise RequestError("length_penalty must be a float", "length_penalty")
-
-    params = SamplingParams(
-        max_tokens=tokens_to_generate,
-        temperature=float(temperature),
-        top_k=top_k,
-        top_p=top_p,
-        top_p_decay=top_p_decay,
-        top_p_bound=top_p_bound,
-        seed=random_seed if random_seed >= 0 else None,
-        stop_token_ids=(stop_token,) if stop_token is not None else (),
-        stop_on_eol=stop_on_eol,
-        stop_on_double_eol=stop_on_double_eol,
-        prevent_newline_after_colon=prevent_newline,
-        logprobs=logprobs,
-        prompt_logprobs=logprobs,
-    )
-    return MegatronRequest(prompts, add_bos, params)
+    return top_p_decay, top_p_bound
 
 
 def megatron_response(completions: list[Completion], tokenizer, logprobs: bool) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from gigatron.config.parser import FlagParser
 from gigatron.errors import GigatronError
 
 
@@ -36,10 +37,15 @@ def put_api(url: str, prompt: str, tokens_to_generate: int, timeout_s: float = 6
 
 def main(argv: Sequence[str]) -> int:
     """`gigatron text-generation-cli HOST:PORT`."""
-    if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: gigatron text-generation-cli HOST:PORT")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    address = argv[0]
+    parser = FlagParser(
+        prog="gigatron text-generation-cli",
+        description="Interactive client of a generation server (gigatron serve, or Megatron's "
+        "tools/run_text_generation_server.py): asks for a prompt and a number of tokens, sends "
+        "PUT /api and prints the text. End with Ctrl-D.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("address", metavar="HOST:PORT", help="the server, e.g. localhost:5000")
+    address = parser.parse_args(list(argv)).address
     url = address if address.startswith("http") else f"http://{address}"
     url = url.rstrip("/") + "/api"
     while True:

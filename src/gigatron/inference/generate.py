@@ -13,11 +13,14 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from gigatron.config.parser import FlagParser
 from gigatron.errors import GigatronError
-from gigatron.inference.engine import Completion, SamplingParams
-from gigatron.inference.load import add_load_arguments, engine_from_args, load_for_inference
-from gigatron.parallel.context import destroy
+from gigatron.inference.arguments import add_load_arguments, resolve_batch_size
+
+if TYPE_CHECKING:
+    from gigatron.inference.engine import Completion, SamplingParams
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +52,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="gigatron generate",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
@@ -70,8 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
 def read_prompts(path: str) -> list[str]:
     if not os.path.isfile(path):
         raise GigatronError(f"--prompts-file {path}: file not found")
-    with open(path, encoding="utf-8") as handle:
-        lines = [line.rstrip("\n") for line in handle if line.strip()]
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = [line.rstrip("\n") for line in handle if line.strip()]
+    except UnicodeDecodeError as error:
+        raise GigatronError(
+            f"--prompts-file {path}: not UTF-8 text ({error.reason} at byte {error.start}); "
+            "save the prompts as UTF-8"
+        ) from None
     if not path.endswith(".jsonl"):
         return [line.replace("\\n", "\n") for line in lines]
     prompts = []
@@ -90,6 +99,8 @@ def read_prompts(path: str) -> list[str]:
 
 
 def sampling_params(args: argparse.Namespace, stop_ids: tuple[int, ...] = ()) -> SamplingParams:
+    from gigatron.inference.engine import SamplingParams  # why: torch only after parsing
+
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=0.0 if args.greedy else args.temperature,
@@ -133,10 +144,15 @@ def record(prompt: str, completion: Completion, tokenizer) -> dict:
 def main(argv: Sequence[str]) -> int:
     """`gigatron generate --load DIR --prompt TEXT [...]`."""
     args = build_parser().parse_args(list(argv))
+    resolve_batch_size(args)
     prompts = args.prompt or read_prompts(args.prompts_file)
     if not prompts:
         raise GigatronError(f"--prompts-file {args.prompts_file}: holds no prompts")
     params = sampling_params(args)  # bad flags fail before the model is loaded
+    # why here: torch-heavy modules load after the flags are parsed (a quick --help)
+    from gigatron.inference.load import load_for_inference
+    from gigatron.parallel.context import destroy
+
     loaded = load_for_inference(args)
     try:
         return _generate(args, loaded, prompts, params)
@@ -145,6 +161,8 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _generate(args, loaded, prompts: list[str], params) -> int:
+    from gigatron.inference.load import engine_from_args
+
     engine = engine_from_args(loaded, args)
     if loaded.pctx.rank != 0:
         engine.runner.follow()

@@ -21,9 +21,11 @@ from gigatron.checkpoint.torch_format import (
     saved_layout,
 )
 from gigatron.config import config_from_dict
+from gigatron.config.checkpoint_args import apply_checkpoint_flags
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
+from gigatron.inference.arguments import add_load_arguments  # noqa: F401 (moved; old import path)
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
 from gigatron.parallel.context import ParallelContext
@@ -69,29 +71,6 @@ class LoadedModel:
     chunks: list[nn.Module]
     tokenizer: Any
     iteration: int
-
-
-def add_load_arguments(parser: argparse.ArgumentParser) -> None:
-    """--load and the flags that adjust how a checkpoint is loaded for generation."""
-    group = parser.add_argument_group("checkpoint")
-    group.add_argument("--load", required=True, help="checkpoint directory (written by --save)")
-    group.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: latest)")
-    group.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    group.add_argument(
-        "--tokenizer-model", default=None, help="tokenizer file, if it moved since training"
-    )
-    group.add_argument("--vocab-file", default=None, help="vocabulary file, if it moved")
-    group.add_argument("--merge-file", default=None, help="BPE merges file, if it moved")
-    group.add_argument(
-        "--max-batch-size", type=int, default=8, help="sequences generated at once (cache slots)"
-    )
-    group.add_argument(
-        "--max-sequence-length",
-        type=int,
-        default=None,
-        help="tokens per sequence, prompt included (default: the model's context)",
-    )
-    group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
 
 
 def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) -> LoadedModel:
@@ -154,8 +133,10 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
 def _check_generates(family: str, load_dir: Path) -> None:
     if not get_family(family).generation:
         raise GigatronError(
-            f"--load {load_dir}: a '{family}' model, which does not generate text; generation "
-            "needs a GPT or hybrid Mamba (family 'mamba') checkpoint"
+            f"--load {load_dir}: a '{family}' model, which does not generate text; generate, "
+            "serve and evaluate (WikiText perplexity, LAMBADA accuracy) need a GPT or hybrid "
+            "Mamba (family 'mamba') language model; evaluate a BERT checkpoint on MNLI, QQP or "
+            "RACE with gigatron finetune"
         )
 
 
@@ -192,6 +173,7 @@ def _torch_dist_config(iteration_dir: Path, load_dir: Path, data_parallel: bool)
 def _build_and_load(
     cfg: Any, family: str, args: argparse.Namespace, load_dir: Path, iteration: int
 ) -> LoadedModel:
+    apply_checkpoint_flags(cfg, args)  # Megatron's shape/layout/precision flags, if given
     p = cfg.parallel
     p.sequence_parallel = False  # nothing to split in one-token steps; weights are the same
     p.context_parallel_size = 1  # whole sequences on every rank; the weights do not depend on it

@@ -14,16 +14,14 @@ tensor/pipeline layout), rank 0 serves and the other ranks follow its steps.
 
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations
 # (`request: Request`, imported inside create_app) as real classes.
-import argparse
 import asyncio
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from gigatron.errors import GigatronError
 from gigatron.inference import api_openai as oai
 from gigatron.inference.api_megatron import (
     RequestError,
@@ -31,8 +29,7 @@ from gigatron.inference.api_megatron import (
     parse_megatron_request,
 )
 from gigatron.inference.engine import Completion, InferenceEngine, SamplingParams
-from gigatron.inference.load import add_load_arguments, engine_from_args, load_for_inference
-from gigatron.parallel.context import destroy
+from gigatron.inference.serve_command import build_parser, main  # noqa: F401 (the command)
 
 log = logging.getLogger("gigatron.serve")
 
@@ -114,19 +111,101 @@ def _with_seed(params: SamplingParams, index: int) -> SamplingParams:
     return own
 
 
+def _add_error_handlers(app: Any) -> None:
+    """Errors answer in Megatron's JSON shape ({"message": ...}), never with a traceback."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        return JSONResponse({"message": str(error.detail)}, status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        return JSONResponse({"message": "invalid request"}, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return JSONResponse({"message": "internal server error"}, status_code=500)
+
+
+def _openai_response(
+    jobs: list, completions: list[Completion], parsed: Any, chat: bool, model: str, tokenizer
+) -> dict[str, Any]:
+    """The JSON answer of a (chat) completion request that does not stream."""
+    prompts = [p for _, p, _ in jobs]
+    choices = []
+    for (index, prompt, _), completion in zip(jobs, completions):
+        if chat:
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": completion.text},
+                "logprobs": oai.chat_logprobs(completion, tokenizer)
+                if parsed.logprobs is not None
+                else None,
+                "finish_reason": oai.finish_reason(completion),
+            }
+        else:
+            prefix = tokenizer.detokenize(prompt) if parsed.echo else ""
+            choice = {
+                "index": index,
+                "text": prefix + completion.text,
+                "logprobs": oai.completion_logprobs(completion, tokenizer, parsed.echo, 0)
+                if parsed.logprobs is not None
+                else None,
+                "finish_reason": oai.finish_reason(completion),
+            }
+        choices.append(choice)
+    return {
+        "id": oai.new_id("chatcmpl" if chat else "cmpl"),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": oai.timestamp(),
+        "model": model,
+        "choices": choices,
+        "usage": oai.usage(completions, prompts),
+    }
+
+
+def _add_info_routes(app: Any, engine: InferenceEngine, model_name: str) -> None:
+    """GET /v1/models and /health."""
+    started = oai.timestamp()
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": started, "owned_by": "gigatron"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    @app.get("/v1/health")
+    async def health():
+        return {
+            "status": "ok", "service": "gigatron inference server", "ready": True,
+            **engine.stats(),
+        }  # fmt: skip
+
+
+async def read_json(request: Any) -> Any:
+    """The request's JSON body; RequestError when it is not JSON."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError("the request body is not valid JSON", None) from None
+
+
 def create_app(engine: InferenceEngine, tokenizer, model_name: str = "gigatron"):
     """The FastAPI application (the engine thread starts and stops with it)."""
 
     # why: fastapi is the optional `serve` extra
     from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     bridge = EngineBridge(engine)
     template = oai.chat_template_of(tokenizer)
     eod = getattr(tokenizer, "eod", None)
-    started = oai.timestamp()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -142,31 +221,13 @@ def create_app(engine: InferenceEngine, tokenizer, model_name: str = "gigatron")
         body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
         return JSONResponse(body, status_code=status)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, error: StarletteHTTPException):
-        return JSONResponse({"message": str(error.detail)}, status_code=error.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, error: RequestValidationError):
-        return JSONResponse({"message": "invalid request"}, status_code=400)
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception):
-        log.exception("unexpected error on %s", request.url.path)
-        return JSONResponse({"message": "internal server error"}, status_code=500)
-
-    async def read_json(request: Request) -> Any:
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise RequestError("the request body is not valid JSON", None) from None
+    _add_error_handlers(app)
 
     # ---- Megatron -------------------------------------------------------------------------
     @app.put("/api")
     async def megatron_api(request: Request):
         try:
-            parsed = parse_megatron_request(await read_json(request), eod)
+            parsed = parse_megatron_request(await read_json(request), eod, engine.runner.vocab_size)
             bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
             prompts = [
                 ([bos] if parsed.add_bos else []) + tokenizer.tokenize(p) for p in parsed.prompts
@@ -200,37 +261,7 @@ def create_app(engine: InferenceEngine, tokenizer, model_name: str = "gigatron")
             stream = _stream(bridge, tokenizer, jobs, parsed, chat, model)
             return StreamingResponse(stream, media_type="text/event-stream")
         completions = await asyncio.gather(*(bridge.complete(p, q) for _, p, q in jobs))
-        prompts = [p for _, p, _ in jobs]
-        choices = []
-        for (index, prompt, _), completion in zip(jobs, completions):
-            if chat:
-                choice = {
-                    "index": index,
-                    "message": {"role": "assistant", "content": completion.text},
-                    "logprobs": oai.chat_logprobs(completion, tokenizer)
-                    if parsed.logprobs is not None
-                    else None,
-                    "finish_reason": oai.finish_reason(completion),
-                }
-            else:
-                prefix = tokenizer.detokenize(prompt) if parsed.echo else ""
-                choice = {
-                    "index": index,
-                    "text": prefix + completion.text,
-                    "logprobs": oai.completion_logprobs(completion, tokenizer, parsed.echo, 0)
-                    if parsed.logprobs is not None
-                    else None,
-                    "finish_reason": oai.finish_reason(completion),
-                }
-            choices.append(choice)
-        return {
-            "id": oai.new_id("chatcmpl" if chat else "cmpl"),
-            "object": "chat.completion" if chat else "text_completion",
-            "created": oai.timestamp(),
-            "model": model,
-            "choices": choices,
-            "usage": oai.usage(list(completions), prompts),
-        }
+        return _openai_response(jobs, list(completions), parsed, chat, model, tokenizer)
 
     @app.post("/v1/completions")
     @app.post("/completions")
@@ -242,19 +273,7 @@ def create_app(engine: InferenceEngine, tokenizer, model_name: str = "gigatron")
     async def chat_completions(request: Request):
         return await openai_call(request, chat=True)
 
-    @app.get("/v1/models")
-    async def models():
-        card = {"id": model_name, "object": "model", "created": started, "owned_by": "gigatron"}
-        return {"object": "list", "data": [card]}
-
-    @app.get("/health")
-    @app.get("/v1/health")
-    async def health():
-        return {
-            "status": "ok", "service": "gigatron inference server", "ready": True,
-            **engine.stats(),
-        }  # fmt: skip
-
+    _add_info_routes(app, engine, model_name)
     return app
 
 
@@ -344,50 +363,3 @@ async def _stream(bridge, tokenizer, jobs, parsed, chat: bool, model: str) -> As
             task.cancel()
             if not completion.finished:
                 bridge.engine.cancel(completion.request_id)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gigatron serve",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-        description="Serve a checkpoint over HTTP: Megatron's PUT /api and OpenAI's /v1 API.",
-    )
-    add_load_arguments(parser)
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    parser.add_argument("--port", type=int, default=5000, help="port (Megatron's default)")
-    parser.add_argument("--model-name", default="gigatron", help="the model id in /v1/models")
-    return parser
-
-
-def main(argv: Sequence[str]) -> int:
-    """`gigatron serve --load DIR [--port 5000]`."""
-
-    args = build_parser().parse_args(list(argv))
-    if not 0 < args.port < 65536:
-        raise GigatronError(f"--port {args.port}: not a TCP port; use 1-65535")
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn
-    except ImportError:
-        raise GigatronError(
-            "gigatron serve needs FastAPI and uvicorn: pip install 'gigatron[serve]'"
-        ) from None
-
-    loaded = load_for_inference(args)
-    try:
-        engine = engine_from_args(loaded, args)
-        if loaded.pctx.rank != 0:
-            engine.runner.follow()
-            return 0
-        app = create_app(engine, loaded.tokenizer, args.model_name)
-        print(
-            f"gigatron serve: {args.load} (iteration {loaded.iteration}) on "
-            f"http://{args.host}:{args.port}  (PUT /api, POST /v1/completions, "
-            "POST /v1/chat/completions)",
-            flush=True,
-        )
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-        return 0
-    finally:
-        destroy(loaded.pctx)

@@ -3,9 +3,9 @@ parameter counts."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
+from gigatron.config.parser import FlagParser
 from gigatron.config.presets import PRESET_VOCAB_SIZE, PRESETS
 from gigatron.config.root import GigatronConfig
 from gigatron.config.validate import finalize_config
@@ -45,10 +45,12 @@ def preset_table() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`gigatron presets`: print the named model shapes."""
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         allow_abbrev=False,  # Megatron refuses abbreviated flags too
         prog="gigatron presets",
-        description="List the named model shapes usable with --model-preset.",
+        description="List the named model shapes usable with --model-preset, with their "
+        "layers, hidden size, heads, vocabulary and parameter count.",
+        epilog=f"presets: {', '.join(PRESETS)}",
     )
     parser.parse_args(list(argv or []))
     print(preset_table())

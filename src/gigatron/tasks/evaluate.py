@@ -13,18 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
+from gigatron.config.checkpoint_args import add_checkpoint_arguments
+from gigatron.config.parser import FlagParser
 from gigatron.config.tasks import ZeroShotTaskConfig, add_task_arguments, task_config_from_namespace
-from gigatron.config.validate import params_dtype
 from gigatron.errors import GigatronError
-from gigatron.inference.load import load_for_inference
-from gigatron.tasks import lambada, wikitext
-from gigatron.tasks.scoring import score_samples
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="gigatron evaluate",
         description="zero-shot WikiText perplexity or LAMBADA accuracy of a GPT checkpoint",
         allow_abbrev=False,
@@ -50,25 +46,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--results-file", default=None, help="write the results here as JSON (default: none)"
     )
     group.add_argument("--no-progress-bar", action="store_true", help="no progress line")
+    # --seq-length is the window above (Megatron's tasks use the model's length the same way).
+    add_checkpoint_arguments(parser, skip=("seq_length",))
     return parser
 
 
 class Progress:
     """Rank 0's progress on stderr: one line rewritten in place on a terminal; elsewhere (a log
-    file, a zero-width console) a full line every LINE_EVERY_S seconds and at the end, with the
-    time left."""
+    file, a zero-width console) a full line with the time left every `log_interval` batches
+    (Megatron's --log-interval) or, without it, every LINE_EVERY_S seconds, and at the end."""
 
     LINE_EVERY_S = 10.0
 
-    def __init__(self, label: str, enabled: bool, stream: Any = None) -> None:
+    def __init__(
+        self, label: str, enabled: bool, log_interval: int | None = None, stream: Any = None
+    ) -> None:
         # why: training.metrics imports torch; here it loads after parsing, so --help stays fast
         from gigatron.training.metrics import format_eta, is_terminal, terminal_width
 
         self.format_eta = format_eta
         self.label, self.enabled, self.start = label, enabled, time.perf_counter()
+        self.log_interval = log_interval
         self.stream = stream or sys.stderr
         self.in_place = is_terminal(self.stream) and terminal_width(self.stream) != 0
         self.last_line = self.start
+
+    def _line_due(self, done: int, total: int, now: float) -> bool:
+        if done == total:
+            return True
+        if self.log_interval:
+            return done % max(1, self.log_interval) == 0
+        return now - self.last_line >= self.LINE_EVERY_S
 
     def __call__(self, done: int, total: int) -> None:
         if not self.enabled:
@@ -79,13 +87,17 @@ class Progress:
         if self.in_place:
             end = "\n" if done == total else ""
             print(f"\r{text}", end=end, file=self.stream, flush=True)
-        elif done == total or now - self.last_line >= self.LINE_EVERY_S:
+        elif self._line_due(done, total, now):
             self.last_line = now
             eta = self.format_eta((total - done) / max(rate, 1e-9))
             print(f"{text} | ETA: {eta}", file=self.stream, flush=True)
 
 
 def run_task(loaded: Any, task: ZeroShotTaskConfig, args: argparse.Namespace) -> dict[str, Any]:
+    from gigatron.config.validate import params_dtype
+    from gigatron.tasks import lambada, wikitext
+    from gigatron.tasks.scoring import score_samples
+
     (path,) = task.valid_data
     seq_length = args.seq_length or loaded.cfg.model.seq_length
     tokenizer = loaded.tokenizer
@@ -103,7 +115,7 @@ def run_task(loaded: Any, task: ZeroShotTaskConfig, args: argparse.Namespace) ->
         args.micro_batch_size,
         seq_length=seq_length,
         pipeline_dtype=params_dtype(loaded.cfg),
-        on_batch=Progress(task.task, show),
+        on_batch=Progress(task.task, show, getattr(args, "log_interval", None)),
     )
     elapsed = time.perf_counter() - start
     result: dict[str, Any] = {"task": task.task, "valid_data": path, "load": args.load}
@@ -166,10 +178,13 @@ def write_json(path: str | Path, value: Any) -> None:
 
 def evaluate(argv: Sequence[str]) -> dict[str, Any]:
     """Parse, load, evaluate; returns the results (every rank)."""
+    args = build_parser().parse_args(list(argv))
+    # why here: torch-heavy modules load after the flags are parsed (a quick --help)
+    import torch.distributed as dist
 
+    from gigatron.inference.load import load_for_inference
     from gigatron.training.run import apply_thread_choice
 
-    args = build_parser().parse_args(list(argv))
     task = task_config_from_namespace(ZeroShotTaskConfig, args)
     if task.task is None:
         raise GigatronError("--task: missing; give --task WIKITEXT103 or --task LAMBADA")

@@ -12,8 +12,8 @@ refused."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import itertools
 import math
 import shutil
 import sys
@@ -28,24 +28,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gigatron.config.parser import FlagParser
-from gigatron.config.root import add_config_arguments, config_from_namespace
-from gigatron.config.tasks import FinetuneTaskConfig, add_task_arguments, task_config_from_namespace
+from gigatron.config.root import config_from_namespace
+from gigatron.config.tasks import FinetuneTaskConfig, task_config_from_namespace
 from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
+from gigatron.tasks.finetune_command import build_parser
 
 LOSS_NAMES = ("lm_loss",)  # Megatron's finetuning logs its cross entropy as 'lm loss'
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        prog="gigatron finetune",
-        description="fine-tune a BERT checkpoint on MNLI, QQP or RACE",
-        allow_abbrev=False,
-    )
-    add_config_arguments(parser)
-    add_task_arguments(parser, FinetuneTaskConfig)
-    return parser
 
 
 # What a fine-tuning run does not do (a flag -> why); each is refused when set. Every flag of the
@@ -54,16 +43,10 @@ _REFUSED = {
     "load": "resuming a fine-tuning run is not supported; start from --pretrained-checkpoint",
     "train_iters": "--epochs sets the iterations",
     "train_samples": "--epochs sets the samples",
-    "save_interval": "the best checkpoint is saved after each epoch",
     "rampup_batch_size": "fine-tuning keeps one batch size",
-    "eval_interval": "the accuracy is measured after each epoch",
-    "eval_iters": "every validation sample is scored after each epoch",
     "eval_at_start": "--epochs 0 evaluates the pretrained checkpoint",
     "full_validation": "every validation sample is scored after each epoch",
     "skip_train": "--epochs 0 evaluates the pretrained checkpoint",
-    "finetune": "--pretrained-checkpoint is always loaded as weights only",
-    "no_load_optim": "--pretrained-checkpoint is always loaded as weights only",
-    "no_load_rng": "--pretrained-checkpoint is always loaded as weights only",
     "ckpt_convert_format": "convert checkpoints with gigatron pretrain or convert-checkpoint",
     "ckpt_convert_save": "convert checkpoints with gigatron pretrain or convert-checkpoint",
     "async_save": "the best checkpoint is saved synchronously after its epoch",
@@ -95,6 +78,13 @@ def _refuse(cfg, task: FinetuneTaskConfig) -> None:
         raise GigatronError(
             "--use-torch-fsdp2/--use-megatron-fsdp: gigatron finetune wraps the model in "
             "DistributedDataParallel (use --use-distributed-optimizer to shard optimizer state)"
+        )
+    t = cfg.training
+    if t.eval_iters != defaults.training.eval_iters and not t.eval_interval:
+        raise GigatronError(
+            f"--eval-iters {t.eval_iters}: the validation loss is measured every --eval-interval "
+            "iterations only; give --eval-interval too (the accuracy is measured after each "
+            "epoch either way)"
         )
     if task.task is None:
         raise GigatronError("--task: missing; give --task MNLI, QQP or RACE")
@@ -174,6 +164,22 @@ def epoch_batches(
         mine = chosen[pctx.dp_rank * per_rank : (pctx.dp_rank + 1) * per_rank]
         for start in range(0, per_rank, micro_batch):
             yield collate(samples, mine[start : start + micro_batch])
+
+
+def validation_batches(
+    valid_sets: list[tuple[str, list[dict[str, Any]]]],
+    seed: int,
+    global_batch: int,
+    pctx: ParallelContext,
+    training: Any,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Micro-batches of every validation sample, endlessly (--eval-iters of them per
+    --eval-interval): the loop's validation loss, as Megatron's fine-tuning logs it."""
+    samples = [sample for _, samples in valid_sets for sample in samples]
+    for epoch in itertools.count():
+        yield from epoch_batches(
+            samples, epoch, seed, global_batch, training.micro_batch_size, pctx, keep_last=True
+        )
 
 
 # ---- model --------------------------------------------------------------------------------------
@@ -285,7 +291,7 @@ def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any
             f"iterations per epoch of {parts.calculator.global_batch_size}; validation sets: "
             + ", ".join(f"{path} ({len(s)})" for path, s in data["valid"])
         )
-        return _train_epochs(_finetune_loop_run(parts, task, metrics), task, data)
+        return _train_epochs(_finetune_loop_run(parts, task, metrics, data), task, data)
     finally:
         if metrics is not None:
             metrics.close()
@@ -315,7 +321,9 @@ def _prepare_data(task: FinetuneTaskConfig, data: dict[str, Any], parts: Any) ->
     cfg.training.train_iters = max(1, task.epochs * data["per_epoch"])  # the lr schedule's length
 
 
-def _finetune_loop_run(parts: Any, task: FinetuneTaskConfig, metrics: Any) -> Any:
+def _finetune_loop_run(
+    parts: Any, task: FinetuneTaskConfig, metrics: Any, data: dict[str, Any]
+) -> Any:
     """The loop's Run for the classifier (its train_iterator is set per epoch)."""
     from gigatron.families.gpt.flops import model_flops_per_iteration
     from gigatron.parallel.schedules import ScheduleConfig
@@ -323,7 +331,7 @@ def _finetune_loop_run(parts: Any, task: FinetuneTaskConfig, metrics: Any) -> An
 
     cfg, t = parts.cfg, parts.cfg.training
     choices = 4 if task.task == "RACE" else 1
-    return Run(
+    run = Run(
         cfg=cfg, pctx=parts.pctx, model=parts.model, optimizer=parts.optimizer,
         scheduler=parts.scheduler, batch_calculator=parts.calculator,
         forward_step=partial(forward_step, parts.pctx),
@@ -335,6 +343,10 @@ def _finetune_loop_run(parts: Any, task: FinetuneTaskConfig, metrics: Any) -> An
         flops_per_iteration=lambda batch: model_flops_per_iteration(cfg.model, batch * choices, 0),
         loss_names=LOSS_NAMES, state=parts.state,
     )  # fmt: skip
+    if t.eval_interval:  # Megatron's validation loss every --eval-interval iterations
+        global_batch = parts.calculator.global_batch_size
+        run.valid_iterator = validation_batches(data["valid"], t.seed, global_batch, parts.pctx, t)
+    return run
 
 
 def _train_epochs(run: Any, task: FinetuneTaskConfig, data: dict[str, Any]) -> dict[str, Any]:
@@ -434,10 +446,57 @@ def _save_best(run: Any, task: FinetuneTaskConfig, record: dict, previous: dict 
     )
 
 
+def pretrained_config(path: str) -> Any:
+    """The configuration saved in a gigatron checkpoint (torch or torch_dist), or None when it
+    holds none that gigatron can read (its loader then says what is wrong)."""
+    from gigatron.checkpoint.dist_format import COMMON_FILENAME
+    from gigatron.checkpoint.formats import detect_format
+    from gigatron.checkpoint.torch_format import (
+        CHECKPOINT_FILENAME,
+        locate_iteration,
+        mp_rank_dir_name,
+        safe_load,
+        saved_layout,
+    )
+    from gigatron.config import config_from_dict
+
+    try:
+        located = locate_iteration(Path(path)) if Path(path).is_dir() else None
+        if located is None:
+            return None
+        iteration_dir = located[0]
+        if detect_format(iteration_dir) == "torch_dist":
+            saved = safe_load(iteration_dir / COMMON_FILENAME).get("args")
+        else:
+            layout = saved_layout(iteration_dir)
+            pp = layout[1] if layout else 1
+            first = iteration_dir / mp_rank_dir_name(0, 0, pp) / CHECKPOINT_FILENAME
+            saved = safe_load(first).get("args")
+        if not isinstance(saved, dict) or not saved:
+            return None
+        return config_from_dict(saved, source=f"{iteration_dir} args")
+    except (GigatronError, OSError):
+        return None
+
+
+def check_pretrained_shapes(argv: Sequence[str], task: FinetuneTaskConfig) -> None:
+    """Megatron's model flags that fix parameter shapes must match --pretrained-checkpoint's:
+    a difference is one error naming both values."""
+    from gigatron.config.checkpoint_args import PARAMETER_SHAPES, apply_checkpoint_flags
+
+    if not task.pretrained_checkpoint:
+        return
+    saved = pretrained_config(task.pretrained_checkpoint)
+    if saved is not None:
+        namespace = build_parser().parse_args(list(argv))
+        apply_checkpoint_flags(saved, namespace, only=PARAMETER_SHAPES)
+
+
 def main(argv: Sequence[str]) -> int:
     from gigatron.training.run import apply_thread_choice  # why: the training stack is heavy
 
     cfg, task = parse_finetune_args(argv)
+    check_pretrained_shapes(argv, task)
     apply_thread_choice()  # one process: a few threads (docs/training.md)
     finetune(cfg, task)
     return 0

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from gigatron.errors import GigatronError
+from gigatron.tasks.text_files import read_utf8
 
 MNLI_LABELS = {"contradiction": 0, "entailment": 1, "neutral": 2}
 QQP_LABELS = {"0": 0, "1": 1}
@@ -69,11 +70,8 @@ def make_sample(rows: list[tuple[list[int], list[int], list[int]]], label: int) 
 
 
 def _rows(path: str) -> list[list[str]]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return [line.strip().split("\t") for line in handle if line.strip()]
-    except OSError as error:
-        raise GigatronError(f"{path}: cannot be read ({error.strerror})") from None
+    text = read_utf8(path, "a GLUE TSV file")
+    return [line.strip().split("\t") for line in text.splitlines() if line.strip()]
 
 
 def read_mnli(path: str) -> list[tuple[str, str, int]]:

@@ -9,6 +9,7 @@ import numpy as np
 
 from gigatron.errors import GigatronError
 from gigatron.tasks.scoring import Sample
+from gigatron.tasks.text_files import read_utf8
 
 
 def split_passage(text: str, tokenizer, strict: bool) -> tuple[list[int], list[int]]:
@@ -40,21 +41,37 @@ def passage_sample(context: list[int], target: list[int], seq_length: int) -> Sa
 
 def read_lambada(path: str, tokenizer, seq_length: int, strict: bool) -> list[Sample]:
     samples = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                text = json.loads(line)["text"]
-            except (ValueError, KeyError, TypeError) as error:
-                raise GigatronError(
-                    f"--valid-data {path}: line {number} is not a JSON object with 'text' "
-                    f'({error}); LAMBADA files have one {{"text": ...}} per line'
-                ) from None
-            context, target = split_passage(text, tokenizer, strict)
-            if not context:
-                raise GigatronError(
-                    f"--valid-data {path}: line {number} has no context before its last word"
-                )
-            samples.append(passage_sample(context, target, seq_length))
+    text = read_utf8(path, 'a LAMBADA file (one {"text": ...} per line)')
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        text = passage_text(path, number, line)
+        context, target = split_passage(text, tokenizer, strict)
+        if not context:
+            raise GigatronError(
+                f"--valid-data {path}: line {number} has no context before its last word"
+            )
+        samples.append(passage_sample(context, target, seq_length))
+    if not samples:
+        raise GigatronError(
+            f'--valid-data {path}: holds no passages; LAMBADA files have one {{"text": ...}} '
+            "per line"
+        )
     return samples
+
+
+def passage_text(path: str, number: int, line: str) -> str:
+    """The 'text' string of one JSON line, or a clear error."""
+    try:
+        text = json.loads(line)["text"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise GigatronError(
+            f"--valid-data {path}: line {number} is not a JSON object with 'text' "
+            f'({error}); LAMBADA files have one {{"text": ...}} per line'
+        ) from None
+    if not isinstance(text, str) or not text.split():
+        raise GigatronError(
+            f"--valid-data {path}: line {number}: 'text' is {text!r}, not a passage; give "
+            "the passage as a non-empty JSON string"
+        )
+    return text

@@ -11,6 +11,7 @@ from typing import Any
 
 from gigatron.errors import GigatronError
 from gigatron.tasks.glue import clean_text, make_sample, pair_ids
+from gigatron.tasks.text_files import read_utf8
 
 NUM_CHOICES = 4
 MAX_QA_LENGTH = 128
@@ -60,7 +61,7 @@ def race_samples(path: str, tokenizer, seq_length: int) -> list[dict[str, Any]]:
         raise GigatronError(f"{path}: holds no *.txt article files")
     samples = []
     for file in files:
-        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(read_utf8(str(file), "a RACE article file").splitlines(), 1):
             if not line.strip():
                 continue
             try:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gigatron.errors import GigatronError
 from gigatron.tasks.scoring import Sample
+from gigatron.tasks.text_files import read_utf8
 
 # Exact string replacements, applied in order (the wiki format's spacing around punctuation).
 _NUMBER_SEPARATORS = [(" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", ".")]
@@ -65,10 +67,19 @@ class WikiTextData:
 
 
 def read_wikitext(path: str, tokenizer) -> WikiTextData:
-    with open(path, "rb") as handle:
-        text = handle.read().decode("utf-8")
+    text = read_utf8(path, "a WikiText file (wiki.valid.tokens or wiki.test.tokens)")
+    if "\x00" in text:
+        raise GigatronError(
+            f"--valid-data {path}: a binary file (it holds NUL bytes); give a WikiText file "
+            "(wiki.valid.tokens or wiki.test.tokens)"
+        )
     num_original = len(text.strip().split(" "))
     tokens = list(tokenizer.tokenize(detokenizer_for(path)(text)))
+    if len(tokens) < 2 or num_original < 2:
+        raise GigatronError(
+            f"--valid-data {path}: {len(tokens)} token(s), too few to score (at least 2 words "
+            "are needed); give a WikiText file (wiki.valid.tokens or wiki.test.tokens)"
+        )
     return WikiTextData(tokens, num_original, len(tokens))
 
 

@@ -1,0 +1,72 @@
+"""`gigatron serve`: its flags and start-up (parsed before the server's torch-heavy modules are
+imported, so `--help` is quick); the application is inference/server.py's `create_app`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from gigatron.config.parser import FlagParser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from gigatron.inference.arguments import add_load_arguments
+
+    parser = FlagParser(
+        prog="gigatron serve",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+        description="Serve a checkpoint over HTTP: Megatron's PUT /api and OpenAI's /v1 API.",
+    )
+    add_load_arguments(parser)
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on: this machine only by default; 0.0.0.0 (Megatron's "
+        "default) listens on every interface",
+    )
+    parser.add_argument("--port", type=int, default=5000, help="port (Megatron's default)")
+    parser.add_argument("--model-name", default="gigatron", help="the model id in /v1/models")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """`gigatron serve --load DIR [--port 5000]`."""
+    from gigatron.errors import GigatronError
+    from gigatron.inference.arguments import resolve_batch_size
+
+    args = build_parser().parse_args(list(argv))
+    resolve_batch_size(args)
+    # why here: torch-heavy modules load after the flags are parsed (a quick --help)
+    from gigatron.inference.load import engine_from_args, load_for_inference
+
+    if not 0 < args.port < 65536:
+        raise GigatronError(f"--port {args.port}: not a TCP port; use 1-65535")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise GigatronError(
+            "gigatron serve needs FastAPI and uvicorn: pip install 'gigatron[serve]'"
+        ) from None
+    from gigatron.parallel.context import destroy
+
+    loaded = load_for_inference(args)
+    try:
+        engine = engine_from_args(loaded, args)
+        if loaded.pctx.rank != 0:
+            engine.runner.follow()
+            return 0
+        from gigatron.inference.server import create_app
+
+        app = create_app(engine, loaded.tokenizer, args.model_name)
+        print(
+            f"gigatron serve: {args.load} (iteration {loaded.iteration}) on "
+            f"http://{args.host}:{args.port}  (PUT /api, POST /v1/completions, "
+            "POST /v1/chat/completions)",
+            flush=True,
+        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        return 0
+    finally:
+        destroy(loaded.pctx)
