@@ -34,7 +34,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from gigatron import quickstart
     from gigatron.checkpoint import convert, hf_convert
     from gigatron.data import merge, preprocess, train_tokenizer
-    from gigatron.inference import generate, server
+    from gigatron.inference import generate, serve_command
     from gigatron.tasks import evaluate, finetune
     from gigatron.training import plot_command
 
@@ -47,7 +47,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "convert-checkpoint": convert._parser,
         "convert": hf_convert._parser,
         "generate": generate.build_parser,
-        "serve": server.build_parser,
+        "serve": serve_command.build_parser,
         "evaluate": evaluate.build_parser,
         "finetune": finetune.build_parser,
         "plot": plot_command.build_parser,

@@ -7,11 +7,11 @@ import argparse
 from collections.abc import Sequence
 
 from gigatron.config.parser import FlagParser
+from gigatron.errors import GigatronError
+from gigatron.inference.arguments import add_load_arguments, resolve_batch_size
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from gigatron.inference.arguments import add_load_arguments
-
     parser = FlagParser(
         prog="gigatron serve",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -32,9 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     """`gigatron serve --load DIR [--port 5000]`."""
-    from gigatron.errors import GigatronError
-    from gigatron.inference.arguments import resolve_batch_size
-
     args = build_parser().parse_args(list(argv))
     resolve_batch_size(args)
     # why here: torch-heavy modules load after the flags are parsed (a quick --help)

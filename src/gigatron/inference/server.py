@@ -29,7 +29,6 @@ from gigatron.inference.api_megatron import (
     parse_megatron_request,
 )
 from gigatron.inference.engine import Completion, InferenceEngine, SamplingParams
-from gigatron.inference.serve_command import build_parser, main  # noqa: F401 (the command)
 
 log = logging.getLogger("gigatron.serve")
 

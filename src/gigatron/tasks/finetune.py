@@ -29,10 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron.config.root import config_from_namespace
-from gigatron.config.tasks import FinetuneTaskConfig, task_config_from_namespace
+from gigatron.config.tasks import (
+    FinetuneTaskConfig,
+    task_config_from_namespace,
+)
+from gigatron.config.tasks import build_finetune_parser as build_parser
 from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
-from gigatron.tasks.finetune_command import build_parser
 
 LOSS_NAMES = ("lm_loss",)  # Megatron's finetuning logs its cross entropy as 'lm loss'
 

@@ -3,23 +3,9 @@
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
-from gigatron.config.parser import FlagParser
-from gigatron.config.root import add_config_arguments
-from gigatron.config.tasks import FinetuneTaskConfig, add_task_arguments
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        prog="gigatron finetune",
-        description="fine-tune a BERT checkpoint on MNLI, QQP or RACE",
-        allow_abbrev=False,
-    )
-    add_config_arguments(parser)
-    add_task_arguments(parser, FinetuneTaskConfig)
-    return parser
+from gigatron.config.tasks import build_finetune_parser as build_parser
 
 
 def main(argv: Sequence[str]) -> int:
