@@ -104,6 +104,14 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
     return cfg
 
 
+def freeze_config(cfg: GigatronConfig) -> GigatronConfig:
+    """Make every section read-only (the last step of parse -> finalize -> validate -> freeze at
+    a command's edge): code that builds or runs a model can no longer change the run's options."""
+    for section in dataclasses.fields(cfg):
+        getattr(cfg, section.name).freeze()
+    return cfg
+
+
 def _training_requirements(cfg: GigatronConfig) -> list[str]:
     """The flags a training run cannot do without."""
     m, t = cfg.model, cfg.training

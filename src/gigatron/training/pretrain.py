@@ -9,6 +9,7 @@ family's record in gigatron.families. Works alone and under `torchrun --nproc-pe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from gigatron.checkpoint.megatron_args import parse_config_with_checkpoint_args
 from gigatron.config import GigatronConfig, validate_config
-from gigatron.config.validate import params_dtype
+from gigatron.config.validate import freeze_config, params_dtype
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
 from gigatron.families.accepted import check_family_config
@@ -78,7 +79,7 @@ def parse_pretrain_config(
         raise GigatronError(f"--log-interval {cfg.logging.log_interval} must be positive")
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval <= 0:
         raise GigatronError(f"--save-interval {cfg.checkpoint.save_interval} must be positive")
-    return cfg
+    return freeze_config(cfg)  # building and running the model never changes it
 
 
 def set_determinism(cfg: GigatronConfig) -> None:
@@ -109,7 +110,7 @@ def build_run_tokenizer(cfg: GigatronConfig) -> Any:
     tok = cfg.tokenizer
     if tok.tokenizer_type is None:
         if cfg.data.mock_data and tok.vocab_size is not None:
-            tok.tokenizer_type = "NullTokenizer"
+            tok = dataclasses.replace(tok, tokenizer_type="NullTokenizer")
         else:
             raise GigatronError(
                 "--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file and "
