@@ -184,3 +184,31 @@ def test_a_new_family_declares_its_flags_and_no_other_family_changes():
     assert foreign_settings(parse_config([]), "gpt", (), claimed) == []  # defaults are fine
     with pytest.raises(KeyError):
         claims({"newfam": {"no_such_field"}})
+
+
+def test_the_config_is_frozen_at_the_edge_and_building_models_never_changes_it():
+    import copy
+    import dataclasses
+
+    from gigatron.config import GigatronConfig
+    from gigatron.models.transformer_config import TransformerConfig
+    from gigatron.parallel.context import ParallelContext
+
+    cfg = parse_pretrain_config(_SHAPE, world_size=1, family="gpt")
+    with pytest.raises(dataclasses.FrozenInstanceError, match="ModelConfig.hidden_size: the"):
+        cfg.model.hidden_size = 32
+    # Every family's model builds from the frozen configuration (nothing writes into it).
+    mamba = ["--mamba-num-groups", "1", "--mamba-head-dim", "16"]
+    for family, extra in (("gpt", []), ("bert", []), ("t5", _T5), ("mamba", mamba)):
+        frozen = parse_pretrain_config([*_SHAPE, *extra], world_size=1, family=family)
+        chunks = get_family(family).build_model(frozen, ParallelContext.single(), 128)
+        assert sum(p.numel() for chunk in chunks for p in chunk.parameters()) > 0
+    thawed = copy.deepcopy(cfg)  # a copy is free to change (the converters derive layouts so)
+    thawed.model.hidden_size = 32
+    assert (thawed.model.hidden_size, cfg.model.hidden_size) == (32, 64)
+    # An unfinalized config stays as it was: TransformerConfig finalizes a copy.
+    raw = GigatronConfig()
+    raw.model.num_layers, raw.model.hidden_size, raw.model.num_attention_heads = 2, 64, 4
+    before = copy.deepcopy(raw)
+    assert TransformerConfig.from_config(raw).ffn_hidden_size == 256
+    assert raw == before and raw.model.ffn_hidden_size is None
