@@ -131,6 +131,12 @@ _T5 = ["--decoder-seq-length", "16"]
         ("mamba", ["--mask-prob", "0.2"], "--mask-prob", "bert and t5 do"),
         (
             "bert",
+            ["--calculate-per-token-loss"],
+            "--calculate-per-token-loss",
+            "gpt, mamba and t5 do",
+        ),
+        (
+            "bert",
             ["--position-embedding-type", "relative"],
             "--position-embedding-type relative",
             "t5 does",
@@ -140,7 +146,7 @@ _T5 = ["--decoder-seq-length", "16"]
 def test_a_flag_of_another_family_is_refused_naming_flag_and_family(family, flags, shown, owners):
     with pytest.raises(GigatronError) as error:
         parse_pretrain_config([*_SHAPE, *flags], world_size=1, family=family)
-    first = owners.split()[0]
+    first = owners.split()[0].rstrip(",")
     assert str(error.value) == (
         f"{shown}: the {family} family does not use it (only {owners}); remove it, or use "
         f"`gigatron pretrain {first}`"
