@@ -119,7 +119,7 @@ def test_sft_is_refused_where_it_does_not_apply(tmp_path):
             )
         )  # fmt: skip
     bert = [f for f in flags if f != "--sft"]
-    with pytest.raises(GigatronError, match="--sft: supervised fine-tuning is built for GPT"):
+    with pytest.raises(GigatronError, match=r"--sft: the bert family does not use it \(only gpt"):
         parse_pretrain_config(["--sft", *bert], world_size=1, family="bert")
 
 

@@ -46,8 +46,10 @@ def test_config_beside_the_checkpoint_reads_back_the_same(tmp_path):
     assert config_to_dict(again) == config_to_dict(cfg)
     assert again.model.hidden_size == 64 and again.training.train_iters == 3
     # A run from the written config alone gives the same losses.
-    again.checkpoint.save = str(tmp_path / "second")
-    second, _ = pretrain(again, stream=io.StringIO(), progress_bar=False)
+    rerun = ["--config", str(save / CONFIG_FILENAME), "--save", str(tmp_path / "second")]
+    second, _ = pretrain(
+        parse_pretrain_config(rerun, world_size=1), stream=io.StringIO(), progress_bar=False
+    )
     assert second.train_losses == result.train_losses
     # The arguments block came first, once, with every value.
     text = out.getvalue()

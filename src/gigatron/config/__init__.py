@@ -21,7 +21,7 @@ from gigatron.config.root import (
 )
 from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.config.training import TrainingConfig
-from gigatron.config.validate import finalize_config, validate_config
+from gigatron.config.validate import finalize_config, freeze_config, validate_config
 
 __all__ = [
     "SECTIONS",
@@ -39,6 +39,7 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "finalize_config",
+    "freeze_config",
     "parse_config",
     "validate_config",
 ]

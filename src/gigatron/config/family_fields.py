@@ -74,7 +74,7 @@ def foreign_settings(
     for entry, owners in claimed.items():
         if entry in accepted or not entry_is_set(cfg, entry):
             continue
-        users = " and ".join(owners)
+        users = owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} and {owners[-1]}"
         problems.append(
             f"{entry_flag(entry)}: the {family} family does not use it (only {users} "
             f"{'does' if len(owners) == 1 else 'do'}); remove it, or use "

@@ -21,7 +21,7 @@ class MoEConfig(Section):
     num_experts: Optional[int] = flag_field(None, "experts per MoE layer (None: dense MLPs)")
     moe_layer_freq: str = flag_field(
         "1",
-        "which layers are MoE: an integer N (layer i is MoE when i mod N == 0) or a list pattern "
+        "which layers are MoE: an integer N (layer i is MoE when i % N == 0) or a list pattern "
         "such as '[1,0,1,1]' or '([1]*3+[0])*2' (1 = MoE, one entry per layer)",
     )
     moe_ffn_hidden_size: Optional[int] = flag_field(

@@ -7,15 +7,39 @@ every line into one error.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Iterable
+from typing import Any
 
 
 class Section:
-    """Base of the configuration sections (dataclasses)."""
+    """Base of the configuration sections (dataclasses): their own rules (`problems`), and
+    freezing once validated (`freeze`: any later assignment raises; a deep copy is unfrozen)."""
+
+    _frozen = False  # a class attribute, not a dataclass field
 
     def problems(self) -> list[str]:
         """One line per broken rule among this section's own fields (none by default)."""
         return []
+
+    def freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise dataclasses.FrozenInstanceError(
+                f"{type(self).__name__}.{name}: the configuration is frozen once validated at the "
+                "command's edge; set it before freeze_config, or change a copy.deepcopy of it"
+            )
+        super().__setattr__(name, value)
+
+    def __deepcopy__(self, memo: dict) -> Section:
+        copied = object.__new__(type(self))
+        for name, value in self.__dict__.items():
+            if name != "_frozen":
+                object.__setattr__(copied, name, copy.deepcopy(value, memo))
+        return copied
 
 
 def positive_problems(values: Iterable[tuple[int | float | None, str]]) -> list[str]:

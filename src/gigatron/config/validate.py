@@ -46,6 +46,33 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
     m, t, p = cfg.model, cfg.training, cfg.parallel
     if m.model_preset:
         apply_preset(cfg, m.model_preset)
+    _finalize_switches(cfg)
+    _finalize_model_shape(cfg)
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        # Megatron's rule: the same script runs at any tensor-parallel size.
+        p.sequence_parallel = False
+        warnings.warn(
+            "--sequence-parallel needs --tensor-model-parallel-size > 1; turned off", stacklevel=2
+        )
+    if cfg.moe.num_experts and cfg.moe.moe_ffn_hidden_size is None:
+        cfg.moe.moe_ffn_hidden_size = m.ffn_hidden_size
+    if cfg.moe.num_experts and p.expert_tensor_parallel_size is None:
+        p.expert_tensor_parallel_size = p.tensor_model_parallel_size
+    if world_size is not None and t.micro_batch_size is not None and t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * max(1, data_parallel_size(cfg, world_size))
+    if p.num_virtual_stages_per_pipeline_rank is None and p.num_layers_per_virtual_pipeline_stage:
+        if m.num_layers and p.pipeline_model_parallel_size:
+            per_stage = m.num_layers // p.pipeline_model_parallel_size
+            p.num_virtual_stages_per_pipeline_rank = max(
+                1, per_stage // p.num_layers_per_virtual_pipeline_stage
+            )
+    return cfg
+
+
+def _finalize_switches(cfg: GigatronConfig) -> None:
+    """Flags that stand for others: --recompute-activations, --checkpoint-activations,
+    Megatron-FSDP's optimizer-only sharding."""
+    m, p = cfg.model, cfg.parallel
     if m.recompute_activations:
         m.recompute_granularity = "selective"
     if p.use_megatron_fsdp and p.data_parallel_sharding_strategy == "optim":
@@ -57,6 +84,11 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
         m.recompute_method = "uniform"
         if m.recompute_num_layers is None:
             m.recompute_num_layers = 1
+
+
+def _finalize_model_shape(cfg: GigatronConfig) -> None:
+    """Layer count, sequence length, MLP and head sizes, query groups, positions."""
+    m = cfg.model
     pattern = m.hybrid_layer_pattern or m.hybrid_override_pattern
     if m.num_layers is None and pattern:
         m.num_layers = len(pattern)  # a hybrid stack's layer count is its pattern's (Megatron)
@@ -71,37 +103,22 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
             m.ffn_hidden_size = int((4 * m.hidden_size * 2 / 3) / 64) * 64
         else:
             m.ffn_hidden_size = 4 * m.hidden_size
-    if (
-        m.hidden_size is not None
-        and m.num_attention_heads
-        and m.kv_channels is None
-        and m.hidden_size % m.num_attention_heads == 0
-    ):
-        m.kv_channels = m.hidden_size // m.num_attention_heads
-    if not m.group_query_attention and m.num_attention_heads:
-        m.num_query_groups = m.num_attention_heads
-    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
-        # Megatron's rule: the same script runs at any tensor-parallel size.
-        p.sequence_parallel = False
-        warnings.warn(
-            "--sequence-parallel needs --tensor-model-parallel-size > 1; turned off", stacklevel=2
-        )
+    heads = m.num_attention_heads
+    if m.hidden_size is not None and heads and m.kv_channels is None and m.hidden_size % heads == 0:
+        m.kv_channels = m.hidden_size // heads
+    if not m.group_query_attention and heads:
+        m.num_query_groups = heads
     if m.max_position_embeddings is None and m.seq_length is not None:
         m.max_position_embeddings = max(m.seq_length, m.decoder_seq_length or 0)
     if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
         m.position_embedding_type = "none"  # --no-position-embedding's older meaning
-    if cfg.moe.num_experts and cfg.moe.moe_ffn_hidden_size is None:
-        cfg.moe.moe_ffn_hidden_size = m.ffn_hidden_size
-    if cfg.moe.num_experts and p.expert_tensor_parallel_size is None:
-        p.expert_tensor_parallel_size = p.tensor_model_parallel_size
-    if world_size is not None and t.micro_batch_size is not None and t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * max(1, data_parallel_size(cfg, world_size))
-    if p.num_virtual_stages_per_pipeline_rank is None and p.num_layers_per_virtual_pipeline_stage:
-        if m.num_layers and p.pipeline_model_parallel_size:
-            per_stage = m.num_layers // p.pipeline_model_parallel_size
-            p.num_virtual_stages_per_pipeline_rank = max(
-                1, per_stage // p.num_layers_per_virtual_pipeline_stage
-            )
+
+
+def freeze_config(cfg: GigatronConfig) -> GigatronConfig:
+    """Make every section read-only (the last step of parse -> finalize -> validate -> freeze at
+    a command's edge): code that builds or runs a model can no longer change the run's options."""
+    for section in dataclasses.fields(cfg):
+        getattr(cfg, section.name).freeze()
     return cfg
 
 

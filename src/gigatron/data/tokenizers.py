@@ -7,6 +7,7 @@ reads only local files: nothing is downloaded. `build_tokenizer(cfg)` is the one
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import re
@@ -596,7 +597,7 @@ def build_run_tokenizer(cfg: Any) -> Any:
     tok = cfg.tokenizer
     if tok.tokenizer_type is None:
         if cfg.data.mock_data and tok.vocab_size is not None:
-            tok.tokenizer_type = "NullTokenizer"
+            tok = dataclasses.replace(tok, tokenizer_type="NullTokenizer")  # cfg is frozen
         else:
             raise GigatronError(
                 "--tokenizer-type is required (e.g. GPT2BPETokenizer with --vocab-file and "

@@ -23,7 +23,7 @@ from gigatron.checkpoint.formats import save_checkpoint
 from gigatron.checkpoint.megatron_args import parse_config_with_checkpoint_args
 from gigatron.checkpoint.torch_format import loaded_message
 from gigatron.config import GigatronConfig, validate_config
-from gigatron.config.validate import params_dtype
+from gigatron.config.validate import freeze_config, params_dtype
 from gigatron.data.loader import build_data_iterator
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
@@ -101,7 +101,7 @@ def parse_pretrain_config(
         raise GigatronError(f"--log-interval {cfg.logging.log_interval} must be positive")
     if cfg.checkpoint.save_interval is not None and cfg.checkpoint.save_interval <= 0:
         raise GigatronError(f"--save-interval {cfg.checkpoint.save_interval} must be positive")
-    return cfg
+    return freeze_config(cfg)  # building and running the model never changes it
 
 
 def dataset_sample_counts(cfg: GigatronConfig, train_iters: int, global_batch: int):
