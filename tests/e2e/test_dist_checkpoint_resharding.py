@@ -10,24 +10,21 @@ saved at (tp 2, ep 2) reshards to ep 1 and ep 4 the same way.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from gigatron.checkpoint.dist_format import read_full_tensors
+from helpers import pretrain as run_pretrain
+from helpers import tiny_gpt_flags, train_values
 
 DENSE = [
-    "--mock-data", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32",
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3",
+    *tiny_gpt_flags(num_layers=4, hidden_size=32, micro_batch_size=1),
+    "--make-vocab-size-divisible-by", "32", "--global-batch-size", "8", "--lr", "1e-3",
     "--train-iters", "4", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
-    "--deterministic-mode", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--ckpt-format", "torch_dist",
+    "--deterministic-mode", "--hidden-dropout", "0", "--attention-dropout", "0", "--ckpt-format",
+    "torch_dist",
 ]  # fmt: skip
 SAVED_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                 "--use-distributed-optimizer"]  # fmt: skip
@@ -57,20 +54,11 @@ MOE_LAYOUTS = {
 
 
 def pretrain(nproc: int, *flags: str) -> str:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [*launcher, "-m", "gigatron.cli", "pretrain", "gpt", *DENSE, *flags]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    if result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
-    return result.stdout
+    return run_pretrain("gpt", *DENSE, *flags, nproc=nproc).stdout
 
 
 def losses(directory: Path) -> dict[int, float]:
-    lines = (directory / "metrics.jsonl").read_text().splitlines()
-    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, lines) if r["type"] == "train"}
+    return train_values(directory)
 
 
 def assert_same_tensors(a: Path, b: Path) -> None:

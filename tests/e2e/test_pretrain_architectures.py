@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import tiny_gpt_flags
+
 TINY = [
-    "--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
-    "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-    "--global-batch-size", "4", "--lr", "3e-3", "--train-iters", "6", "--log-interval", "1",
-    "--eval-interval", "6", "--eval-iters", "1", "--num-workers", "0",
+    *tiny_gpt_flags(hidden_size=32), "--global-batch-size", "4", "--lr", "3e-3", "--train-iters",
+    "6", "--log-interval", "1", "--eval-interval", "6", "--eval-iters", "1", "--num-workers", "0",
     "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope",
 ]  # fmt: skip
 

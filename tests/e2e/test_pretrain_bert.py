@@ -4,44 +4,17 @@ context parallelism give the one-process losses; a saved run resumes and convert
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-VOCAB = DATA / "bert-base-uncased-vocab.txt"
+from helpers import BERT_VOCAB as VOCAB
+from helpers import pretrain, records
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def _run(command: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    return result
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """300 LAMBADA passages, sentence-split and WordPiece-tokenised."""
-    directory = tmp_path_factory.mktemp("bert-data")
-    lines = (DATA / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines()[:300]
-    (directory / "corpus.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    _run([sys.executable, "-m", "gigatron.cli", "preprocess", "--input",
-          str(directory / "corpus.jsonl"), "--output-prefix", str(directory / "wiki"),
-          "--split-sentences", "--tokenizer-type", "BertWordPieceLowerCase",
-          "--vocab-file", str(VOCAB), "--workers", "1"])  # fmt: skip
-    return str(directory / "wiki_text_sentence")
-
-
-def _flags(corpus: str, save: Path, *extra: str) -> list[str]:
+def _flags(data: str, save: Path, *extra: str) -> list[str]:
     return [
-        "--data-path", corpus, "--split", "90,8,2", "--tokenizer-type", "BertWordPieceLowerCase",
+        "--data-path", data, "--split", "90,8,2", "--tokenizer-type", "BertWordPieceLowerCase",
         "--vocab-file", str(VOCAB), "--padded-vocab-size", "30720",  # the same at every tp
         "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
@@ -52,33 +25,23 @@ def _flags(corpus: str, save: Path, *extra: str) -> list[str]:
 
 
 def _train(flags: list[str], nproc: int = 1) -> None:
-    if nproc == 1:
-        command = [sys.executable, "-m", "gigatron.cli", "pretrain", "bert", *flags]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                   "--standalone", "-m", "gigatron.cli", "pretrain", "bert", *flags]  # fmt: skip
-    _run(command)
-
-
-def _records(directory: Path, kind: str) -> list[dict]:
-    lines = (directory / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["type"] == kind]
+    pretrain("bert", *flags, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> Path:
+def reference(wordpiece_corpus, tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("bert-one")
-    _train(_flags(corpus, directory, "--train-iters", "10"))
+    _train(_flags(wordpiece_corpus, directory, "--train-iters", "10"))
     return directory
 
 
 def test_both_losses_are_logged_and_fall(reference):
-    train = _records(reference, "train")
+    train = records(reference, "train")
     assert [r["iteration"] for r in train] == list(range(1, 11))
     assert all(r["mlm_loss"] > 0 and r["sop_loss"] > 0 for r in train)
     first, last = train[0], train[-1]
     assert last["mlm_loss"] < first["mlm_loss"] - 1.0  # ln(30522) ~ 10.3 at the start
-    evals = _records(reference, "eval")
+    evals = records(reference, "eval")
     assert {"mlm_loss", "sop_loss", "mlm_loss_ppl"} <= set(evals[0])
 
 
@@ -92,41 +55,43 @@ def test_both_losses_are_logged_and_fall(reference):
     ],
     ids=["tp2-sp", "pp2", "dp2-distopt", "cp2"],
 )
-def test_parallel_layouts_match_one_process(corpus, reference, tmp_path, layout):
-    _train(_flags(corpus, tmp_path, "--train-iters", "10", *layout), nproc=2)
-    one = {r["iteration"]: r for r in _records(reference, "train")}
-    two = {r["iteration"]: r for r in _records(tmp_path, "train")}
+def test_parallel_layouts_match_one_process(wordpiece_corpus, reference, tmp_path, layout):
+    _train(_flags(wordpiece_corpus, tmp_path, "--train-iters", "10", *layout), nproc=2)
+    one = {r["iteration"]: r for r in records(reference, "train")}
+    two = {r["iteration"]: r for r in records(tmp_path, "train")}
     assert sorted(two) == sorted(one)
     for name in ("mlm_loss", "sop_loss"):
         expected = [one[i][name] for i in sorted(one)]
         assert [two[i][name] for i in sorted(two)] == pytest.approx(expected, rel=2e-5), name
 
 
-def test_no_binary_head_logs_only_the_masked_lm_loss(corpus, tmp_path):
-    _train(_flags(corpus, tmp_path, "--train-iters", "2", "--bert-no-binary-head"))
-    train = _records(tmp_path, "train")
+def test_no_binary_head_logs_only_the_masked_lm_loss(wordpiece_corpus, tmp_path):
+    _train(_flags(wordpiece_corpus, tmp_path, "--train-iters", "2", "--bert-no-binary-head"))
+    train = records(tmp_path, "train")
     assert all("mlm_loss" in r and "sop_loss" not in r for r in train)
 
 
-def test_resume_continues_exactly(corpus, reference, tmp_path):
-    _train(_flags(corpus, tmp_path, "--train-iters", "10", "--exit-interval", "5"))
-    _train(_flags(corpus, tmp_path, "--train-iters", "10", "--load", str(tmp_path)))
-    one = {r["iteration"]: r["mlm_loss"] for r in _records(reference, "train")}
-    resumed = {r["iteration"]: r["mlm_loss"] for r in _records(tmp_path, "train")}
+def test_resume_continues_exactly(wordpiece_corpus, reference, tmp_path):
+    _train(_flags(wordpiece_corpus, tmp_path, "--train-iters", "10", "--exit-interval", "5"))
+    _train(_flags(wordpiece_corpus, tmp_path, "--train-iters", "10", "--load", str(tmp_path)))
+    one = {r["iteration"]: r["mlm_loss"] for r in records(reference, "train")}
+    resumed = {r["iteration"]: r["mlm_loss"] for r in records(tmp_path, "train")}
     assert [resumed[i] for i in range(6, 11)] == [one[i] for i in range(6, 11)]
 
 
 def _test_losses(metrics: Path) -> dict[str, float]:
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    (test,) = [r for r in records if r["type"] == "eval" and r["split"] == "test"]
+    (test,) = [r for r in records(metrics, "eval") if r["split"] == "test"]
     return {name: test[name] for name in ("mlm_loss", "sop_loss")}
 
 
-def test_convert_checkpoint_to_other_layouts_evaluates_the_same(corpus, tmp_path):
+def test_convert_checkpoint_to_other_layouts_evaluates_the_same(wordpiece_corpus, tmp_path):
     from gigatron.checkpoint.convert import convert_checkpoint
 
     source = tmp_path / "tp2"
-    _train(_flags(corpus, source, "--train-iters", "2", "--tensor-model-parallel-size", "2"), 2)
+    _train(
+        _flags(wordpiece_corpus, source, "--train-iters", "2", "--tensor-model-parallel-size", "2"),
+        2,
+    )
     expected = _test_losses(source / "metrics.jsonl")
     weights_only = ["--no-load-optim", "--no-load-rng", "--skip-train", "--train-iters", "2"]
     for name, sizes, layout, nproc in (
@@ -136,6 +101,6 @@ def test_convert_checkpoint_to_other_layouts_evaluates_the_same(corpus, tmp_path
         target = tmp_path / name
         convert_checkpoint(source, target, target_tp=sizes[0], target_pp=sizes[1])
         metrics = tmp_path / f"{name}.jsonl"
-        flags = _flags(corpus, tmp_path / f"{name}-out", *weights_only, *layout)
+        flags = _flags(wordpiece_corpus, tmp_path / f"{name}-out", *weights_only, *layout)
         _train([*flags, "--load", str(target), "--metrics-file", str(metrics)], nproc)
         assert _test_losses(metrics) == pytest.approx(expected, abs=1e-5), name

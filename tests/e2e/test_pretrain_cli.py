@@ -16,12 +16,12 @@ import torch
 
 from gigatron.errors import GigatronError
 from gigatron.training.pretrain import main as pretrain_main
+from helpers import tiny_gpt_flags
 
 TINY = [
-    "--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
-    "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-    "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "8", "--log-interval", "1",
-    "--eval-interval", "4", "--eval-iters", "1", "--num-workers", "0", "--deterministic-mode",
+    *tiny_gpt_flags(hidden_size=32), "--global-batch-size", "4", "--lr", "1e-3", "--train-iters",
+    "8", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1", "--num-workers", "0",
+    "--deterministic-mode",
 ]  # fmt: skip
 
 

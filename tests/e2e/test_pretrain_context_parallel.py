@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from helpers import tiny_gpt_flags
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 FLAGS = [
-    "--mock-data", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32",
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+    *tiny_gpt_flags(num_attention_heads=8, seq_length=32), "--make-vocab-size-divisible-by", "32",
     "--group-query-attention", "--num-query-groups", "4", "--position-embedding-type", "rope",
     "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights", "--seq-length", "32", "--micro-batch-size", "2",
-    "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "10", "--log-interval", "1",
-    "--eval-interval", "5", "--eval-iters", "1", "--num-workers", "0", "--hidden-dropout", "0",
-    "--attention-dropout", "0",
+    "--untie-embeddings-and-output-weights", "--global-batch-size", "8", "--lr", "1e-3",
+    "--train-iters", "10", "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1",
+    "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
 ]  # fmt: skip
 
 

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import tiny_gpt_flags
+
 TINY = [
-    "--mock-data", "--vocab-size", "256", "--num-layers", "2", "--hidden-size", "64",
-    "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-    "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "4", "--log-interval", "1",
-    "--eval-iters", "0", "--num-workers", "0", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--deterministic-mode", "--no-progress-bar",
+    *tiny_gpt_flags(vocab_size=256, seq_length=32), "--global-batch-size", "8", "--lr", "1e-3",
+    "--train-iters", "4", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--deterministic-mode",
+    "--no-progress-bar",
 ]  # fmt: skip
 
 

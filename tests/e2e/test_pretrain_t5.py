@@ -6,16 +6,13 @@ positions, RMSNorm, gated GeLU, no biases)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-VOCAB = DATA / "bert-base-uncased-vocab.txt"
+from helpers import BERT_VOCAB as VOCAB
+from helpers import gigatron, pretrain, records
+
 HF_LAYOUT = [
     "--position-embedding-type", "relative", "--relative-attention-num-buckets", "8",
     "--normalization", "RMSNorm", "--disable-bias-linear", "--geglu", "--openai-gelu",
@@ -23,32 +20,9 @@ HF_LAYOUT = [
 ]  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def _run(command: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    return result
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    """300 LAMBADA passages, sentence-split and WordPiece-tokenised."""
-    directory = tmp_path_factory.mktemp("t5-data")
-    lines = (DATA / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines()[:300]
-    (directory / "corpus.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    _run([sys.executable, "-m", "gigatron.cli", "preprocess", "--input",
-          str(directory / "corpus.jsonl"), "--output-prefix", str(directory / "wiki"),
-          "--split-sentences", "--tokenizer-type", "BertWordPieceLowerCase",
-          "--vocab-file", str(VOCAB), "--workers", "1"])  # fmt: skip
-    return str(directory / "wiki_text_sentence")
-
-
-def _flags(corpus: str, save: Path, *extra: str) -> list[str]:
+def _flags(data: str, save: Path, *extra: str) -> list[str]:
     return [
-        "--data-path", corpus, "--split", "90,8,2", "--tokenizer-type", "BertWordPieceLowerCase",
+        "--data-path", data, "--split", "90,8,2", "--tokenizer-type", "BertWordPieceLowerCase",
         "--vocab-file", str(VOCAB), "--vocab-extra-ids", "100",
         "--padded-vocab-size", "30720",  # the same at every tp
         "--encoder-num-layers", "2", "--decoder-num-layers", "2", "--hidden-size", "32",
@@ -61,34 +35,24 @@ def _flags(corpus: str, save: Path, *extra: str) -> list[str]:
 
 
 def _train(flags: list[str], nproc: int = 1) -> None:
-    if nproc == 1:
-        command = [sys.executable, "-m", "gigatron.cli", "pretrain", "t5", *flags]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                   "--standalone", "-m", "gigatron.cli", "pretrain", "t5", *flags]  # fmt: skip
-    _run(command)
-
-
-def _records(directory: Path, kind: str) -> list[dict]:
-    lines = (directory / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["type"] == kind]
+    pretrain("t5", *flags, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
-def references(corpus, tmp_path_factory) -> dict[str, Path]:
+def references(wordpiece_corpus, tmp_path_factory) -> dict[str, Path]:
     runs = {}
     for name, extra in (("megatron", []), ("hf", HF_LAYOUT)):
         runs[name] = tmp_path_factory.mktemp(f"t5-{name}")
-        _train(_flags(corpus, runs[name], *extra))
+        _train(_flags(wordpiece_corpus, runs[name], *extra))
     return runs
 
 
 @pytest.mark.parametrize("variant", ["megatron", "hf"])
 def test_training_and_validation_losses_fall(references, variant):
-    train = _records(references[variant], "train")
+    train = records(references[variant], "train")
     assert [r["iteration"] for r in train] == list(range(1, 11))
     assert train[-1]["lm_loss"] < train[0]["lm_loss"] - 1.0  # ln(30720) ~ 10.3 at the start
-    valid = [r for r in _records(references[variant], "eval") if r["split"] == "valid"]
+    valid = [r for r in records(references[variant], "eval") if r["split"] == "valid"]
     assert [r["iteration"] for r in valid] == [5, 10]
     assert valid[1]["lm_loss"] < valid[0]["lm_loss"]
 
@@ -114,11 +78,13 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
     ],
     ids=["tp2-sp", "tp2-sp-pp2-dp2-distopt", "pp4-split2", "hf-tp2-sp-pp2"],
 )
-def test_parallel_layouts_match_one_process(corpus, references, tmp_path, variant, nproc, layout):
+def test_parallel_layouts_match_one_process(
+    wordpiece_corpus, references, tmp_path, variant, nproc, layout
+):
     extra = HF_LAYOUT if variant == "hf" else []
-    _train(_flags(corpus, tmp_path, *extra, *layout), nproc=nproc)
-    one = [r["lm_loss"] for r in _records(references[variant], "train")]
-    two = [r["lm_loss"] for r in _records(tmp_path, "train")]
+    _train(_flags(wordpiece_corpus, tmp_path, *extra, *layout), nproc=nproc)
+    one = [r["lm_loss"] for r in records(references[variant], "train")]
+    two = [r["lm_loss"] for r in records(tmp_path, "train")]
     assert two == pytest.approx(one, rel=2e-5)
 
 
@@ -130,9 +96,8 @@ def test_convert_checkpoint_round_trips_through_a_t5_pipeline_layout(references,
     source = references["megatron"]
     split, back = tmp_path / "split", tmp_path / "back"
     for load, save, tp, pp in ((source, split, "2", "4"), (split, back, "1", "1")):
-        _run([sys.executable, "-m", "gigatron.cli", "convert-checkpoint", "--load", str(load),
-              "--save", str(save), "--target-tensor-parallel-size", tp,
-              "--target-pipeline-parallel-size", pp])  # fmt: skip
+        gigatron("convert-checkpoint", "--load", load, "--save", save,
+                 "--target-tensor-parallel-size", tp, "--target-pipeline-parallel-size", pp)  # fmt: skip
     stage_dirs = sorted(p.name for p in (split / "iter_0000010").iterdir())
     assert stage_dirs == [f"mp_rank_{t:02d}_{p:03d}" for t in range(2) for p in range(4)]
     decoder_first = torch.load(
@@ -151,16 +116,16 @@ def test_convert_checkpoint_round_trips_through_a_t5_pipeline_layout(references,
         assert torch.equal(restored[name], tensor), name
 
 
-def test_torch_dist_checkpoint_resumes_in_another_layout(corpus, references, tmp_path):
+def test_torch_dist_checkpoint_resumes_in_another_layout(wordpiece_corpus, references, tmp_path):
     """Saved by encoder | decoder pipeline stages in the torch_dist format, resumed at tp 2
     without a pipeline: iterations 6-10 give the one-process losses."""
     first, second = tmp_path / "pp2", tmp_path / "tp2"
-    _train(_flags(corpus, first, *PP2, "--ckpt-format", "torch_dist", "--save-interval", "5",
-                  "--exit-interval", "5"), nproc=2)  # fmt: skip
-    _train(_flags(corpus, second, "--tensor-model-parallel-size", "2", "--ckpt-format",
-                  "torch_dist", "--load", str(first)), nproc=2)  # fmt: skip
-    one = {r["iteration"]: r["lm_loss"] for r in _records(references["megatron"], "train")}
-    resumed = {r["iteration"]: r["lm_loss"] for r in _records(second, "train")}
+    _train(_flags(wordpiece_corpus, first, *PP2, "--ckpt-format", "torch_dist",
+                  "--save-interval", "5", "--exit-interval", "5"), nproc=2)  # fmt: skip
+    _train(_flags(wordpiece_corpus, second, "--tensor-model-parallel-size", "2",
+                  "--ckpt-format", "torch_dist", "--load", str(first)), nproc=2)  # fmt: skip
+    one = {r["iteration"]: r["lm_loss"] for r in records(references["megatron"], "train")}
+    resumed = {r["iteration"]: r["lm_loss"] for r in records(second, "train")}
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert [resumed[i] for i in range(6, 11)] == pytest.approx(
         [one[i] for i in range(6, 11)], rel=2e-5

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers import tiny_gpt_flags
+
 pytestmark = pytest.mark.distributed
 
 TINY = [
-    "--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
-    "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-    "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
+    *tiny_gpt_flags(hidden_size=32), "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
 ]  # fmt: skip
 
 

@@ -1,0 +1,146 @@
+"""Shared by the test folders (importable as `helpers`: tests/ is on sys.path through
+tests/conftest.py): running `gigatron <command>` in a subprocess, alone or under torchrun, tiny
+model flag sets, tiny datasets and reading metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent / "data"
+LAMBADA = DATA / "lambada_test.jsonl"
+BERT_VOCAB = DATA / "bert-base-uncased-vocab.txt"
+TIMEOUT_S = 300  # a subprocess that has not ended by then has hung: fail instead of waiting
+
+
+# ---- subprocesses ----
+def env(**extra: str) -> dict[str, str]:
+    """This process's environment with one thread per process (torchrun starts several on few
+    cores; thread counts also change CPU reduction order) and unbuffered output."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def launcher(nproc: int = 1) -> list[str]:
+    """This interpreter, or torchrun with `nproc` local processes when nproc > 1."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc)]  # fmt: skip
+
+
+def gigatron_command(*args: str, nproc: int = 1) -> list[str]:
+    """The command line of `gigatron <args>` (under torchrun when nproc > 1)."""
+    return [*launcher(nproc), "-m", "gigatron.cli", *args]
+
+
+def run(
+    command: Sequence[str],
+    *,
+    check: bool = True,
+    timeout: float = TIMEOUT_S,
+    environment: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run `command` to its end; with `check`, a non-zero exit fails the test with the command,
+    its exit status and both streams."""
+    result = subprocess.run(
+        list(command), capture_output=True, text=True, timeout=timeout,
+        env=env() if environment is None else environment,
+    )  # fmt: skip
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"exit {result.returncode}: {' '.join(map(str, command))}\n"
+            f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        )
+    return result
+
+
+def gigatron(
+    *args: str, nproc: int = 1, check: bool = True, timeout: float = TIMEOUT_S, **kw
+) -> subprocess.CompletedProcess:
+    """`gigatron <args>` in a subprocess (under torchrun when nproc > 1); see `run`."""
+    return run(gigatron_command(*map(str, args), nproc=nproc), check=check, timeout=timeout, **kw)
+
+
+def pretrain(family: str, *flags: str, nproc: int = 1, **kw) -> subprocess.CompletedProcess:
+    """`gigatron pretrain <family> <flags>` in a subprocess; see `gigatron`."""
+    return gigatron("pretrain", family, *flags, nproc=nproc, **kw)
+
+
+# ---- tiny models ----
+def tiny_gpt_flags(
+    *,
+    vocab_size: int = 128,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    seq_length: int = 16,
+    micro_batch_size: int = 2,
+) -> list[str]:
+    """Mock data and a small GPT (2 layers, hidden 64 unless told): add the batch and schedule."""
+    return [
+        "--mock-data", "--vocab-size", str(vocab_size), "--num-layers", str(num_layers),
+        "--hidden-size", str(hidden_size), "--num-attention-heads", str(num_attention_heads),
+        "--seq-length", str(seq_length), "--micro-batch-size", str(micro_batch_size),
+    ]  # fmt: skip
+
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+WEIGHTS_ONLY = ["--no-load-optim", "--no-load-rng", "--skip-train"]
+
+
+# ---- tiny datasets ----
+def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    """One JSON object a line."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def lambada_lines(count: int, skip: int = 0) -> list[str]:
+    """The first `count` lines (after `skip`) of tests/data/lambada_test.jsonl, as written."""
+    return LAMBADA.read_text(encoding="utf-8").splitlines()[skip : skip + count]
+
+
+def lambada_corpus(path: Path, count: int) -> Path:
+    """A JSON-lines corpus of `count` LAMBADA passages ({"text": ...} a line)."""
+    path.write_text("\n".join(lambada_lines(count)) + "\n", encoding="utf-8")
+    return path
+
+
+def wordpiece_sentences(directory: Path, count: int = 300) -> str:
+    """`count` LAMBADA passages, sentence-split and WordPiece-tokenised by `gigatron preprocess`:
+    the --data-path of a BERT or T5 run."""
+    corpus = lambada_corpus(directory / "corpus.jsonl", count)
+    gigatron("preprocess", "--input", corpus, "--output-prefix", directory / "wiki",
+             "--split-sentences", "--tokenizer-type", "BertWordPieceLowerCase",
+             "--vocab-file", BERT_VOCAB, "--workers", "1")  # fmt: skip
+    return str(directory / "wiki_text_sentence")
+
+
+# ---- metrics.jsonl ----
+def records(path: Path, kind: str | None = None) -> list[dict]:
+    """The records of a metrics file (or of `<directory>/metrics.jsonl`), of one type if given."""
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    every = [json.loads(line) for line in path.read_text().splitlines()]
+    return every if kind is None else [r for r in every if r["type"] == kind]
+
+
+def train_values(source: Path | list[dict], key: str = "lm_loss") -> dict[int, float]:
+    """{iteration: value} of the train records (of a metrics path or already read records)."""
+    rows = records(source) if isinstance(source, Path) else source
+    return {r["iteration"]: r[key] for r in rows if r["type"] == "train"}
+
+
+def eval_record(path: Path, split: str = "test") -> dict:
+    """The one eval record of `split`."""
+    (record,) = [r for r in records(path, "eval") if r["split"] == split]
+    return record
+
+
+def loss_on_test_split(path: Path, key: str = "lm_loss") -> float:
+    """The test split's `key` of a metrics file (or of a run directory)."""
+    return eval_record(path, "test")[key]
