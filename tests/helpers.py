@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -68,6 +69,18 @@ def gigatron(
 def pretrain(family: str, *flags: str, nproc: int = 1, **kw) -> subprocess.CompletedProcess:
     """`gigatron pretrain <family> <flags>` in a subprocess; see `gigatron`."""
     return gigatron("pretrain", family, *flags, nproc=nproc, **kw)
+
+
+def wait_for_train_record(metrics: Path, process: subprocess.Popen, seconds: float) -> None:
+    """Wait until `metrics` holds a train record; fail if `process` ends first or time runs out."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if metrics.is_file() and '"type": "train"' in metrics.read_text():
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended early:\n{process.communicate()[0]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no iteration logged within {seconds} s")
 
 
 # ---- tiny models ----

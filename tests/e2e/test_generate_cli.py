@@ -3,31 +3,24 @@ same tokens at tensor-parallel 2 and pipeline-parallel 2 (torchrun) as at 1."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from inference_helpers import engine_from_checkpoint, env, save_tiny_checkpoint
+from inference_helpers import engine_from_checkpoint, save_tiny_checkpoint
 
 from gigatron.checkpoint.convert import convert_checkpoint
 from gigatron.inference import SamplingParams
+from helpers import gigatron, records
 
 PROMPTS = ["The quick brown fox", "Hello", "In 1999, the city of Paris had"]
 
 
 def run_generate(load: Path, output: Path, *flags: str, nproc: int = 1):
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     prompt_flags = [item for prompt in PROMPTS for item in ("--prompt", prompt)]
-    command = [*launcher, "-m", "gigatron.cli", "generate", "--load", str(load), "--device",
-               "cpu", *prompt_flags, "--output", str(output), *flags]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return [json.loads(line) for line in output.read_text().splitlines()]
+    gigatron("generate", "--load", str(load), "--device", "cpu", *prompt_flags,
+             "--output", str(output), *flags, nproc=nproc, timeout=240)  # fmt: skip
+    return records(output)
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +77,11 @@ def test_torch_dist_checkpoint_generates_the_same_tokens_at_any_tp(reference, tm
 
 
 def test_generate_refuses_a_wrong_process_count_and_bad_flags(checkpoint, tmp_path):
-    command = [sys.executable, "-m", "gigatron.cli", "generate", "--load", str(checkpoint),
-               "--prompt", "x", "--top-p", "1.5"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=60)
+    result = gigatron("generate", "--load", str(checkpoint), "--prompt", "x", "--top-p", "1.5",
+                      check=False, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "top_p must be in [0, 1]" in result.stderr
-    missing = subprocess.run(
-        [sys.executable, "-m", "gigatron.cli", "generate", "--load", str(tmp_path), "--prompt", "x"],
-        capture_output=True, text=True, env=env(), timeout=60,
-    )  # fmt: skip
+    missing = gigatron("generate", "--load", str(tmp_path), "--prompt", "x", check=False,
+                       timeout=60)  # fmt: skip
     assert missing.returncode == 2 and "no checkpoint there" in missing.stderr
 
 

@@ -5,15 +5,11 @@ resumes at cp 2 bit-exactly and loads at cp 1."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import tiny_gpt_flags
+from helpers import pretrain, records, tiny_gpt_flags
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -28,20 +24,12 @@ FLAGS = [
 
 
 def _train(directory: Path, *flags: str, nproc: int = 1) -> Path:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    command = [*launcher, "-m", "gigatron.cli", "pretrain", "gpt", *FLAGS, *flags]
-    command += ["--save", str(directory)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    pretrain("gpt", *FLAGS, *flags, "--save", str(directory), nproc=nproc)
     return directory
 
 
 def _train_records(directory: Path) -> dict[int, dict]:
-    lines = (directory / "metrics.jsonl").read_text().splitlines()
-    return {r["iteration"]: r for r in map(json.loads, lines) if r["type"] == "train"}
+    return {r["iteration"]: r for r in records(directory, "train")}
 
 
 def _assert_same_run(got: dict[int, dict], expected: dict[int, dict], rel: float) -> None:

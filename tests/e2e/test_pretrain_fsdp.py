@@ -7,16 +7,13 @@ Megatron-FSDP's ZeRO-2 strategy in bf16 with per-token loss gives the one-proces
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import tiny_gpt_flags
+from helpers import pretrain, tiny_gpt_flags, train_values
+from helpers import records as read_records
 
 TINY = [
     *tiny_gpt_flags(vocab_size=256, seq_length=32), "--global-batch-size", "8", "--lr", "1e-3",
@@ -27,23 +24,15 @@ TINY = [
 
 
 def _pretrain(directory: Path, *flags: str, nproc: int = 1) -> list[dict]:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     metrics = directory / "metrics.jsonl"
-    command = [*launcher, "-m", "gigatron.cli", "pretrain", "gpt", *TINY, *flags,
-               "--metrics-file", str(metrics)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    if result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
+    pretrain("gpt", *TINY, *flags, "--metrics-file", str(metrics), nproc=nproc)
     if not metrics.is_file():  # a convert-on-load run stops before training
         return []
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return read_records(metrics)
 
 
 def _train(records: list[dict], key: str = "lm_loss") -> dict[int, float]:
-    return {r["iteration"]: r[key] for r in records if r["type"] == "train"}
+    return train_values(records, key)
 
 
 def _bytes(records: list[dict]) -> list[dict]:

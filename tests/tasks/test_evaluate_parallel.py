@@ -4,23 +4,17 @@ split over tensor-parallel 2 or pipeline-parallel 2, give the single-process res
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from task_helpers import WIKITEXT, env, save, tiny_model
+from task_helpers import WIKITEXT, save, tiny_model
 
 from gigatron.checkpoint.convert import convert_checkpoint
+from helpers import gigatron
 
 
 def _evaluate(load, out, flags, nproc):
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    command = [*launcher, "-m", "gigatron.cli", "evaluate", "--load", str(load), "--device",
-               "cpu", "--results-file", str(out), *flags]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = gigatron("evaluate", "--load", str(load), "--device", "cpu",
+                      "--results-file", str(out), *flags, nproc=nproc)  # fmt: skip
     return json.loads(out.read_text()), result.stdout
 
 
