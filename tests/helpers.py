@@ -71,6 +71,33 @@ def pretrain(family: str, *flags: str, nproc: int = 1, **kw) -> subprocess.Compl
     return gigatron("pretrain", family, *flags, nproc=nproc, **kw)
 
 
+def gigatron_sequence(
+    runs: Sequence[tuple[Path, Sequence[str]]], nproc: int = 1, timeout: float = TIMEOUT_S
+) -> list[str]:
+    """Run each `gigatron <args>` in turn in one launch (one process, or one torchrun process
+    group of `nproc`) instead of one launch each; `runs` pairs a file for the command's standard
+    output with its args. The outputs, in order; a failing command fails the test."""
+    spec = Path(runs[0][0]).parent / f"sequence-{os.getpid()}-{time.monotonic_ns()}.json"
+    spec.write_text(json.dumps([[str(out), [str(a) for a in args]] for out, args in runs]))
+    script = Path(__file__).resolve().parent / "gigatron_sequence.py"
+    run([*launcher(nproc), str(script), str(spec)], timeout=timeout)
+    return [Path(out).read_text(encoding="utf-8") for out, _ in runs]
+
+
+def gigatron_runs(
+    root: Path, runs: dict[str, tuple[int, Sequence[str]]], timeout: float = 600
+) -> dict[str, str]:
+    """Run named `gigatron` commands (name -> (processes, args)) in one launch per process
+    count (gigatron_sequence), the largest count first and, within one, in the given order;
+    each command's standard output, by name (also in `root/<name>.out`)."""
+    outputs: dict[str, str] = {}
+    for nproc in sorted({n for n, _ in runs.values()}, reverse=True):
+        names = [name for name, (n, _) in runs.items() if n == nproc]
+        files = [(root / f"{name.replace('/', '_')}.out", runs[name][1]) for name in names]
+        outputs.update(zip(names, gigatron_sequence(files, nproc=nproc, timeout=timeout)))
+    return outputs
+
+
 def wait_for_train_record(metrics: Path, process: subprocess.Popen, seconds: float) -> None:
     """Wait until `metrics` holds a train record; fail if `process` ends first or time runs out."""
     deadline = time.monotonic() + seconds
@@ -101,6 +128,11 @@ def tiny_gpt_flags(
     ]  # fmt: skip
 
 
+# Multi-latent attention's sizes in the tiny models (with a query latent and latent norms).
+TINY_MLA = dict(
+    multi_latent_attention=True, qk_layernorm=True, q_lora_rank=24, kv_lora_rank=16,
+    qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=12,
+)  # fmt: skip
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 WEIGHTS_ONLY = ["--no-load-optim", "--no-load-rng", "--skip-train"]
 

@@ -10,6 +10,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing may be downloaded
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -113,14 +114,20 @@ def test_generate_until_stops_at_the_stop_string(memorised):
     assert len(tokenizer.tokenize(text)) <= 6
 
 
+def _task_dir(tmp_path: Path, data: Path) -> Path:
+    """A folder holding the local LAMBADA task's YAML over `data`."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "lambada_local.yaml").write_text(TASK_YAML.format(path=data))
+    return tasks
+
+
 def test_harness_lambada_agrees_with_gigatron_evaluate(memorised, tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     directory, _, _, data, model = memorised
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "lambada_local.yaml").write_text(TASK_YAML.format(path=data))
+    tasks = _task_dir(tmp_path, data)
     output = simple_evaluate(
         model=model,
         tasks=["gigatron_lambada_local"],
@@ -136,9 +143,7 @@ def test_harness_lambada_agrees_with_gigatron_evaluate(memorised, tmp_path):
 
 def test_gigatron_lm_eval_command_runs_the_harness(memorised, tmp_path):
     directory, _, _, data, _ = memorised
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "lambada_local.yaml").write_text(TASK_YAML.format(path=data))
+    tasks = _task_dir(tmp_path, data)
     result = gigatron(
         "lm-eval", "--model", "gigatron", "--model_args", f"load={directory / 'ckpt'},device=cpu",
         "--tasks", "gigatron_lambada_local", "--include_path", str(tasks),
