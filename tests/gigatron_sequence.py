@@ -1,7 +1,8 @@
 """Runs several `gigatron` commands one after another in this process; under torchrun, all in
-one process group created once (a command finds it and leaves it), so several configurations
-cost one launch. Started by helpers.gigatron_sequence with a JSON file of
-[[stdout file, [command, args...]], ...]: each command's standard output goes to its file."""
+the one launch (each command gets a fresh process group on a store shared by the launch, as a
+command destroys the group it ran in), so several configurations cost one launch. Started by
+helpers.gigatron_sequence with a JSON file of [[stdout file, [command, args...]], ...]: each
+command's standard output goes to its file."""
 
 from __future__ import annotations
 
@@ -17,28 +18,39 @@ import torch.distributed as dist
 from gigatron.cli import main
 
 
-def run_all(runs: list[tuple[str, list[str]]]) -> int:
+def join_process_group(store: dist.Store | None, index: int) -> None:
+    """Create the default process group for command `index` unless one exists (a rank that
+    fails alone leaves the others waiting: they give up after 5 minutes)."""
+    if store is None or dist.is_initialized():
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"command{index}", store), rank=rank,
+        world_size=world_size, timeout=datetime.timedelta(minutes=5),
+    )  # fmt: skip
+
+
+def run_all(runs: list[tuple[str, list[str]]], store: dist.Store | None) -> int:
     """0 when every command exits 0; else the first failure's exit status, its output on stderr."""
-    for stdout_file, args in runs:
+    for index, (stdout_file, args) in enumerate(runs):
+        join_process_group(store, index)
         with open(stdout_file, "a", encoding="utf-8") as out, contextlib.redirect_stdout(out):
             code = main(args)
         if code != 0:
             print(f"exit {code}: gigatron {' '.join(args)}", file=sys.stderr)
             print(Path(stdout_file).read_text(encoding="utf-8"), file=sys.stderr)
             return code
-        if dist.is_initialized():
-            dist.barrier()  # the next command starts after every rank ended this one
     return 0
 
 
 if __name__ == "__main__":
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if distributed:
-        # A rank that fails alone leaves the others waiting: they give up after 5 minutes.
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    spec = Path(sys.argv[1])
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # One file store per launch (the spec's name is unique): the commands' groups meet there.
+    store = dist.FileStore(f"{spec}.store", world_size) if world_size > 1 else None
     try:
-        status = run_all(json.loads(Path(sys.argv[1]).read_text(encoding="utf-8")))
+        status = run_all(json.loads(spec.read_text(encoding="utf-8")), store)
     finally:
-        if distributed:
+        if dist.is_initialized():
             dist.destroy_process_group()
     sys.exit(status)

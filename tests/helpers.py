@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -46,17 +47,27 @@ def run(
     environment: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `command` to its end; with `check`, a non-zero exit fails the test with the command,
-    its exit status and both streams."""
-    result = subprocess.run(
-        list(command), capture_output=True, text=True, timeout=timeout,
-        env=env() if environment is None else environment,
+    its exit status and both streams. Past `timeout` seconds the command and every process it
+    started (torchrun's workers) are killed and the test fails with what they printed."""
+    process = subprocess.Popen(
+        list(map(str, command)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env() if environment is None else environment, start_new_session=True,
     )  # fmt: skip
-    if check and result.returncode != 0:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # its own session: the workers go too
+        stdout, stderr = process.communicate()
         raise AssertionError(
-            f"exit {result.returncode}: {' '.join(map(str, command))}\n"
-            f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+            f"timed out after {timeout} s: {' '.join(map(str, command))}\n"
+            f"--- stdout\n{stdout}\n--- stderr\n{stderr}"
+        ) from None
+    if check and process.returncode != 0:
+        raise AssertionError(
+            f"exit {process.returncode}: {' '.join(map(str, command))}\n"
+            f"--- stdout\n{stdout}\n--- stderr\n{stderr}"
         )
-    return result
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def gigatron(
