@@ -149,6 +149,13 @@ WEIGHTS_ONLY = ["--no-load-optim", "--no-load-rng", "--skip-train"]
 
 
 # ---- tiny datasets ----
+# Common English words (all in the BERT WordPiece vocabulary) to make random sentences of.
+WORDS = (
+    "the cat sat on a mat while the dog ran around an old red barn and birds sang in tall "
+    "green trees near a quiet river where children played games until evening came"
+).split()
+
+
 def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
     """One JSON object a line."""
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
