@@ -12,8 +12,8 @@ import torch
 import helpers
 from gigatron.checkpoint.convert import convert_checkpoint
 from gigatron.errors import GigatronError
+from helpers import gigatron_runs, pretrain, records, tiny_gpt_flags
 from helpers import loss_on_test_split as _test_loss
-from helpers import pretrain, records, tiny_gpt_flags
 
 MOE = [
     *tiny_gpt_flags(vocab_size=64, hidden_size=32), "--make-vocab-size-divisible-by", "32",
@@ -38,10 +38,12 @@ def _pretrain(*flags: str, nproc: int = 1) -> None:
 def runs(tmp_path_factory) -> Path:
     """4 iterations at ep = 2 saved every 2, and the same run resumed from iteration 2."""
     root = tmp_path_factory.mktemp("moe_ckpt")
-    _pretrain(*EP2, "--train-iters", "4", "--save-interval", "2", "--save", str(root / "full"),
-              nproc=2)  # fmt: skip
-    _pretrain(*EP2, "--train-iters", "4", "--load", str(root / "full"), "--ckpt-step", "2",
-              "--save", str(root / "resumed"), nproc=2)  # fmt: skip
+    flags = ["pretrain", "gpt", *MOE, *EP2, "--train-iters", "4"]
+    gigatron_runs(root, {  # in turn, in one launch
+        "full": (2, [*flags, "--save-interval", "2", "--save", str(root / "full")]),
+        "resumed": (2, [*flags, "--load", str(root / "full"), "--ckpt-step", "2",
+                        "--save", str(root / "resumed")]),
+    })  # fmt: skip
     return root
 
 
