@@ -147,17 +147,29 @@ def test_unknown_family_lists_the_known_ones():
 
 # Per-token loss with plain SGD: the gradients are divided by the token count of both replicas.
 PER_TOKEN_SGD = ["--calculate-per-token-loss", "--optimizer", "sgd", "--lr", "0.5"]
+DATA_PARALLEL = {"mean": [], "per-token-sgd": PER_TOKEN_SGD}
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "4"]
 
 
-@pytest.mark.parametrize("extra", [[], PER_TOKEN_SGD], ids=["mean", "per-token-sgd"])
-def test_torchrun_data_parallel_matches_one_process(tmp_path, in_process, extra):
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    """Both torchrun runs (dp = 2) in one launch, each in `<root>/<name>`."""
+    root = tmp_path_factory.mktemp("dp2")
+    runs = {
+        name: (2, ["pretrain", "gpt", *TINY, *NO_DROPOUT, *extra, "--save", str(root / name)])
+        for name, extra in DATA_PARALLEL.items()
+    }
+    helpers.gigatron_runs(root, runs)
+    return root
+
+
+@pytest.mark.parametrize("name", list(DATA_PARALLEL))
+def test_torchrun_data_parallel_matches_one_process(tmp_path, in_process, two_processes, name):
     """Two processes on Gloo (dp = 2) train like one: same losses, every record written once."""
-    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "4"]
-    no_dropout += extra
-    assert in_process("--save", str(tmp_path / "one"), *no_dropout) == 0
-    helpers.pretrain("gpt", *TINY, *no_dropout, "--save", str(tmp_path / "two"), nproc=2)
-    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    extra = DATA_PARALLEL[name]
+    assert in_process("--save", str(tmp_path / "one"), *NO_DROPOUT, *extra) == 0
+    one, two = train_losses(tmp_path / "one"), train_losses(two_processes / name)
     assert sorted(two) == [1, 2, 3, 4]
     assert [two[i] for i in range(1, 5)] == pytest.approx([one[i] for i in range(1, 5)], rel=1e-5)
-    (startup,) = records(tmp_path / "two", "startup")
+    (startup,) = records(two_processes / name, "startup")
     assert startup["dp"] == 2 and [e["rank"] for e in startup["bytes_per_rank"]] == [0, 1]

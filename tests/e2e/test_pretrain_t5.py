@@ -2,7 +2,8 @@
 training and validation losses fall, and tensor (+ sequence) parallelism, pipeline parallelism
 (encoder and decoder on different stages) and data parallelism with the distributed optimizer
 give the one-process losses, for Megatron's T5 and for the Hugging Face layout (relative
-positions, RMSNorm, gated GeLU, no biases)."""
+positions, RMSNorm, gated GeLU, no biases). The trainings go in a few launches (`runs`,
+helpers.gigatron_runs); each test checks its runs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import BERT_VOCAB as VOCAB
-from helpers import gigatron, pretrain, records
+from helpers import gigatron, gigatron_runs, records
 
 HF_LAYOUT = [
     "--position-embedding-type", "relative", "--relative-attention-num-buckets", "8",
@@ -34,17 +35,45 @@ def _flags(data: str, save: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _train(flags: list[str], nproc: int = 1) -> None:
-    pretrain("t5", *flags, nproc=nproc)
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+# name -> (variant, processes, layout flags)
+LAYOUTS = {
+    "tp2-sp": ("megatron", 2, TP2_SP),
+    # The issue's layout: tp 2 + sp, encoder | decoder (the split rank's default), dp 2 with
+    # the distributed optimizer; eight processes, as the three sizes multiply.
+    "tp2-sp-pp2-dp2-distopt": ("megatron", 8, [*TP2_SP, *PP2, "--use-distributed-optimizer"]),
+    # two encoder and two decoder stages: the embedding on stages 0, 2 and 3
+    "pp4-split2": ("megatron", 4, ["--pipeline-model-parallel-size", "4",
+                                   "--pipeline-model-parallel-split-rank", "2"]),
+    "hf-tp2-sp-pp2": ("hf", 4, [*TP2_SP, *PP2, "--pipeline-model-parallel-split-rank", "1"]),
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def references(wordpiece_corpus, tmp_path_factory) -> dict[str, Path]:
-    runs = {}
-    for name, extra in (("megatron", []), ("hf", HF_LAYOUT)):
-        runs[name] = tmp_path_factory.mktemp(f"t5-{name}")
-        _train(_flags(wordpiece_corpus, runs[name], *extra))
-    return runs
+def runs(wordpiece_corpus, tmp_path_factory) -> Path:
+    """Every training of this file, in one launch per process count (process start-up dominates
+    on CPU), then the torch_dist resume; each run's folder is named after it."""
+    root = tmp_path_factory.mktemp("t5")
+
+    def command(save: str, *extra: str) -> list[str]:
+        return ["pretrain", "t5", *_flags(wordpiece_corpus, root / save, *extra)]
+
+    first = {"megatron": (1, command("megatron")), "hf": (1, command("hf", *HF_LAYOUT))}
+    for name, (variant, nproc, layout) in LAYOUTS.items():
+        first[name] = (nproc, command(name, *(HF_LAYOUT if variant == "hf" else []), *layout))
+    first["dist-pp2"] = (2, command("dist-pp2", *PP2, "--ckpt-format", "torch_dist",
+                                    "--save-interval", "5", "--exit-interval", "5"))  # fmt: skip
+    gigatron_runs(root, first)
+    resumed = command("dist-tp2", "--tensor-model-parallel-size", "2", "--ckpt-format",
+                      "torch_dist", "--load", str(root / "dist-pp2"))  # fmt: skip
+    gigatron_runs(root, {"dist-tp2": (2, resumed)})
+    return root
+
+
+@pytest.fixture(scope="module")
+def references(runs) -> dict[str, Path]:
+    return {name: runs / name for name in ("megatron", "hf")}
 
 
 @pytest.mark.parametrize("variant", ["megatron", "hf"])
@@ -57,34 +86,11 @@ def test_training_and_validation_losses_fall(references, variant):
     assert valid[1]["lm_loss"] < valid[0]["lm_loss"]
 
 
-TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-PP2 = ["--pipeline-model-parallel-size", "2"]
-
-
-@pytest.mark.parametrize(
-    "variant, nproc, layout",
-    [
-        ("megatron", 2, TP2_SP),
-        # The issue's layout: tp 2 + sp, encoder | decoder (the split rank's default), dp 2 with
-        # the distributed optimizer; eight processes, as the three sizes multiply.
-        ("megatron", 8, [*TP2_SP, *PP2, "--use-distributed-optimizer"]),
-        # two encoder and two decoder stages: the embedding on stages 0, 2 and 3
-        (
-            "megatron",
-            4,
-            ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-split-rank", "2"],
-        ),  # fmt: skip
-        ("hf", 4, [*TP2_SP, *PP2, "--pipeline-model-parallel-split-rank", "1"]),
-    ],
-    ids=["tp2-sp", "tp2-sp-pp2-dp2-distopt", "pp4-split2", "hf-tp2-sp-pp2"],
-)
-def test_parallel_layouts_match_one_process(
-    wordpiece_corpus, references, tmp_path, variant, nproc, layout
-):
-    extra = HF_LAYOUT if variant == "hf" else []
-    _train(_flags(wordpiece_corpus, tmp_path, *extra, *layout), nproc=nproc)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_parallel_layouts_match_one_process(runs, references, layout):
+    variant = LAYOUTS[layout][0]
     one = [r["lm_loss"] for r in records(references[variant], "train")]
-    two = [r["lm_loss"] for r in records(tmp_path, "train")]
+    two = [r["lm_loss"] for r in records(runs / layout, "train")]
     assert two == pytest.approx(one, rel=2e-5)
 
 
@@ -116,16 +122,11 @@ def test_convert_checkpoint_round_trips_through_a_t5_pipeline_layout(references,
         assert torch.equal(restored[name], tensor), name
 
 
-def test_torch_dist_checkpoint_resumes_in_another_layout(wordpiece_corpus, references, tmp_path):
+def test_torch_dist_checkpoint_resumes_in_another_layout(runs, references):
     """Saved by encoder | decoder pipeline stages in the torch_dist format, resumed at tp 2
     without a pipeline: iterations 6-10 give the one-process losses."""
-    first, second = tmp_path / "pp2", tmp_path / "tp2"
-    _train(_flags(wordpiece_corpus, first, *PP2, "--ckpt-format", "torch_dist",
-                  "--save-interval", "5", "--exit-interval", "5"), nproc=2)  # fmt: skip
-    _train(_flags(wordpiece_corpus, second, "--tensor-model-parallel-size", "2",
-                  "--ckpt-format", "torch_dist", "--load", str(first)), nproc=2)  # fmt: skip
     one = {r["iteration"]: r["lm_loss"] for r in records(references["megatron"], "train")}
-    resumed = {r["iteration"]: r["lm_loss"] for r in records(second, "train")}
+    resumed = {r["iteration"]: r["lm_loss"] for r in records(runs / "dist-tp2", "train")}
     assert sorted(resumed) == [6, 7, 8, 9, 10]
     assert [resumed[i] for i in range(6, 11)] == pytest.approx(
         [one[i] for i in range(6, 11)], rel=2e-5
