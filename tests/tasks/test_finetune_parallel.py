@@ -8,11 +8,7 @@ from pathlib import Path
 import pytest
 from finetune_helpers import MNLI, finetune_flags, save_pretrained
 
-from helpers import gigatron, records
-
-
-def _run(flags: list[str], nproc: int) -> None:
-    gigatron("finetune", *flags, nproc=nproc, timeout=600)
+from helpers import gigatron, gigatron_runs, records
 
 
 def _summary(directory: Path) -> tuple[list[float], list[tuple[int, int]]]:
@@ -40,20 +36,22 @@ def setup(tmp_path_factory):
             epochs="2", global_batch_size="4", eval_micro_batch_size="1",
         ) + list(extra)  # fmt: skip
 
-    _run(flags("one"), 1)
+    # every run in one launch per process count
+    runs = {"one": (1, ["finetune", *flags("one")])}
+    runs |= {name: (2, ["finetune", *flags(name, *extra)]) for name, extra in LAYOUTS}
+    gigatron_runs(root, runs, timeout=1200)
     return root, flags, _summary(root / "one")
 
 
-@pytest.mark.parametrize(
-    "name, extra",
-    [
-        ("dp2", []),
-        ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    ],
-)
+LAYOUTS = [
+    ("dp2", []),
+    ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+]
+
+
+@pytest.mark.parametrize("name, extra", LAYOUTS)
 def test_parallel_layouts_match_one_process(setup, name, extra):
     root, flags, (losses, scores) = setup
-    _run(flags(name, *extra), 2)
     parallel_losses, parallel_scores = _summary(root / name)
     assert len(losses) == 2
     assert parallel_losses == pytest.approx(losses, rel=1e-5)
