@@ -16,7 +16,8 @@ from gigatron.families.gpt import gpt_loss
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.grad_sync import finalize_model_grads
-from gigatron.parallel.tensor_parallel import merge_partitions
+from helpers import TINY_MLA
+from parallel_helpers import gather_tensor_parallel, tiny_tp_config
 
 pytestmark = pytest.mark.distributed
 
@@ -60,13 +61,7 @@ FLAVORS = {
         swiglu=True,
         add_bias_linear=False,
         untie_embeddings_and_output_weights=True,
-        multi_latent_attention=True,
-        qk_layernorm=True,
-        q_lora_rank=24,
-        kv_lora_rank=16,
-        qk_head_dim=8,
-        qk_pos_emb_head_dim=8,
-        v_head_dim=12,
+        **TINY_MLA,
         rotary_scaling_factor=4.0,
         mscale_all_dim=0.7,
         yarn_original_max_position_embeddings=8,
@@ -87,29 +82,14 @@ FLAVORS = {
 
 
 def _config(flavor: str, tp: int, sequence_parallel: bool) -> GigatronConfig:
-    cfg = GigatronConfig()
+    cfg = tiny_tp_config(SEQ, tp, sequence_parallel)
     m = cfg.model
-    m.num_layers, m.hidden_size, m.seq_length = 2, 64, SEQ
-    m.padded_vocab_size = 128
-    m.attention_dropout = m.hidden_dropout = 0.0
     m.init_method_std = 0.2  # large enough that norms, clamps and sinks see varied values
     for key, value in FLAVORS[flavor].items():
         setattr(cfg.moe if key.startswith(("num_experts", "moe_")) else m, key, value)
     if cfg.moe.num_experts:
         cfg.parallel.expert_tensor_parallel_size = 1  # expert biases need whole experts
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.sequence_parallel = sequence_parallel
     return cfg
-
-
-def _gather(tensor: torch.Tensor, param: torch.nn.Parameter, pctx: ParallelContext):
-    if not getattr(param, "tensor_model_parallel", False):
-        return tensor
-    if getattr(param, "expert_parallel", False):
-        return tensor  # whole experts here (etp = 1, ep = 1)
-    parts = [torch.empty_like(tensor) for _ in range(pctx.tp_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=pctx.group("tp"))
-    return merge_partitions(parts, param.partition_dim, param.partition_stride)
 
 
 def _all_logits(output) -> list[torch.Tensor]:
@@ -135,7 +115,7 @@ def _compare(rank: int, world_size: int) -> None:
             case = f"{flavor} sp={sequence_parallel}"
             (model,) = build_model(_config(flavor, world_size, sequence_parallel), pctx)
             for name, param in model.named_parameters():
-                full = _gather(param.detach(), param, pctx)
+                full = gather_tensor_parallel(param.detach(), param, pctx, experts_whole=True)
                 assert torch.equal(full, ref_params[name]), (case, name)
             output = model(tokens, positions)
             for logits, expected in zip(_all_logits(output), _all_logits(ref_output), strict=True):
@@ -148,7 +128,7 @@ def _compare(rank: int, world_size: int) -> None:
             loss.backward()
             finalize_model_grads([model], pctx)
             for name, param in model.named_parameters():
-                grad = _gather(param.grad, param, pctx)
+                grad = gather_tensor_parallel(param.grad, param, pctx, experts_whole=True)
                 if getattr(param, "expert_parallel", False) and pctx.size("expert_dp") > 1:
                     # Each tp rank routes its slice of the sequence: partial expert gradients
                     # (DistributedDataParallel sums them over expert_dp).

@@ -13,7 +13,7 @@ from gigatron.families.bert import bert_loss
 from gigatron.models.bert import build_bert_model
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.grad_sync import finalize_model_grads
-from gigatron.parallel.tensor_parallel import merge_partitions
+from parallel_helpers import gather_tensor_parallel
 
 pytestmark = pytest.mark.distributed
 
@@ -55,14 +55,6 @@ def _run(model, pctx):
     return output, loss
 
 
-def _full(tensor: torch.Tensor, param, pctx: ParallelContext) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False) or pctx.tp_size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(pctx.tp_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=pctx.group("tp"))
-    return merge_partitions(parts, param.partition_dim, param.partition_stride)
-
-
 def _compare(rank: int, world_size: int) -> None:
     pctx = ParallelContext.from_sizes(tp=world_size)
     single = ParallelContext.single()
@@ -81,7 +73,7 @@ def _compare(rank: int, world_size: int) -> None:
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=case)
             finalize_model_grads([model], pctx)
             for name, param in model.named_parameters():
-                grad = _full(param.grad, param, pctx)
+                grad = gather_tensor_parallel(param.grad, param, pctx)
                 torch.testing.assert_close(
                     grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=f"{case} {name}"
                 )

@@ -16,7 +16,7 @@ from gigatron.families import get_family
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.data_parallel import DistributedDataParallel
 from gigatron.parallel.grad_sync import finalize_model_grads
-from gigatron.parallel.tensor_parallel import merge_partitions
+from parallel_helpers import gather_tensor_parallel
 
 pytestmark = pytest.mark.distributed
 
@@ -90,16 +90,10 @@ def _step(flavor: str, cfg: GigatronConfig, pctx: ParallelContext):
     loss, num_tokens, reports = loss_fn(output)
     (loss / num_tokens).backward()
     finalize_model_grads([chunk], pctx)
-    grads = {name: _gather_tp(p.main_grad, p, pctx) for name, p in model.named_parameters()}
+    grads = {
+        name: gather_tensor_parallel(p.main_grad, p, pctx) for name, p in model.named_parameters()
+    }
     return reports, grads
-
-
-def _gather_tp(tensor: torch.Tensor, param, pctx: ParallelContext) -> torch.Tensor:
-    if not getattr(param, "tensor_model_parallel", False) or pctx.tp_size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(pctx.tp_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=pctx.group("tp"))
-    return merge_partitions(parts, param.partition_dim, param.partition_stride)
 
 
 def _moe_config(cp: int = 1, ep: int = 1) -> GigatronConfig:

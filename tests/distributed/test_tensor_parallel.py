@@ -12,7 +12,7 @@ from gigatron.families.gpt import token_losses
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.grad_sync import finalize_model_grads
-from gigatron.parallel.tensor_parallel import merge_partitions
+from parallel_helpers import gather_tensor_parallel, tiny_tp_config
 
 pytestmark = pytest.mark.distributed
 
@@ -20,11 +20,8 @@ SEQ, BATCH, VOCAB = 16, 2, 100
 
 
 def _config(flavor: str, tp: int, sequence_parallel: bool) -> GigatronConfig:
-    cfg = GigatronConfig()
+    cfg = tiny_tp_config(SEQ, tp, sequence_parallel)
     m = cfg.model
-    m.num_layers, m.hidden_size, m.seq_length = 2, 64, SEQ
-    m.padded_vocab_size = 128
-    m.attention_dropout = m.hidden_dropout = 0.0
     if flavor == "llama":
         m.num_attention_heads = 8
         m.group_query_attention, m.num_query_groups = True, 4
@@ -37,17 +34,7 @@ def _config(flavor: str, tp: int, sequence_parallel: bool) -> GigatronConfig:
     else:
         m.num_attention_heads = 4
         m.apply_query_key_layer_scaling = True  # the explicit-softmax attention path
-    cfg.parallel.tensor_model_parallel_size = tp
-    cfg.parallel.sequence_parallel = sequence_parallel
     return cfg
-
-
-def _gather(tensor: torch.Tensor, param: torch.nn.Parameter, pctx: ParallelContext):
-    if not getattr(param, "tensor_model_parallel", False) or pctx.tp_size == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(pctx.tp_size)]
-    dist.all_gather(parts, tensor.contiguous(), group=pctx.group("tp"))
-    return merge_partitions(parts, param.partition_dim, param.partition_stride)
 
 
 def _inputs(flavor: str):
@@ -86,7 +73,7 @@ def _compare_layout(pctx: ParallelContext) -> None:
             case = f"{flavor} tp={world_size} sp={sequence_parallel}"
             (model,) = build_model(_config(flavor, world_size, sequence_parallel), pctx)
             for name, param in model.named_parameters():
-                full = _gather(param.detach(), param, pctx)
+                full = gather_tensor_parallel(param.detach(), param, pctx)
                 assert torch.equal(full, dict(reference.named_parameters())[name]), (case, name)
 
             logits = model(tokens, positions, mask)
@@ -100,7 +87,7 @@ def _compare_layout(pctx: ParallelContext) -> None:
             loss.sum().backward()
             finalize_model_grads([model], pctx)
             for name, param in model.named_parameters():
-                grad = _gather(param.grad, param, pctx)
+                grad = gather_tensor_parallel(param.grad, param, pctx)
                 torch.testing.assert_close(
                     grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=f"{case} {name}"
                 )

@@ -4,10 +4,8 @@ in-process, and a `gigatron serve` process on 127.0.0.1."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -20,8 +18,8 @@ from gigatron.inference.load import build_engine
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
 from gigatron.training.pretrain import parse_pretrain_config
+from helpers import DATA, env, gigatron_command
 
-DATA = Path(__file__).resolve().parents[1] / "data"
 MODEL_FLAGS = [
     "--tokenizer-type", "GPT2BPETokenizer",
     "--vocab-file", str(DATA / "gpt2-vocab.json"), "--merge-file", str(DATA / "gpt2-merges.txt"),
@@ -53,10 +51,6 @@ def engine_from_checkpoint(directory: Path, max_batch_size: int = 4):
     return engine, tokenizer
 
 
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,11 +60,8 @@ def free_port() -> int:
 def start_server(load: Path, *flags: str, nproc: int = 1, timeout_s: float = 180.0):
     """(process, base url) of `gigatron serve` once /health answers; raises if it does not."""
     port = free_port()
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    command = [*launcher, "-m", "gigatron.cli", "serve", "--load", str(load), "--device", "cpu",
-               "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
+    command = gigatron_command("serve", "--load", str(load), "--device", "cpu",
+                               "--host", "127.0.0.1", "--port", str(port), *flags, nproc=nproc)  # fmt: skip
     process = subprocess.Popen(
         command, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -9,13 +9,13 @@ import torch
 
 from gigatron.checkpoint.dist_format import read_full_tensors
 from gigatron.training.pretrain import main as pretrain_main
+from helpers import tiny_gpt_flags
 
 TINY = [
-    "gpt", "--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
-    "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-    "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "6", "--log-interval", "1",
-    "--eval-iters", "0", "--num-workers", "0", "--deterministic-mode", "--hidden-dropout", "0",
-    "--attention-dropout", "0", "--ckpt-format", "torch_dist", "--save-interval", "2",
+    "gpt", *tiny_gpt_flags(hidden_size=32), "--global-batch-size", "4", "--lr", "1e-3",
+    "--train-iters", "6", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+    "--deterministic-mode", "--hidden-dropout", "0", "--attention-dropout", "0", "--ckpt-format",
+    "torch_dist", "--save-interval", "2",
 ]  # fmt: skip
 
 

@@ -4,8 +4,6 @@ BertWordPieceLowerCase, then the BERT datasets of the training flags, checked ag
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from gigatron.data.indexed import IndexedDataset
 from gigatron.data.sentences import split_sentences
 from gigatron.data.tokenizers import build_tokenizer
 from gigatron.errors import GigatronError
+from helpers import gigatron, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +23,11 @@ def sentence_data(tmp_path_factory, shared_data):
     directory = tmp_path_factory.mktemp("bert_cli")
     lines = (shared_data / "lambada_test.jsonl").read_text().splitlines()[:80]
     texts = [json.loads(line)["text"] for line in lines]
-    path = directory / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    path = write_jsonl(directory / "corpus.jsonl", ({"text": t} for t in texts))
     vocab = str(shared_data / "bert-base-uncased-vocab.txt")
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "gigatron.cli", "preprocess", "--input", str(path),
-            "--output-prefix", str(directory / "lambada"), "--split-sentences", "--workers", "1",
-            "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab,
-        ],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    gigatron("preprocess", "--input", str(path), "--output-prefix", str(directory / "lambada"),
+             "--split-sentences", "--workers", "1", "--tokenizer-type", "BertWordPieceLowerCase",
+             "--vocab-file", vocab, timeout=120)  # fmt: skip
     return str(directory / "lambada_text_sentence"), texts, vocab
 
 

@@ -3,10 +3,7 @@ stages keeps its weights exactly and evaluates to the same test loss."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,42 +11,21 @@ import torch
 
 from gigatron.checkpoint.convert import convert_checkpoint
 from gigatron.errors import GigatronError
+from helpers import WEIGHTS_ONLY, gigatron, pretrain, tiny_gpt_flags
+from helpers import loss_on_test_split as _test_loss
 
 # 64 tokens padded to a multiple of 32 x tp gives 64 rows at tp 1 and 2, so the layouts compute
 # the same logits (padding rows would change the softmax denominator).
 TINY = [
-    "--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "32",
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
-    "--train-iters", "2", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
-    "--num-workers", "0", "--deterministic-mode", "--hidden-dropout", "0",
-    "--attention-dropout", "0",
+    *tiny_gpt_flags(vocab_size=64, num_layers=4, hidden_size=32), "--make-vocab-size-divisible-by",
+    "32", "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "2", "--log-interval", "1",
+    "--eval-interval", "2", "--eval-iters", "1", "--num-workers", "0", "--deterministic-mode",
+    "--hidden-dropout", "0", "--attention-dropout", "0",
 ]  # fmt: skip
-WEIGHTS_ONLY = ["--no-load-optim", "--no-load-rng", "--skip-train"]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def _run(command: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=180)
-    if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
-    return result
 
 
 def _pretrain(*flags: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    return _run([*launcher, "-m", "gigatron.cli", "pretrain", "gpt", *TINY, *flags], check)
-
-
-def _test_loss(metrics: Path) -> float:
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    (loss,) = [r["lm_loss"] for r in records if r["type"] == "eval" and r["split"] == "test"]
-    return loss
+    return pretrain("gpt", *TINY, *flags, nproc=nproc, check=check)
 
 
 def _model(path: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -77,7 +53,7 @@ def tp1(source) -> Path:
     )
     target = source.parent / "tp1"
     argv = hint.replace("<new dir>", str(target)).split()[1:]
-    result = _run([sys.executable, "-m", "gigatron.cli", *argv])
+    result = gigatron(*argv)
     assert "model weights only" in result.stdout and "optimizer" in result.stdout
     return target
 

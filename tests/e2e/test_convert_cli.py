@@ -3,23 +3,17 @@ tensor-parallel gigatron checkpoint and back, bit-exact, tokenizer files copied 
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import torch
 import transformers
 from safetensors.torch import load_file
 
+from helpers import gigatron
+
 
 def _gigatron(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "gigatron.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ),
-    )
+    return gigatron(*args, check=False)
 
 
 def test_convert_command_round_trip(tmp_path):

@@ -6,28 +6,27 @@ distributed optimizer, pp 2 with 2 virtual stages, tp 2 x cp 2) and training res
 and 4 must give the saved run's losses. Converting on load (`--ckpt-convert-format torch_dist`)
 at another layout must store bit for bit the same tensors, model and optimizer state. An MoE model
 saved at (tp 2, ep 2) reshards to ep 1 and ep 4 the same way.
+
+The runs are grouped by process count: one launch per count runs its configurations in turn in
+one process group (tests/gigatron_sequence.py); each test checks its run's results.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from gigatron.checkpoint.dist_format import read_full_tensors
+from helpers import gigatron_runs, tiny_gpt_flags, train_values
 
 DENSE = [
-    "--mock-data", "--vocab-size", "128", "--make-vocab-size-divisible-by", "32",
-    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3",
+    *tiny_gpt_flags(num_layers=4, hidden_size=32, micro_batch_size=1),
+    "--make-vocab-size-divisible-by", "32", "--global-batch-size", "8", "--lr", "1e-3",
     "--train-iters", "4", "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
-    "--deterministic-mode", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--ckpt-format", "torch_dist",
+    "--deterministic-mode", "--hidden-dropout", "0", "--attention-dropout", "0", "--ckpt-format",
+    "torch_dist",
 ]  # fmt: skip
 SAVED_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                 "--use-distributed-optimizer"]  # fmt: skip
@@ -56,21 +55,12 @@ MOE_LAYOUTS = {
 }
 
 
-def pretrain(nproc: int, *flags: str) -> str:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [*launcher, "-m", "gigatron.cli", "pretrain", "gpt", *DENSE, *flags]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    if result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
-    return result.stdout
+def command(*flags: str) -> list[str]:
+    return ["pretrain", "gpt", *DENSE, *flags]
 
 
 def losses(directory: Path) -> dict[int, float]:
-    lines = (directory / "metrics.jsonl").read_text().splitlines()
-    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, lines) if r["type"] == "train"}
+    return train_values(directory)
 
 
 def assert_same_tensors(a: Path, b: Path) -> None:
@@ -81,17 +71,67 @@ def assert_same_tensors(a: Path, b: Path) -> None:
         assert torch.equal(value, converted[key]), key
 
 
+def _runs(dense: Path, moe: Path) -> dict[str, tuple[int, list[str]]]:
+    """Every run of this file: name -> (processes, command). One launch per process count runs
+    its commands in order (process start-up dominates on CPU), savers before their loaders."""
+    from_dense = ["--load", str(dense / "saved"), "--ckpt-step", "2"]
+    from_moe = ["--load", str(moe / "saved"), "--ckpt-step", "2"]
+    convert = ["--ckpt-convert-format", "torch_dist", "--ckpt-convert-save"]
+    runs = {
+        "dense/saved": (8, command(*SAVED_LAYOUT, "--save", str(dense / "saved"),
+                                   "--save-interval", "2")),
+        "dense/one": (1, command("--save", str(dense / "one"))),
+        "moe/saved": (4, command(*MOE, TP, "2", "--expert-model-parallel-size", "2",
+                                 "--sequence-parallel", "--use-distributed-optimizer",
+                                 "--save", str(moe / "saved"), "--save-interval", "2")),
+        # the ep 1 run saves its own torch_dist checkpoint at iteration 4; converting the
+        # (tp 2, ep 2) one to ep 1 on load must store the same tensors as the source
+        "moe/converted_ep1": (1, command(*MOE, *from_moe, *convert, str(moe / "converted_ep1"))),
+    }  # fmt: skip
+    for layout, (flags, nproc) in LAYOUTS.items():
+        out = dense / f"resumed_{layout}"
+        runs[f"dense/resumed_{layout}"] = (nproc, command(*flags, *from_dense, "--save", str(out)))
+    for layout in CONVERTED:
+        flags, nproc = LAYOUTS[layout]
+        out = str(dense / f"converted_{layout}")
+        runs[f"dense/converted_{layout}"] = (nproc, command(*flags, *from_dense, *convert, out))
+    for layout, (flags, nproc) in MOE_LAYOUTS.items():
+        out = moe / f"resumed_{layout}"
+        runs[f"moe/resumed_{layout}"] = (
+            nproc,
+            command(*MOE, *flags, *from_moe, "--save", str(out)),
+        )
+    return runs
+
+
+CONVERTED = ["tp1", "tp2_dp4_distopt"]
+
+
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("dense")
-    pretrain(8, *SAVED_LAYOUT, "--save", str(root / "saved"), "--save-interval", "2")
-    return root
+def outputs(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
+    """(dense root, MoE root, standard output of each run); the runs go largest launch first,
+    so each checkpoint is saved before a smaller launch loads it."""
+    root = tmp_path_factory.mktemp("resharding")
+    dense, moe = root / "dense", root / "moe"
+    dense.mkdir()
+    moe.mkdir()
+    stdout = gigatron_runs(root, _runs(dense, moe))
+    return dense, moe, stdout
+
+
+@pytest.fixture(scope="module")
+def dense(outputs) -> Path:
+    return outputs[0]
+
+
+@pytest.fixture(scope="module")
+def moe(outputs) -> Path:
+    return outputs[1]
 
 
 def test_saved_layout_trains_like_one_process(dense):
     # (tp 2, pp 2, dp 2, distributed optimizer) is the one-process run: the reference the
     # resumed runs are held to is itself right.
-    pretrain(1, "--save", str(dense / "one"))
     saved, one = losses(dense / "saved"), losses(dense / "one")
     assert [saved[i] for i in range(1, 5)] == pytest.approx([one[i] for i in range(1, 5)], rel=1e-5)
     iteration = dense / "saved" / "iter_0000002"
@@ -100,48 +140,27 @@ def test_saved_layout_trains_like_one_process(dense):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_resume_at_another_layout(dense, layout):
-    flags, nproc = LAYOUTS[layout]
-    out = dense / f"resumed_{layout}"
-    stdout = pretrain(nproc, *flags, "--load", str(dense / "saved"), "--ckpt-step", "2",
-                      "--save", str(out))  # fmt: skip
+def test_resume_at_another_layout(outputs, dense, layout):
+    stdout = outputs[2][f"dense/resumed_{layout}"]
     assert "loaded checkpoint" in stdout and "at iteration 2" in stdout
-    saved, resumed = losses(dense / "saved"), losses(out)
+    saved, resumed = losses(dense / "saved"), losses(dense / f"resumed_{layout}")
     assert sorted(resumed) == [3, 4]
     assert [resumed[3], resumed[4]] == pytest.approx([saved[3], saved[4]], rel=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["tp1", "tp2_dp4_distopt"])
-def test_convert_on_load_stores_the_same_tensors(dense, layout):
-    flags, nproc = LAYOUTS[layout]
+@pytest.mark.parametrize("layout", CONVERTED)
+def test_convert_on_load_stores_the_same_tensors(outputs, dense, layout):
     out = dense / f"converted_{layout}"
-    stdout = pretrain(nproc, *flags, "--load", str(dense / "saved"), "--ckpt-step", "2",
-                      "--ckpt-convert-format", "torch_dist", "--ckpt-convert-save", str(out))  # fmt: skip
-    assert "converted checkpoint" in stdout
+    assert "converted checkpoint" in outputs[2][f"dense/converted_{layout}"]
     assert not (out / "metrics.jsonl").exists()  # no training step ran
     assert_same_tensors(dense / "saved" / "iter_0000002", out / "iter_0000002")
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("moe")
-    pretrain(4, *MOE, TP, "2", "--expert-model-parallel-size", "2", "--sequence-parallel",
-             "--use-distributed-optimizer", "--save", str(root / "saved"), "--save-interval", "2")  # fmt: skip
-    return root
-
-
 @pytest.mark.parametrize("layout", sorted(MOE_LAYOUTS))
 def test_moe_resumes_at_another_expert_layout(moe, layout):
-    flags, nproc = MOE_LAYOUTS[layout]
-    out = moe / f"resumed_{layout}"
-    pretrain(nproc, *MOE, *flags, "--load", str(moe / "saved"), "--ckpt-step", "2",
-             "--save", str(out))  # fmt: skip
-    saved, resumed = losses(moe / "saved"), losses(out)
+    saved, resumed = losses(moe / "saved"), losses(moe / f"resumed_{layout}")
     assert [resumed[3], resumed[4]] == pytest.approx([saved[3], saved[4]], rel=1e-5)
     if layout == "ep1":
-        # the ep 1 run saved its own torch_dist checkpoint at iteration 4; converting the
-        # (tp 2, ep 2) one to ep 1 on load stores the same tensors as the source
+        # the (tp 2, ep 2) checkpoint converted to ep 1 on load stores the source's tensors
         converted = moe / "converted_ep1"
-        pretrain(1, *MOE, "--load", str(moe / "saved"), "--ckpt-step", "2",
-                 "--ckpt-convert-format", "torch_dist", "--ckpt-convert-save", str(converted))  # fmt: skip
         assert_same_tensors(moe / "saved" / "iter_0000002", converted / "iter_0000002")

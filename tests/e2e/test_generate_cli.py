@@ -1,33 +1,26 @@
 """`gigatron generate` from a saved checkpoint: the same tokens as the engine in-process, and the
-same tokens at tensor-parallel 2 and pipeline-parallel 2 (torchrun) as at 1."""
+same tokens at tensor-parallel 2 and pipeline-parallel 2 (torchrun) as at 1. The generate runs
+go in one launch per process count (`generated`, helpers.gigatron_runs)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from inference_helpers import engine_from_checkpoint, env, save_tiny_checkpoint
+from inference_helpers import engine_from_checkpoint, save_tiny_checkpoint
 
 from gigatron.checkpoint.convert import convert_checkpoint
 from gigatron.inference import SamplingParams
+from helpers import gigatron, gigatron_runs, records
 
 PROMPTS = ["The quick brown fox", "Hello", "In 1999, the city of Paris had"]
 
 
-def run_generate(load: Path, output: Path, *flags: str, nproc: int = 1):
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+def generate_command(load: Path, output: Path, *flags: str) -> list[str]:
     prompt_flags = [item for prompt in PROMPTS for item in ("--prompt", prompt)]
-    command = [*launcher, "-m", "gigatron.cli", "generate", "--load", str(load), "--device",
-               "cpu", *prompt_flags, "--output", str(output), *flags]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return [json.loads(line) for line in output.read_text().splitlines()]
+    return ["generate", "--load", str(load), "--device", "cpu", *prompt_flags,
+            "--output", str(output), *flags]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +35,39 @@ SAMPLED = ["--temperature", "0.9", "--top-k", "20", "--sampling-seed", "3", "--m
            "--ignore-eos", "--logprobs"]  # fmt: skip
 
 
-def test_generate_matches_the_engine_in_process(checkpoint, tmp_path):
-    records = run_generate(checkpoint, tmp_path / "out.jsonl", *GREEDY)
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def generated(checkpoint) -> dict[str, list[dict]]:
+    """The records of every `gigatron generate` run of this file, by name (`<sampling>` at one
+    process, `<layout>-<sampling>` on a converted checkpoint, `dist<n>` from a torch_dist
+    checkpoint at n processes), in one launch per process count."""
+    root = checkpoint.parent
+    save_tiny_checkpoint(root / "dist", ckpt_format="torch_dist")
+    sampling = {"greedy": GREEDY, "sampled": SAMPLED}
+    runs = {name: (1, generate_command(checkpoint, root / f"{name}.jsonl", *flags))
+            for name, flags in sampling.items()}  # fmt: skip
+    for layout, (tp, pp) in LAYOUTS.items():
+        convert_checkpoint(checkpoint, root / layout, tp, pp)
+        for name, flags in sampling.items():
+            out = root / f"{layout}-{name}.jsonl"
+            runs[f"{layout}-{name}"] = (tp * pp, generate_command(root / layout, out, *flags))
+    # A torch_dist checkpoint loads at tensor-parallel = the process count: no conversion.
+    for nproc in (1, 2):
+        out = root / f"dist{nproc}.jsonl"
+        runs[f"dist{nproc}"] = (nproc, generate_command(root / "dist", out, *GREEDY))
+    gigatron_runs(root, runs)
+    return {name: records(root / f"{name}.jsonl") for name in runs}
+
+
+@pytest.fixture(scope="module")
+def reference(generated) -> dict[str, list[dict]]:
+    return {name: generated[name] for name in ("greedy", "sampled")}
+
+
+def test_generate_matches_the_engine_in_process(checkpoint, generated):
+    records = generated["greedy"]
     engine, tokenizer = engine_from_checkpoint(checkpoint)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     expected = engine.generate([tokenizer.tokenize(p) for p in PROMPTS], params)
@@ -53,45 +77,30 @@ def test_generate_matches_the_engine_in_process(checkpoint, tmp_path):
     assert all(len(r["tokens"]) == 10 and r["finish_reason"] == "length" for r in records)
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint) -> dict[str, list[dict]]:
-    return {
-        "greedy": run_generate(checkpoint, checkpoint.parent / "g1.jsonl", *GREEDY),
-        "sampled": run_generate(checkpoint, checkpoint.parent / "s1.jsonl", *SAMPLED),
-    }
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_tensor_and_pipeline_parallel_give_the_same_tokens(checkpoint, reference, tmp_path, tp, pp):
-    split = tmp_path / f"tp{tp}pp{pp}"
-    convert_checkpoint(checkpoint, split, tp, pp)
-    for name, flags in (("greedy", GREEDY), ("sampled", SAMPLED)):
-        records = run_generate(split, tmp_path / f"{name}.jsonl", *flags, nproc=tp * pp)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tensor_and_pipeline_parallel_give_the_same_tokens(generated, reference, layout):
+    for name in ("greedy", "sampled"):
+        records = generated[f"{layout}-{name}"]
         assert [r["tokens"] for r in records] == [r["tokens"] for r in reference[name]]
         if name == "sampled":
             for got, want in zip(records, reference[name]):
                 torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
 
 
-def test_torch_dist_checkpoint_generates_the_same_tokens_at_any_tp(reference, tmp_path):
-    # A torch_dist checkpoint loads at tensor-parallel = the process count: no conversion.
-    save_tiny_checkpoint(tmp_path / "dist", ckpt_format="torch_dist")
+def test_torch_dist_checkpoint_generates_the_same_tokens_at_any_tp(generated, reference):
     for nproc in (1, 2):
-        records = run_generate(tmp_path / "dist", tmp_path / f"{nproc}.jsonl", *GREEDY, nproc=nproc)
+        records = generated[f"dist{nproc}"]
         assert [r["tokens"] for r in records] == [r["tokens"] for r in reference["greedy"]]
 
 
 def test_generate_refuses_a_wrong_process_count_and_bad_flags(checkpoint, tmp_path):
-    command = [sys.executable, "-m", "gigatron.cli", "generate", "--load", str(checkpoint),
-               "--prompt", "x", "--top-p", "1.5"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=60)
+    result = gigatron("generate", "--load", str(checkpoint), "--prompt", "x", "--top-p", "1.5",
+                      check=False, timeout=60)  # fmt: skip
     assert result.returncode == 2 and "top_p must be in [0, 1]" in result.stderr
-    missing = subprocess.run(
-        [sys.executable, "-m", "gigatron.cli", "generate", "--load", str(tmp_path), "--prompt", "x"],
-        capture_output=True, text=True, env=env(), timeout=60,
-    )  # fmt: skip
+    missing = gigatron("generate", "--load", str(tmp_path), "--prompt", "x", check=False,
+                       timeout=60)  # fmt: skip
     assert missing.returncode == 2 and "no checkpoint there" in missing.stderr
 
 

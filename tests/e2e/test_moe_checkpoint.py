@@ -4,65 +4,46 @@ to ep = 2) evaluating to the same test loss."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import helpers
 from gigatron.checkpoint.convert import convert_checkpoint
 from gigatron.errors import GigatronError
+from helpers import gigatron_runs, pretrain, records, tiny_gpt_flags
+from helpers import loss_on_test_split as _test_loss
 
 MOE = [
-    "--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "32",
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--swiglu",
-    "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
-    "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3",
-    "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "1",
-    "--num-workers", "0", "--deterministic-mode", "--hidden-dropout", "0",
-    "--attention-dropout", "0",
-    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[1,0]",
-    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-    "--moe-router-bias-update-rate", "0.001", "--moe-router-load-balancing-type", "seq_aux_loss",
-    "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001",
-    "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm",
+    *tiny_gpt_flags(vocab_size=64, hidden_size=32), "--make-vocab-size-divisible-by", "32",
+    "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--disable-bias-linear", "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "1",
+    "--eval-interval", "100", "--eval-iters", "1", "--num-workers", "0", "--deterministic-mode",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--num-experts", "4", "--moe-router-topk",
+    "2", "--moe-layer-freq", "[1,0]", "--moe-router-score-function", "sigmoid",
+    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.001",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01",
+    "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm",
 ]  # fmt: skip
 EP2 = ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
-WEIGHTS_ONLY = ["--no-load-optim", "--no-load-rng", "--skip-train", "--train-iters", "4"]
+WEIGHTS_ONLY = [*helpers.WEIGHTS_ONLY, "--train-iters", "4"]
 
 
 def _pretrain(*flags: str, nproc: int = 1) -> None:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [*launcher, "-m", "gigatron.cli", "pretrain", "gpt", *MOE, *flags]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    if result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
-
-
-def _records(path: Path, kind: str) -> list[dict]:
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    return [r for r in records if r["type"] == kind]
-
-
-def _test_loss(path: Path) -> float:
-    (loss,) = [r["lm_loss"] for r in _records(path, "eval") if r["split"] == "test"]
-    return loss
+    pretrain("gpt", *MOE, *flags, nproc=nproc)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """4 iterations at ep = 2 saved every 2, and the same run resumed from iteration 2."""
     root = tmp_path_factory.mktemp("moe_ckpt")
-    _pretrain(*EP2, "--train-iters", "4", "--save-interval", "2", "--save", str(root / "full"),
-              nproc=2)  # fmt: skip
-    _pretrain(*EP2, "--train-iters", "4", "--load", str(root / "full"), "--ckpt-step", "2",
-              "--save", str(root / "resumed"), nproc=2)  # fmt: skip
+    flags = ["pretrain", "gpt", *MOE, *EP2, "--train-iters", "4"]
+    gigatron_runs(root, {  # in turn, in one launch
+        "full": (2, [*flags, "--save-interval", "2", "--save", str(root / "full")]),
+        "resumed": (2, [*flags, "--load", str(root / "full"), "--ckpt-step", "2",
+                        "--save", str(root / "resumed")]),
+    })  # fmt: skip
     return root
 
 
@@ -89,8 +70,8 @@ def test_one_file_per_expert_parallel_rank(runs):
 
 
 def test_resume_is_exact(runs):
-    full = {r["iteration"]: r for r in _records(runs / "full" / "metrics.jsonl", "train")}
-    resumed = {r["iteration"]: r for r in _records(runs / "resumed" / "metrics.jsonl", "train")}
+    full = {r["iteration"]: r for r in records(runs / "full", "train")}
+    resumed = {r["iteration"]: r for r in records(runs / "resumed", "train")}
     assert sorted(resumed) == [3, 4]
     keys = ("lm_loss", "seq_load_balancing_loss", "z_loss", "load_imbalance", "grad_norm")
     for iteration in (3, 4):

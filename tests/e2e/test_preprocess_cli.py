@@ -6,11 +6,11 @@ import gzip
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+import helpers
 from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.data.indexed import IndexedDataset
 from gigatron.data.sentences import split_sentences
@@ -35,12 +35,7 @@ def gpt2_flags(shared_data) -> list[str]:
 
 
 def gigatron(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "gigatron.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return helpers.gigatron(*args, check=False, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,16 @@ losses fall, and the MTP loss is logged as `mtp_loss` (training and validation).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import WEIGHTS_ONLY, gigatron, pretrain, tiny_gpt_flags
+from helpers import records as read_records
+
 TINY = [
-    "--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
-    "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-    "--global-batch-size", "4", "--lr", "3e-3", "--train-iters", "6", "--log-interval", "1",
-    "--eval-interval", "6", "--eval-iters", "1", "--num-workers", "0",
+    *tiny_gpt_flags(hidden_size=32), "--global-batch-size", "4", "--lr", "3e-3", "--train-iters",
+    "6", "--log-interval", "1", "--eval-interval", "6", "--eval-iters", "1", "--num-workers", "0",
     "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope",
 ]  # fmt: skip
 
@@ -40,12 +37,8 @@ DEEPSEEK = [
 
 
 def _pretrain(directory: Path, *flags: str) -> list[dict]:
-    command = [sys.executable, "-m", "gigatron.cli", "pretrain", "gpt", *TINY, *flags,
-               "--metrics-file", str(directory / "metrics.jsonl")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    pretrain("gpt", *TINY, *flags, "--metrics-file", str(directory / "metrics.jsonl"))
+    return read_records(directory)
 
 
 def test_gpt_oss_style_model_trains(tmp_path):
@@ -79,28 +72,16 @@ def test_checkpoint_converts_to_one_process_and_evaluates_alike(tmp_path, layout
              "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "2",
              "--eval-interval", "2", "--deterministic-mode"]  # fmt: skip
     source, target = tmp_path / "src", tmp_path / "tp1"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                "2", "-m", "gigatron.cli", "pretrain", "gpt", *TINY, *flags]  # fmt: skip
-    result = subprocess.run(
-        [*torchrun, layout, "2", "--save", str(source)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    convert = [sys.executable, "-m", "gigatron.cli", "convert-checkpoint", "--load", str(source),
-               "--save", str(target), "--target-tensor-parallel-size", "1",
-               "--target-pipeline-parallel-size", "1"]  # fmt: skip
-    result = subprocess.run(convert, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    records = _pretrain(
-        tmp_path, *flags, "--load", str(target), "--no-load-optim", "--no-load-rng", "--skip-train"
-    )
+    pretrain("gpt", *TINY, *flags, layout, "2", "--save", str(source), nproc=2)
+    gigatron("convert-checkpoint", "--load", source, "--save", target,
+             "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "1")  # fmt: skip
+    records = _pretrain(tmp_path, *flags, "--load", str(target), *WEIGHTS_ONLY)
 
     def test_losses(rows):
         (row,) = [r for r in rows if r["type"] == "eval" and r["split"] == "test"]
         return row["lm_loss"], row["mtp_loss"]
 
-    source_rows = [json.loads(x) for x in (source / "metrics.jsonl").read_text().splitlines()]
+    source_rows = read_records(source)
     expected = test_losses(source_rows)
     for got, want in zip(test_losses(records), expected, strict=True):
         assert abs(got - want) < 1e-5, (got, want)

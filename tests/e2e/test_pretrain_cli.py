@@ -3,46 +3,38 @@ the stop on a non-finite loss, and save-and-exit on SIGTERM."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import helpers
 from gigatron.errors import GigatronError
 from gigatron.training.pretrain import main as pretrain_main
+from helpers import (
+    env,
+    gigatron_command,
+    records,
+    tiny_gpt_flags,
+    train_values,
+    wait_for_train_record,
+)
 
 TINY = [
-    "--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
-    "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-    "--global-batch-size", "4", "--lr", "1e-3", "--train-iters", "8", "--log-interval", "1",
-    "--eval-interval", "4", "--eval-iters", "1", "--num-workers", "0", "--deterministic-mode",
+    *tiny_gpt_flags(hidden_size=32), "--global-batch-size", "4", "--lr", "1e-3", "--train-iters",
+    "8", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1", "--num-workers", "0",
+    "--deterministic-mode",
 ]  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
 def pretrain(*flags: str, check: bool = True) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "gigatron.cli", "pretrain", "gpt", *TINY, *flags]
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=120)
-    if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
-    return result
-
-
-def records(directory: Path) -> list[dict]:
-    return [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    return helpers.pretrain("gpt", *TINY, *flags, check=check, timeout=120)
 
 
 def train_losses(directory: Path) -> dict[int, float]:
-    return {r["iteration"]: r["lm_loss"] for r in records(directory) if r["type"] == "train"}
+    return train_values(directory)
 
 
 @pytest.fixture(scope="module")
@@ -126,23 +118,16 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, in_proces
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
-    command = [
-        sys.executable, "-m", "gigatron.cli", "pretrain", "gpt", *TINY, "--train-iters", "100000",
+    command = gigatron_command(
+        "pretrain", "gpt", *TINY, "--train-iters", "100000",
         "--exit-signal-handler", "--save", str(tmp_path), "--metrics-file",
         str(tmp_path / "metrics.jsonl"),
-    ]  # fmt: skip
+    )  # fmt: skip
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env()
     )
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            path = tmp_path / "metrics.jsonl"
-            if path.is_file() and '"type": "train"' in path.read_text():
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("training did not log an iteration within 60 s")
+        wait_for_train_record(tmp_path / "metrics.jsonl", process, 60)
         process.send_signal(signal.SIGTERM)
         stdout, stderr = process.communicate(timeout=60)
     finally:
@@ -162,23 +147,29 @@ def test_unknown_family_lists_the_known_ones():
 
 # Per-token loss with plain SGD: the gradients are divided by the token count of both replicas.
 PER_TOKEN_SGD = ["--calculate-per-token-loss", "--optimizer", "sgd", "--lr", "0.5"]
+DATA_PARALLEL = {"mean": [], "per-token-sgd": PER_TOKEN_SGD}
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "4"]
 
 
-@pytest.mark.parametrize("extra", [[], PER_TOKEN_SGD], ids=["mean", "per-token-sgd"])
-def test_torchrun_data_parallel_matches_one_process(tmp_path, in_process, extra):
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    """Both torchrun runs (dp = 2) in one launch, each in `<root>/<name>`."""
+    root = tmp_path_factory.mktemp("dp2")
+    runs = {
+        name: (2, ["pretrain", "gpt", *TINY, *NO_DROPOUT, *extra, "--save", str(root / name)])
+        for name, extra in DATA_PARALLEL.items()
+    }
+    helpers.gigatron_runs(root, runs)
+    return root
+
+
+@pytest.mark.parametrize("name", list(DATA_PARALLEL))
+def test_torchrun_data_parallel_matches_one_process(tmp_path, in_process, two_processes, name):
     """Two processes on Gloo (dp = 2) train like one: same losses, every record written once."""
-    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "4"]
-    no_dropout += extra
-    assert in_process("--save", str(tmp_path / "one"), *no_dropout) == 0
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--standalone", "-m", "gigatron.cli", "pretrain", "gpt", *TINY, *no_dropout,
-        "--save", str(tmp_path / "two"),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    extra = DATA_PARALLEL[name]
+    assert in_process("--save", str(tmp_path / "one"), *NO_DROPOUT, *extra) == 0
+    one, two = train_losses(tmp_path / "one"), train_losses(two_processes / name)
     assert sorted(two) == [1, 2, 3, 4]
     assert [two[i] for i in range(1, 5)] == pytest.approx([one[i] for i in range(1, 5)], rel=1e-5)
-    (startup,) = [r for r in records(tmp_path / "two") if r["type"] == "startup"]
+    (startup,) = records(two_processes / name, "startup")
     assert startup["dp"] == 2 and [e["rank"] for e in startup["bytes_per_rank"]] == [0, 1]

@@ -4,16 +4,16 @@ and re-splits them for pp = 2; both evaluate to the source's test loss."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from gigatron.checkpoint.convert import convert_checkpoint
+from helpers import WEIGHTS_ONLY, gigatron, pretrain
+from helpers import loss_on_test_split as _test_loss
+from helpers import records as read_records
 
 # 64 tokens padded to a multiple of 32 x tp: 64 rows at tp 1 and 2 (same logits in every layout).
 TINY = [
@@ -26,31 +26,11 @@ TINY = [
     "--num-workers", "0", "--deterministic-mode", "--hidden-dropout", "0",
     "--attention-dropout", "0",
 ]  # fmt: skip
-WEIGHTS_ONLY = ["--no-load-optim", "--no-load-rng", "--skip-train"]
 D_INNER, BC, HEADS = 64, 2 * 8, 8  # full sizes of in_proj's blocks [z; x; B; C; dt]
 
 
 def _pretrain(*flags: str, nproc: int = 1) -> subprocess.CompletedProcess:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    command = [*launcher, "-m", "gigatron.cli", "pretrain", "mamba", *TINY, *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
-    if result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout}\n{result.stderr}")
-    return result
-
-
-def _records(metrics: Path) -> list[dict]:
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
-
-
-def _test_loss(metrics: Path) -> float:
-    (loss,) = [
-        r["lm_loss"] for r in _records(metrics) if r["type"] == "eval" and r["split"] == "test"
-    ]
-    return loss
+    return pretrain("mamba", *TINY, *flags, nproc=nproc)
 
 
 def _model(path: Path) -> dict[str, torch.Tensor]:
@@ -68,7 +48,7 @@ def source(tmp_path_factory) -> Path:
 
 
 def test_trains_and_reports_the_loss(source):
-    train = [r for r in _records(source / "metrics.jsonl") if r["type"] == "train"]
+    train = [r for r in read_records(source) if r["type"] == "train"]
     assert [r["iteration"] for r in train] == [1, 2]
     assert all(4.0 < r["lm_loss"] < 4.5 for r in train)  # about log(64) at the start
     assert all(r["tokens_per_s"] > 0 for r in train)
@@ -125,17 +105,14 @@ def _recompute_greedy(model, prompt: list[int], steps: int) -> list[int]:
 def test_generate_at_tp2_with_the_state_cache_equals_recompute_at_tp1(source, tmp_path):
     prompts = ["5 9 12 3 40 41", "7", "1 2 3 4 5 6 7 8 9 10 11 12 13"]
     output = tmp_path / "out.jsonl"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "gigatron.cli", "generate", "--load", str(source), "--device", "cpu",
+    gigatron(
+        "generate", "--load", str(source), "--device", "cpu",
         "--greedy", "--max-tokens", "8", "--ignore-eos", "--max-batch-size", "2",
         "--max-sequence-length", "32",
         *[item for prompt in prompts for item in ("--prompt", prompt)], "--output", str(output),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    records = [json.loads(line) for line in output.read_text().splitlines()]
+        nproc=2,
+    )  # fmt: skip
+    records = read_records(output)
 
     from argparse import Namespace
 

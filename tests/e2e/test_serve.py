@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,13 +19,13 @@ import requests
 import torch
 from inference_helpers import (
     engine_from_checkpoint,
-    env,
     save_tiny_checkpoint,
     start_server,
     stop_server,
 )
 
 from gigatron.inference import SamplingParams
+from helpers import env, gigatron_command
 
 TIMEOUT = 60
 
@@ -322,13 +321,7 @@ def test_a_client_leaving_mid_stream_frees_its_slot(server):
 
 def test_text_generation_cli(server, reference):
     greedy, _ = reference
-    command = [
-        sys.executable,
-        "-m",
-        "gigatron.cli",
-        "text-generation-cli",
-        server[len("http://") :],
-    ]
+    command = gigatron_command("text-generation-cli", server[len("http://") :])
     result = subprocess.run(
         command, input="Good morning\n4\nGood morning\nfour\n", capture_output=True, text=True,
         env=env(), timeout=120,

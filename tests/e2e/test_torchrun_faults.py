@@ -8,30 +8,22 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from helpers import env, gigatron_command, run, tiny_gpt_flags, wait_for_train_record
+
 pytestmark = pytest.mark.distributed
 
 TINY = [
-    "--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
-    "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-    "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
+    *tiny_gpt_flags(hidden_size=32), "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0",
 ]  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
 def _torchrun(nproc: int, *flags: str) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--standalone", "-m", "gigatron.cli", "pretrain", "gpt", *flags,
-    ]  # fmt: skip
+    return gigatron_command("pretrain", "gpt", *flags, nproc=nproc)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -82,17 +74,6 @@ def _kill_tree(process: subprocess.Popen, known: list[int]) -> None:
     process.wait(timeout=30)
 
 
-def _wait_for_train_record(path: Path, process: subprocess.Popen, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if path.is_file() and '"type": "train"' in path.read_text():
-            return
-        if process.poll() is not None:
-            pytest.fail(f"the run ended early:\n{process.communicate()[0]}")
-        time.sleep(0.2)
-    pytest.fail(f"no iteration logged within {seconds} s")
-
-
 def test_sigterm_to_torchrun_with_data_loader_workers_saves_and_exits(tmp_path):
     """torchrun sends SIGTERM to each worker's whole process group, data-loader workers included:
     they must not die before the main process has saved."""
@@ -101,11 +82,11 @@ def test_sigterm_to_torchrun_with_data_loader_workers_saves_and_exits(tmp_path):
         "--save", str(tmp_path), "--metrics-file", str(tmp_path / "metrics.jsonl"),
     )  # fmt: skip
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env()
     )
     known: list[int] = []
     try:
-        _wait_for_train_record(tmp_path / "metrics.jsonl", process, 120)
+        wait_for_train_record(tmp_path / "metrics.jsonl", process, 120)
         known = _descendants(process.pid)
         assert len(known) >= 2 + 2 * 2, "expected 2 ranks with 2 data-loader workers each"
         process.send_signal(signal.SIGTERM)
@@ -126,7 +107,7 @@ def test_sigterm_to_torchrun_with_data_loader_workers_saves_and_exits(tmp_path):
 
 def test_an_error_on_every_rank_is_printed_once(tmp_path):
     command = _torchrun(4, *TINY, "--hidden-size", "30", "--train-iters", "2")
-    result = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=180)
+    result = run(command, check=False, timeout=180)
     assert result.returncode != 0
     output = result.stdout + result.stderr
     line = (
@@ -149,16 +130,16 @@ def test_a_killed_run_leaves_no_worker_behind(tmp_path):
     """Workers that outlive their main process print connection errors when they next touch
     it (torch's own watchdog notices only every 5 s): they must go with it."""
     metrics = tmp_path / "metrics.jsonl"
-    command = [
-        sys.executable, "-m", "gigatron.cli", "pretrain", "gpt", *TINY, "--train-iters",
-        "100000", "--num-workers", "2", "--metrics-file", str(metrics),
-    ]  # fmt: skip
+    command = gigatron_command(
+        "pretrain", "gpt", *TINY, "--train-iters", "100000", "--num-workers", "2",
+        "--metrics-file", str(metrics),
+    )  # fmt: skip
     process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env()
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env()
     )
     workers: list[int] = []
     try:
-        _wait_for_train_record(metrics, process, 120)
+        wait_for_train_record(metrics, process, 120)
         # Forked workers share the main process's command line (unlike helpers such as
         # multiprocessing's resource tracker, which leaves on its own when the main has gone).
         main_cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes()

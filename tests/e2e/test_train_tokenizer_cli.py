@@ -6,18 +6,16 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 
 import pytest
 
+import helpers
 from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.data.tokenizers import build_tokenizer
 
 
 def gigatron(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "gigatron.cli", *args], capture_output=True, text=True, timeout=120
-    )
+    return helpers.gigatron(*args, check=False, timeout=120)
 
 
 @pytest.fixture(scope="module")

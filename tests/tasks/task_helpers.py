@@ -4,7 +4,6 @@ to memorise a few LAMBADA passages), and the model they hold, in this process.""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -16,9 +15,8 @@ from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
 from gigatron.tasks.lambada import passage_sample, split_passage
 from gigatron.training.pretrain import parse_pretrain_config
+from helpers import DATA, LAMBADA
 
-DATA = Path(__file__).resolve().parents[1] / "data"
-LAMBADA = DATA / "lambada_test.jsonl"
 WIKITEXT = DATA / "wikitext-2-wiki.test.tokens"
 SEQ = 96
 
@@ -82,7 +80,3 @@ def memorise(chunk, tokenizer, texts: list[str], seq_length: int, steps: int = 2
         if loss.item() < 0.02:
             break
     chunk.eval()
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from gigatron.parallel.context import ParallelContext
 from gigatron.tasks import finetune as ft
 from gigatron.tasks.glue import clean_text, glue_samples, pair_ids, read_mnli, read_qqp
 from gigatron.tasks.race import article_samples, join_question, race_samples
+from helpers import gigatron, records
 
 CLS, SEP, PAD = 101, 102, 0
 
@@ -43,17 +43,11 @@ def pretrained(tmp_path_factory) -> Path:
 
 
 def _records(directory: Path) -> list[dict]:
-    lines = (directory / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return records(directory)
 
 
 def _run_cli(flags: list[str]) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "gigatron.cli", "finetune", *flags],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    return result
+    return gigatron("finetune", *flags, timeout=600)
 
 
 # ---- readers ------------------------------------------------------------------------------------

@@ -3,30 +3,17 @@ with sequence parallelism) give the one-process losses and accuracies."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from finetune_helpers import MNLI, finetune_flags, save_pretrained
 
-
-def _run(flags: list[str], nproc: int) -> None:
-    command = [sys.executable, "-m", "gigatron.cli", "finetune", *flags]
-    if nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(nproc), "-m", "gigatron.cli", "finetune", *flags]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+from helpers import gigatron, gigatron_runs, records
 
 
 def _summary(directory: Path) -> tuple[list[float], list[tuple[int, int]]]:
-    records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["lm_loss"] for r in records if r["type"] == "train"]
-    scores = [(r["correct"], r["total"]) for r in records if r["type"] == "eval"]
+    losses = [r["lm_loss"] for r in records(directory, "train")]
+    scores = [(r["correct"], r["total"]) for r in records(directory, "eval")]
     return losses, scores
 
 
@@ -35,12 +22,9 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("finetune-parallel")
     save_pretrained(root / "pretrained")
     # The same weights split for tensor parallelism 2 (a torch checkpoint loads in its layout).
-    subprocess.run(
-        [sys.executable, "-m", "gigatron.cli", "convert-checkpoint", "--load",
-         str(root / "pretrained"), "--save", str(root / "pretrained-tp2"),
-         "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "1"],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+    gigatron("convert-checkpoint", "--load", str(root / "pretrained"),
+             "--save", str(root / "pretrained-tp2"),
+             "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "1")  # fmt: skip
     files = f"{MNLI / 'dev_matched.tsv'} {MNLI / 'dev_mismatched.tsv'}"
 
     def flags(name: str, *extra: str) -> list[str]:
@@ -52,20 +36,22 @@ def setup(tmp_path_factory):
             epochs="2", global_batch_size="4", eval_micro_batch_size="1",
         ) + list(extra)  # fmt: skip
 
-    _run(flags("one"), 1)
+    # every run in one launch per process count
+    runs = {"one": (1, ["finetune", *flags("one")])}
+    runs |= {name: (2, ["finetune", *flags(name, *extra)]) for name, extra in LAYOUTS}
+    gigatron_runs(root, runs, timeout=1200)
     return root, flags, _summary(root / "one")
 
 
-@pytest.mark.parametrize(
-    "name, extra",
-    [
-        ("dp2", []),
-        ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    ],
-)
+LAYOUTS = [
+    ("dp2", []),
+    ("tp2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+]
+
+
+@pytest.mark.parametrize("name, extra", LAYOUTS)
 def test_parallel_layouts_match_one_process(setup, name, extra):
     root, flags, (losses, scores) = setup
-    _run(flags(name, *extra), 2)
     parallel_losses, parallel_scores = _summary(root / name)
     assert len(losses) == 2
     assert parallel_losses == pytest.approx(losses, rel=1e-5)

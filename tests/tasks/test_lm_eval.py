@@ -10,6 +10,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing may be downloaded
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -19,6 +20,7 @@ from task_helpers import lambada_texts, memorise, save, tiny_model  # noqa: E402
 
 from gigatron.integrations.lm_eval import GigatronLM  # noqa: E402
 from gigatron.tasks.evaluate import evaluate  # noqa: E402
+from helpers import env, gigatron  # noqa: E402
 
 SEQ = 32
 TASK_YAML = """task: gigatron_lambada_local
@@ -112,14 +114,20 @@ def test_generate_until_stops_at_the_stop_string(memorised):
     assert len(tokenizer.tokenize(text)) <= 6
 
 
+def _task_dir(tmp_path: Path, data: Path) -> Path:
+    """A folder holding the local LAMBADA task's YAML over `data`."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "lambada_local.yaml").write_text(TASK_YAML.format(path=data))
+    return tasks
+
+
 def test_harness_lambada_agrees_with_gigatron_evaluate(memorised, tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     directory, _, _, data, model = memorised
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "lambada_local.yaml").write_text(TASK_YAML.format(path=data))
+    tasks = _task_dir(tmp_path, data)
     output = simple_evaluate(
         model=model,
         tasks=["gigatron_lambada_local"],
@@ -134,23 +142,13 @@ def test_harness_lambada_agrees_with_gigatron_evaluate(memorised, tmp_path):
 
 
 def test_gigatron_lm_eval_command_runs_the_harness(memorised, tmp_path):
-    import subprocess
-    import sys
-
-    from task_helpers import env
-
     directory, _, _, data, _ = memorised
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "lambada_local.yaml").write_text(TASK_YAML.format(path=data))
-    command = [sys.executable, "-m", "gigatron.cli", "lm-eval", "--model", "gigatron",
-               "--model_args", f"load={directory / 'ckpt'},device=cpu", "--tasks",
-               "gigatron_lambada_local", "--include_path", str(tasks)]  # fmt: skip
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300,
-        env={**env(), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
+    tasks = _task_dir(tmp_path, data)
+    result = gigatron(
+        "lm-eval", "--model", "gigatron", "--model_args", f"load={directory / 'ckpt'},device=cpu",
+        "--tasks", "gigatron_lambada_local", "--include_path", str(tasks),
+        environment=env(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1"),
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
     ours = evaluate(["--load", str(directory / "ckpt"), "--device", "cpu", "--task", "LAMBADA",
                      "--strict-lambada", "--valid-data", str(data), "--no-progress-bar"])  # fmt: skip
     (row,) = [line for line in result.stdout.splitlines() if "|gigatron_lambada_local|" in line]

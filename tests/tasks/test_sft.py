@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import helpers
 from gigatron.data.sft_dataset import conversation_from_json, sft_sample
 from gigatron.data.tokenizers import build_tokenizer
 from gigatron.errors import GigatronError
@@ -19,6 +20,7 @@ from gigatron.families.gpt import token_losses
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
 from gigatron.training.pretrain import parse_pretrain_config, pretrain
+from helpers import write_jsonl
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SEQ = 40
@@ -125,12 +127,7 @@ def test_sft_is_refused_where_it_does_not_apply(tmp_path):
 
 def test_data_parallel_sft_matches_one_process(tmp_path):
     """Two data-parallel ranks, each with half of every global batch, log the one-process loss."""
-    import os
-    import subprocess
-    import sys
-
-    data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in PAIRS * 2))
+    data = write_jsonl(tmp_path / "sft.jsonl", ({"prompt": p, "response": r} for p, r in PAIRS * 2))
     losses = {}
     for nproc in (1, 2):
         out = tmp_path / f"run{nproc}"
@@ -142,16 +139,7 @@ def test_data_parallel_sft_matches_one_process(tmp_path):
             "--log-interval",
             "1",
         ]
-        launcher = [sys.executable, "-m", "gigatron.cli"]
-        if nproc > 1:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(nproc), "-m", "gigatron.cli"]  # fmt: skip
-        result = subprocess.run(
-            [*launcher, "pretrain", "gpt", *flags], capture_output=True, text=True, timeout=600,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses[nproc] = [r["lm_loss"] for r in records if r["type"] == "train"]
+        helpers.pretrain("gpt", *flags, nproc=nproc, timeout=600)
+        losses[nproc] = [r["lm_loss"] for r in helpers.records(out, "train")]
     assert len(losses[1]) == 2
     assert losses[2] == pytest.approx(losses[1], rel=1e-5)

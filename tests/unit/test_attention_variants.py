@@ -20,6 +20,7 @@ from gigatron.models.transformer import CoreAttention, Norm
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.random import ModelParallelRNG
+from hf_helpers import hf_decoder
 
 VOCAB = 100
 
@@ -37,14 +38,10 @@ def _cfg(**model) -> GigatronConfig:
 def test_qk_layernorm_same_logits_as_qwen3():
     torch.manual_seed(0)
     hf_config = Qwen3Config(
+        **hf_decoder(),
         vocab_size=VOCAB,
-        hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=64,
         tie_word_embeddings=False,
     )
     hf_model = Qwen3ForCausalLM(hf_config).eval()
@@ -52,19 +49,11 @@ def test_qk_layernorm_same_logits_as_qwen3():
         for param in hf_model.parameters():
             param.normal_(1.0 if param.dim() == 1 else 0.0, 0.2)
     cfg = _cfg(
-        group_query_attention=True,
-        num_query_groups=2,
-        kv_channels=16,
-        ffn_hidden_size=96,
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        swiglu=True,
-        add_bias_linear=False,
-        untie_embeddings_and_output_weights=True,
-        qk_layernorm=True,
-        rotary_base=int(hf_config.rope_parameters["rope_theta"]),
-    )
+        group_query_attention=True, num_query_groups=2, kv_channels=16, ffn_hidden_size=96,
+        position_embedding_type="rope", normalization="RMSNorm", layernorm_epsilon=1e-6,
+        swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+        qk_layernorm=True, rotary_base=int(hf_config.rope_parameters["rope_theta"]),
+    )  # fmt: skip
     (model,) = build_model(cfg, ParallelContext.single(), vocab_size=VOCAB)
     hf = hf_model.state_dict()
     sd = llama_to_gigatron(hf, 2, 4, 2, model.vocab_size)

@@ -16,11 +16,7 @@ from gigatron.data.indexed import write_dataset
 from gigatron.data.loader import build_data_iterator
 from gigatron.data.tokenizers import BertWordPieceTokenizer, NullTokenizer
 from gigatron.errors import GigatronError
-
-WORDS = (
-    "the cat sat on a mat while the dog ran around an old red barn and birds sang in tall "
-    "green trees near a quiet river where children played games until evening came"
-).split()
+from helpers import WORDS
 
 
 @pytest.fixture(scope="module")

@@ -9,25 +9,19 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from gigatron.config.root import GigatronConfig
-from gigatron.config.validate import finalize_config, validate_config
+import hf_helpers
 from gigatron.families.gpt.hf_deepseek import DeepseekV3HFAdapter
 from gigatron.inference.kv_cache import KVCache
-from gigatron.models import build_model
-from gigatron.parallel.context import ParallelContext
 
 VOCAB, SEQ = 100, 16
 
 
 def _hf_config(**overrides) -> DeepseekV3Config:
     values = dict(
+        **hf_helpers.hf_decoder(num_key_value_heads=4, max_position_embeddings=128),
         vocab_size=VOCAB,
-        hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
         q_lora_rank=24,
         kv_lora_rank=16,
         qk_nope_head_dim=8,
@@ -40,7 +34,6 @@ def _hf_config(**overrides) -> DeepseekV3Config:
         n_shared_experts=1,
         routed_scaling_factor=2.5,
         first_k_dense_replace=1,
-        max_position_embeddings=128,
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 10000.0,
@@ -58,18 +51,7 @@ def _hf_config(**overrides) -> DeepseekV3Config:
 
 
 def _gigatron(hf_config):
-    model_values, moe_values = DeepseekV3HFAdapter().config_from_hf(hf_config)
-    vocab = model_values.pop("vocab_size")
-    cfg = GigatronConfig()
-    for key, value in model_values.items():
-        setattr(cfg.model, key, value)
-    for key, value in moe_values.items():
-        setattr(cfg.moe, key, value)
-    cfg.model.attention_dropout = cfg.model.hidden_dropout = 0.0
-    finalize_config(cfg)
-    validate_config(cfg)
-    (model,) = build_model(cfg, ParallelContext.single(), vocab_size=vocab)
-    return model.eval()
+    return hf_helpers.gigatron_model(*DeepseekV3HFAdapter().config_from_hf(hf_config))
 
 
 @pytest.mark.parametrize("q_lora_rank", [24, None])
@@ -77,12 +59,8 @@ def test_deepseek_v3_same_logits_as_hugging_face(q_lora_rank):
     torch.manual_seed(0)
     hf_config = _hf_config(q_lora_rank=q_lora_rank)
     hf_model = DeepseekV3ForCausalLM(hf_config).eval()
+    hf_helpers.randomise(hf_model, 0.2, norm_mean=1.0)
     with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            if "norm" not in name:
-                param.normal_(0.0, 0.2)
-            else:
-                param.normal_(1.0, 0.2)
         for layer in hf_model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.2)
     adapter = DeepseekV3HFAdapter()
@@ -92,14 +70,11 @@ def test_deepseek_v3_same_logits_as_hugging_face(q_lora_rank):
     with torch.no_grad():
         expected = hf_model(tokens).logits
         logits = model(tokens, torch.arange(SEQ).expand(2, SEQ))[..., :VOCAB]
-    error = ((logits - expected).norm() / expected.norm()).item()
+    error = hf_helpers.relative_error(logits, expected)
     assert error < 1e-5, error
-
-    back = adapter.to_hf(model.state_dict(), hf_config)
-    reference = hf_model.state_dict()
-    assert back.keys() == reference.keys()
-    for name, tensor in reference.items():
-        torch.testing.assert_close(back[name], tensor, rtol=0, atol=0, msg=name)
+    hf_helpers.assert_same_state(
+        adapter.to_hf(model.state_dict(), hf_config), hf_model.state_dict()
+    )
 
     # Generation: prompt then one token at a time through the KV cache.
     with torch.no_grad():
@@ -122,25 +97,12 @@ def test_deepseek_v3_same_logits_as_hugging_face(q_lora_rank):
 def test_generation_equals_hugging_face_generate():
     """The engine (MLA's KV cache, continuous batching over mixed prompt lengths) picks
     Hugging Face's greedy tokens."""
-    from gigatron.inference import InferenceEngine, ModelRunner, SamplingParams
-
     torch.manual_seed(4)
     hf_config = _hf_config()
     hf_model = DeepseekV3ForCausalLM(hf_config).eval()
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    hf_helpers.randomise(hf_model, 0.2, norm_mean=1.0)
     model = _gigatron(hf_config)
     model.load_state_dict(
         DeepseekV3HFAdapter().from_hf(hf_model.state_dict(), hf_config, model.vocab_size)
     )
-    runner = ModelRunner([model], ParallelContext.single(), VOCAB, 2, 48)
-    engine = InferenceEngine(runner, None)
-    prompts = [[5, 17, 42, 8, 99, 3, 61], [7], [11, 12, 13]]
-    completions = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
-    for prompt, completion in zip(prompts, completions, strict=True):
-        hf_out = hf_model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-        assert completion.output_ids == hf_out[0, len(prompt) :].tolist()
+    hf_helpers.assert_greedy_generation_matches(model, hf_model, VOCAB)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-from gigatron.config.root import GigatronConfig
 from gigatron.families.gpt import token_losses
 from gigatron.families.hf_mapping import (
     gigatron_to_gpt2,
@@ -15,8 +14,8 @@ from gigatron.families.hf_mapping import (
     llama_to_gigatron,
     model_config_from_hf,
 )
-from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
+from hf_helpers import gigatron_model, llama_gqa_config
 
 VOCAB = 100
 SEQ = 16
@@ -28,14 +27,8 @@ def _lm_losses(logits, labels):
 
 
 def _gigatron_model(hf_config):
-    values = model_config_from_hf(hf_config)
-    vocab = values.pop("vocab_size")
-    cfg = GigatronConfig()
-    for key, value in values.items():
-        setattr(cfg.model, key, value)
-    cfg.model.attention_dropout = cfg.model.hidden_dropout = 0.0
-    (model,) = build_model(cfg, ParallelContext.single(), vocab_size=vocab)
-    return model.eval(), model.vocab_size
+    model = gigatron_model(model_config_from_hf(hf_config), finalize=False)
+    return model, model.vocab_size
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -62,15 +55,9 @@ def _check_logits_and_loss(model, hf_model, vocab):
 def test_gpt2_same_logits_as_hugging_face():
     torch.manual_seed(1)
     hf_config = GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=32,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
     hf_model = GPT2LMHeadModel(hf_config).eval()
     model, padded = _gigatron_model(hf_config)
     assert padded == 128
@@ -88,19 +75,7 @@ def test_gpt2_same_logits_as_hugging_face():
 
 def test_llama_gqa_same_logits_as_hugging_face():
     torch.manual_seed(2)
-    hf_config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=500.0,
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-    )
+    hf_config = llama_gqa_config(VOCAB)
     hf_model = LlamaForCausalLM(hf_config).eval()
     model, padded = _gigatron_model(hf_config)
     spec = model.config

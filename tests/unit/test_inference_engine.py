@@ -5,27 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-from gigatron.config.root import GigatronConfig
 from gigatron.families.hf_mapping import gpt2_to_gigatron, llama_to_gigatron, model_config_from_hf
 from gigatron.inference import InferenceEngine, KVCache, ModelRunner, SamplingParams
-from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
+from hf_helpers import gigatron_model, llama_gqa_config
 
 VOCAB = 100
 PROMPTS = [[5, 17, 42, 8, 99, 3, 61], [7], [11, 12, 13], [64, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 
 
 def _gigatron_model(hf_config):
-    values = model_config_from_hf(hf_config)
-    vocab = values.pop("vocab_size")
-    cfg = GigatronConfig()
-    for key, value in values.items():
-        setattr(cfg.model, key, value)
-    cfg.model.attention_dropout = cfg.model.hidden_dropout = 0.0
-    (model,) = build_model(cfg, ParallelContext.single(), vocab_size=vocab)
-    return model.eval()
+    return gigatron_model(model_config_from_hf(hf_config), finalize=False)
 
 
 def gpt2_pair():
@@ -42,11 +34,7 @@ def gpt2_pair():
 
 def llama_pair():
     torch.manual_seed(2)
-    hf_config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-5, rope_theta=500.0, tie_word_embeddings=False, attention_dropout=0.0,
-    )  # fmt: skip
+    hf_config = llama_gqa_config(VOCAB)
     hf_model = LlamaForCausalLM(hf_config).eval()
     model = _gigatron_model(hf_config)
     model.load_state_dict(llama_to_gigatron(hf_model.state_dict(), 2, 8, 2, model.vocab_size))

@@ -16,17 +16,10 @@ class FakeOptimizer:
 
 def make(style="linear", **kwargs):
     args = dict(
-        init_lr=0.0,
-        max_lr=1.0,
-        min_lr=0.1,
-        lr_warmup_steps=10,
-        lr_decay_steps=110,
-        lr_decay_style=style,
-        start_wd=0.01,
-        end_wd=0.01,
-        wd_incr_steps=110,
+        init_lr=0.0, max_lr=1.0, min_lr=0.1, lr_warmup_steps=10, lr_decay_steps=110,
+        lr_decay_style=style, start_wd=0.01, end_wd=0.01, wd_incr_steps=110,
         wd_incr_style="constant",
-    )
+    )  # fmt: skip
     args.update(kwargs)
     return LRScheduler(FakeOptimizer(), **args)
 
@@ -98,18 +91,10 @@ def test_wsd_exponential_numbers():
 def test_weight_decay_increment_and_group_multipliers():
     groups = [{"wd_mult": 1.0, "lr_mult": 1.0}, {"wd_mult": 0.0, "lr_mult": 0.5}]
     s = LRScheduler(
-        FakeOptimizer(groups),
-        init_lr=0.0,
-        max_lr=1.0,
-        min_lr=0.0,
-        lr_warmup_steps=0,
-        lr_decay_steps=100,
-        lr_decay_style="linear",
-        start_wd=0.0,
-        end_wd=0.1,
-        wd_incr_steps=100,
+        FakeOptimizer(groups), init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=0,
+        lr_decay_steps=100, lr_decay_style="linear", start_wd=0.0, end_wd=0.1, wd_incr_steps=100,
         wd_incr_style="linear",
-    )
+    )  # fmt: skip
     s.step(50)
     assert groups[0]["weight_decay"] == pytest.approx(0.05)
     assert groups[1]["weight_decay"] == 0.0

@@ -8,6 +8,7 @@ from gigatron.config.root import GigatronConfig
 from gigatron.models import build_model
 from gigatron.models.params import count_parameters
 from gigatron.parallel.context import Grid, ParallelContext
+from helpers import TINY_MLA
 
 SHAPES = {
     "gpt2": dict(num_attention_heads=4),
@@ -37,16 +38,7 @@ SHAPES = {
         window_size="(7,0)",
         window_attn_skip_freq="2",
     ),
-    "mla": dict(
-        num_attention_heads=4,
-        multi_latent_attention=True,
-        qk_layernorm=True,
-        q_lora_rank=24,
-        kv_lora_rank=16,
-        qk_head_dim=8,
-        qk_pos_emb_head_dim=8,
-        v_head_dim=12,
-    ),
+    "mla": dict(num_attention_heads=4, **TINY_MLA),
     "mtp": dict(num_attention_heads=4, mtp_num_layers=2, position_embedding_type="rope"),
     "mtp-untied": dict(
         num_attention_heads=4,

@@ -9,13 +9,13 @@ import io
 import pytest
 
 from gigatron.training.pretrain import parse_pretrain_config, pretrain
+from helpers import tiny_gpt_flags
 
 FLAGS = [
-    "--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32",
-    "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-    "--global-batch-size", "8", "--optimizer", "sgd", "--lr", "0.5", "--train-iters", "4",
-    "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
-    "--attention-dropout", "0", "--deterministic-mode", "--num-workers", "0",
+    *tiny_gpt_flags(vocab_size=64, hidden_size=32), "--global-batch-size", "8", "--optimizer",
+    "sgd", "--lr", "0.5", "--train-iters", "4", "--log-interval", "1", "--eval-iters", "0",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--deterministic-mode", "--num-workers",
+    "0",
 ]  # fmt: skip
 
 

@@ -16,11 +16,7 @@ from gigatron.data.t5_dataset import (
     make_t5_sample,
 )
 from gigatron.data.tokenizers import BertWordPieceTokenizer
-
-WORDS = (
-    "the cat sat on a mat while the dog ran around an old red barn and birds sang in tall "
-    "green trees near a quiet river where children played games until evening came"
-).split()
+from helpers import WORDS
 
 
 @pytest.fixture(scope="module")

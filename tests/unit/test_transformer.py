@@ -43,15 +43,10 @@ def tiny_config(**model_overrides) -> GigatronConfig:
 
 
 LLAMA = dict(
-    num_attention_heads=8,
-    group_query_attention=True,
-    num_query_groups=2,
-    position_embedding_type="rope",
-    swiglu=True,
-    normalization="RMSNorm",
-    add_bias_linear=False,
+    num_attention_heads=8, group_query_attention=True, num_query_groups=2,
+    position_embedding_type="rope", swiglu=True, normalization="RMSNorm", add_bias_linear=False,
     untie_embeddings_and_output_weights=True,
-)
+)  # fmt: skip
 
 
 def fake_context(tp: int = 1, pp: int = 1, rank: int = 0) -> ParallelContext:
