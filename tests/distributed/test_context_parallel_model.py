@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gigatron.config.root import GigatronConfig
+from gigatron.config.validate import finalize_config
 from gigatron.families import get_family
 from gigatron.parallel.context import ParallelContext, run_distributed
 from gigatron.parallel.data_parallel import DistributedDataParallel
@@ -102,7 +103,7 @@ def _moe_config(cp: int = 1, ep: int = 1) -> GigatronConfig:
     e.num_experts, e.moe_router_topk, e.moe_layer_freq = 4, 2, "[1,1]"
     e.moe_aux_loss_coeff, e.moe_z_loss_coeff = 1e-2, 1e-3
     cfg.parallel.expert_model_parallel_size = ep
-    return cfg
+    return finalize_config(cfg)  # the MoE layers read the derived --ffn-hidden-size
 
 
 def _compare_moe() -> None:
