@@ -26,6 +26,18 @@ Tensor = torch.Tensor
 StateDict = dict[str, Tensor]
 
 
+def sizes_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig sizes every BERT-style Hugging Face config names alike (`num_hidden_layers`...)."""
+    return {
+        "num_layers": c["num_hidden_layers"],
+        "hidden_size": c["hidden_size"],
+        "num_attention_heads": c["num_attention_heads"],
+        "ffn_hidden_size": c["intermediate_size"],
+        "seq_length": c["max_position_embeddings"],
+        "max_position_embeddings": c["max_position_embeddings"],
+    }
+
+
 def model_config_from_hf(hf_config: Any) -> dict[str, Any]:
     """gigatron ModelConfig values (plus `vocab_size`) for a Hugging Face GPT-2 or Llama config
     (a PretrainedConfig or its dict)."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import pad_rows
+from gigatron.families.hf_mapping import pad_rows, sizes_from_hf
 
 StateDict = dict[str, torch.Tensor]
 
@@ -74,12 +74,7 @@ class DeepseekV3HFAdapter:
             )
         rope = c.get("rope_parameters") or {}
         model: dict[str, Any] = {
-            "num_layers": c["num_hidden_layers"],
-            "hidden_size": c["hidden_size"],
-            "num_attention_heads": c["num_attention_heads"],
-            "ffn_hidden_size": c["intermediate_size"],
-            "seq_length": c["max_position_embeddings"],
-            "max_position_embeddings": c["max_position_embeddings"],
+            **sizes_from_hf(c),
             "position_embedding_type": "rope",
             "normalization": "RMSNorm",
             "layernorm_epsilon": c["rms_norm_eps"],
