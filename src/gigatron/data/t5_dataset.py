@@ -140,14 +140,11 @@ class T5Dataset(BertDataset):
             short_seq_prob=float(cfg.data.short_seq_prob),
         )
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        index = int(index) % len(self)
-        first, end, target = (int(x) for x in self.sample_index[index])
-        sentences = [self.dataset.get(i).tolist() for i in range(first, end)]
-        rng = np.random.RandomState((self.options.seed + index) % 2**32)
-        return make_t5_sample(sentences, target, rng, self.options)
+    @staticmethod
+    def make_sample(
+        sentences: list[list[int]], target: int, rng: np.random.RandomState, options: Any
+    ) -> dict[str, Any]:
+        return make_t5_sample(sentences, target, rng, options)
 
 
 def make_t5_sample(
