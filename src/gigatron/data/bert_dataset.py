@@ -304,11 +304,5 @@ class MockSentenceDataset(DocumentTable):
         return self._tokens[start:end]
 
 
-def build_bert_datasets(
-    cfg: Any,
-    tokenizer: Any,
-    num_samples: tuple[int | None, int | None, int | None],
-    pctx: Any = None,
-) -> tuple[Any, Any, Any]:
-    """(train, valid, test) BERT datasets of the configuration; None for a split that is absent."""
-    return builder.build_datasets(BertDataset, cfg, tokenizer, num_samples, pctx)
+# (train, valid, test) BERT datasets of a configuration; None for a split that is absent.
+build_bert_datasets = BertDataset.build_splits

@@ -87,6 +87,17 @@ class SplitDataset:
         """Check the split (`where` names it in errors) and load or build its sample indices."""
         raise NotImplementedError
 
+    @classmethod
+    def build_splits(
+        cls,
+        cfg: Any,
+        tokenizer: Any,
+        num_samples: tuple[int | None, int | None, int | None],
+        pctx: Any = None,
+    ) -> Splits:
+        """(train, valid, test) datasets of this class for the configuration (`build_datasets`)."""
+        return build_datasets(cls, cfg, tokenizer, num_samples, pctx)
+
     def identifiers(self, class_name: str) -> dict[str, Any]:
         """Megatron-Core's description keys that every dataset has (its cache depends on them)."""
         options = self.options

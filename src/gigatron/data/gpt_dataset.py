@@ -244,15 +244,7 @@ def default_cache_dir(prefix: str) -> str:
     return builder.default_cache_dir(prefix, GPTDataset.cache_name)
 
 
-def build_gpt_datasets(
-    cfg: Any,
-    tokenizer: Any,
-    num_samples: tuple[int | None, int | None, int | None],
-    pctx: Any = None,
-) -> tuple[Any, Any, Any]:
-    """(train, valid, test) GPT datasets of the configuration; None for a split that is absent.
-
-    With a ParallelContext of several ranks, rank 0 builds (and caches) the indices first and the
-    others then load them, so the work is not repeated on every rank.
-    """
-    return builder.build_datasets(GPTDataset, cfg, tokenizer, num_samples, pctx)
+# (train, valid, test) GPT datasets of a configuration; None for a split that is absent.
+# With a ParallelContext of several ranks, rank 0 builds (and caches) the indices first and the
+# others then load them, so the work is not repeated on every rank.
+build_gpt_datasets = GPTDataset.build_splits

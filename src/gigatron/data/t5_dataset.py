@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from gigatron.data import builder
 from gigatron.data.bert_dataset import BertDataset, BertDatasetOptions
 from gigatron.data.masking import create_masked_spans
 from gigatron.data.sentence_samples import build_sentence_sample_index
@@ -202,11 +201,5 @@ def make_t5_sample(
     }
 
 
-def build_t5_datasets(
-    cfg: Any,
-    tokenizer: Any,
-    num_samples: tuple[int | None, int | None, int | None],
-    pctx: Any = None,
-) -> tuple[Any, Any, Any]:
-    """(train, valid, test) T5 datasets of the configuration; None for a split that is absent."""
-    return builder.build_datasets(T5Dataset, cfg, tokenizer, num_samples, pctx)
+# (train, valid, test) T5 datasets of a configuration; None for a split that is absent.
+build_t5_datasets = T5Dataset.build_splits
