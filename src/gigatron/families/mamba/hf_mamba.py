@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import pad_rows
+from gigatron.families.hf_mapping import export_ends, pad_rows
 
 StateDict = dict[str, torch.Tensor]
 
@@ -91,13 +91,9 @@ class Mamba2HFAdapter:
                         f"{name}: Mamba2ForCausalLM holds Mamba layers only; export a stack "
                         "whose pattern is all M"
                     )
-        embedding = sd["embedding.word_embeddings.weight"][:vocab_size]
-        head = sd.get("output_layer.weight")
-        hf: StateDict = {
-            "backbone.embeddings.weight": embedding,
-            "backbone.norm_f.weight": sd["decoder.final_layernorm.weight"],
-            "lm_head.weight": embedding if head is None else head[:vocab_size],
-        }
+        hf = export_ends(
+            sd, vocab_size, "backbone.embeddings.weight", "backbone.norm_f.weight", False
+        )
         for i in range(num_layers):
             src, dst = f"decoder.layers.{i}.", f"backbone.layers.{i}."
             hf[dst + "norm.weight"] = sd[src + "norm.weight"]
