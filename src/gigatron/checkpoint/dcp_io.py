@@ -51,13 +51,18 @@ def _index(pieces: list[Piece]) -> dict[tuple[str, tuple[int, ...]], Piece]:
     return table
 
 
-class PieceSavePlanner(DefaultSavePlanner):
-    """Writes the given pieces (the state dict DCP passes is empty); DCP's global plan keeps one
-    copy of each replicated piece and checks that every tensor is covered exactly."""
+class _PiecePlanner:
+    """A DCP planner of the given pieces, keyed by (name, offsets); no state-dict flattening."""
 
     def __init__(self, pieces: list[Piece]) -> None:
+        # super(): the DCP planner this is mixed into (DefaultSavePlanner or DefaultLoadPlanner).
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.pieces = _index(pieces)
+
+
+class PieceSavePlanner(_PiecePlanner, DefaultSavePlanner):
+    """Writes the given pieces (the state dict DCP passes is empty); DCP's global plan keeps one
+    copy of each replicated piece and checks that every tensor is covered exactly."""
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator=False):
         self.state_dict = {}
@@ -89,12 +94,8 @@ class PieceSavePlanner(DefaultSavePlanner):
         return tensor
 
 
-class PieceLoadPlanner(DefaultLoadPlanner):
+class PieceLoadPlanner(_PiecePlanner, DefaultLoadPlanner):
     """Reads the checkpoint's chunks that overlap each requested piece, straight into it."""
-
-    def __init__(self, pieces: list[Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = _index(pieces)
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator=False):
         self.state_dict = {}

@@ -28,7 +28,7 @@ import numpy as np
 
 from gigatron.data import builder
 from gigatron.data.builder import Bookend
-from gigatron.data.index_cache import IndexCache, describe
+from gigatron.data.indexed import DocumentTable
 from gigatron.data.masking import MaskingOptions, create_masked_lm_predictions
 from gigatron.data.sentence_samples import build_sentence_sample_index
 from gigatron.errors import GigatronError
@@ -92,7 +92,7 @@ class BertDatasetOptions:
         )
 
 
-class BertDataset:
+class BertDataset(builder.SplitDataset):
     """One split of one sentence dataset, as `len(self)` BERT samples (whole epochs).
 
     Items: `tokens`, `token_types`, `labels` (the original id at masked positions, 0 elsewhere),
@@ -103,55 +103,26 @@ class BertDataset:
     # Megatron-Core's class name: cache entries have its name and description.
     cache_name = "BERTMaskedWordPieceDataset"
 
-    def __init__(
-        self,
-        low_level: Any,
-        dataset_path: str | None,
-        indices: np.ndarray,
-        num_samples: int | None,
-        index_split: str,
-        options: BertDatasetOptions,
-        cache_dir: str | None = None,
-    ) -> None:
-        self.dataset = low_level
-        self.path = dataset_path
-        self.indices = indices
-        self.num_samples = num_samples
-        self.index_split = index_split
-        self.options = options
-        self.seq_length = options.seq_length
-        where = f"the {index_split} split of {dataset_path or 'the mock data'}"
-        if len(indices) == 0:
+    def build_indices(self, where: str, cache_dir: str | None) -> None:
+        if len(self.indices) == 0:
             raise GigatronError(
-                f"--split {options.split}: {where} holds no documents (of "
-                f"{self.numel_low_level_dataset(low_level)}) but samples are asked of it; change "
-                f"--split to give {index_split} a larger share, or give --{index_split}-data-path"
+                f"--split {self.options.split}: {where} holds no documents (of "
+                f"{self.numel_low_level_dataset(self.dataset)}) but samples are asked of it; "
+                f"change --split to give {self.index_split} a larger share, or give "
+                f"--{self.index_split}-data-path"
             )
         self.unique_identifiers = self._identifiers()
-        self.description = describe(self.unique_identifiers)
         # Megatron-Core's BERT file names carry no split name (the description has it).
-        cache = IndexCache(cache_dir, self.cache_name, self.description)
-        self.unique_description_hash = cache.hash
-        loaded = cache.load(INDEX_NAMES)
-        self.loaded_from_cache = loaded is not None
-        if loaded is None:
-            loaded = [self._build_sample_index(where)]
-            cache.save(dict(zip(INDEX_NAMES, loaded)))
+        loaded = self.load_indices(
+            cache_dir, self.cache_name, INDEX_NAMES, lambda: [self._build_sample_index(where)]
+        )
         (self.sample_index,) = loaded
 
     def _identifiers(self) -> dict[str, Any]:
         """What the cached indices depend on (Megatron-Core's description of the dataset)."""
         options = self.options
         return {
-            "class": self.cache_name,
-            "dataset_path": self.path,
-            "num_samples": self.num_samples,
-            "index_split": self.index_split,
-            "random_seed": options.seed,
-            "sequence_length": options.seq_length,
-            "split": options.split,
-            "split_matrix": options.split_matrix,
-            "tokenizer": options.tokenizer_identifiers,
+            **self.identifiers(self.cache_name),
             "masking_probability": options.mask_prob,
             "short_sequence_probability": options.short_seq_prob,
             "masking_max_ngram": MASKING_MAX_NGRAM,
@@ -230,14 +201,19 @@ class BertDataset:
     def __len__(self) -> int:
         return int(self.sample_index.shape[0])
 
+    @staticmethod
+    def make_sample(
+        sentences: list[list[int]], target: int, rng: np.random.RandomState, options: Any
+    ) -> dict[str, Any]:
+        """The sample of `sentences` cut to `target` tokens (T5Dataset makes T5 samples)."""
+        return make_bert_sample(sentences, target, rng, options)
+
     def __getitem__(self, index: int) -> dict[str, Any]:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        index = int(index) % len(self)
+        index = self.position(index)
         first, end, target = (int(x) for x in self.sample_index[index])
         sentences = [self.dataset.get(i).tolist() for i in range(first, end)]
         rng = np.random.RandomState((self.options.seed + index) % 2**32)
-        return make_bert_sample(sentences, target, rng, self.options)
+        return self.make_sample(sentences, target, rng, self.options)
 
 
 def make_bert_sample(
@@ -306,7 +282,7 @@ def _trim(
 # Synthetic sentences for --mock-data
 
 
-class MockSentenceDataset:
+class MockSentenceDataset(DocumentTable):
     """Documents of 2 to 8 sentences of 4 to 40 random word ids, from a fixed seed (--mock-data).
 
     Serves the part of IndexedDataset's interface that BertDataset uses.
@@ -322,28 +298,11 @@ class MockSentenceDataset:
         self._starts = starts
         self._tokens = words[rng.randint(0, len(words), size=int(starts[-1]))]
 
-    def __len__(self) -> int:
-        return len(self._sequence_lengths)
-
-    @property
-    def sequence_lengths(self) -> np.ndarray:
-        return self._sequence_lengths
-
-    @property
-    def document_indices(self) -> np.ndarray:
-        return self._document_indices
-
     def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         start = int(self._starts[index]) + offset
         end = int(self._starts[index + 1]) if length is None else start + length
         return self._tokens[start:end]
 
 
-def build_bert_datasets(
-    cfg: Any,
-    tokenizer: Any,
-    num_samples: tuple[int | None, int | None, int | None],
-    pctx: Any = None,
-) -> tuple[Any, Any, Any]:
-    """(train, valid, test) BERT datasets of the configuration; None for a split that is absent."""
-    return builder.build_datasets(BertDataset, cfg, tokenizer, num_samples, pctx)
+# (train, valid, test) BERT datasets of a configuration; None for a split that is absent.
+build_bert_datasets = BertDataset.build_splits

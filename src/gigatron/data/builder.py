@@ -32,6 +32,7 @@ import dataclasses
 import math
 import os
 import warnings
+from collections.abc import Callable, Sequence
 from itertools import accumulate
 from typing import Any
 
@@ -39,6 +40,7 @@ import numpy as np
 
 from gigatron.config.data import parse_split
 from gigatron.data.blend import BlendedDataset, member_sample_counts, normalize_weights
+from gigatron.data.index_cache import IndexCache, describe
 from gigatron.data.indexed import (
     IndexedDataset,
     dataset_exists,
@@ -54,6 +56,79 @@ MOCK_SPLIT = "1,1,1"
 
 Bookend = tuple[float, float] | None
 Splits = tuple[Any, Any, Any]
+
+
+class SplitDataset:
+    """What the dataset classes share: the constructor `build_datasets` calls, which keeps its
+    arguments and then calls the class's `build_indices(where, cache_dir)`."""
+
+    def __init__(
+        self,
+        low_level: Any,
+        dataset_path: str | None,
+        indices: np.ndarray,
+        num_samples: int | None,
+        index_split: str,
+        options: Any,
+        cache_dir: str | None = None,
+    ) -> None:
+        self.dataset = low_level
+        self.path = dataset_path
+        self.indices = indices
+        self.num_samples = num_samples
+        self.index_split = index_split
+        self.options = options
+        self.seq_length = options.seq_length
+        self.build_indices(
+            f"the {index_split} split of {dataset_path or 'the mock data'}", cache_dir
+        )
+
+    def build_indices(self, where: str, cache_dir: str | None) -> None:
+        """Check the split (`where` names it in errors) and load or build its sample indices."""
+        raise NotImplementedError
+
+    @classmethod
+    def build_splits(
+        cls,
+        cfg: Any,
+        tokenizer: Any,
+        num_samples: tuple[int | None, int | None, int | None],
+        pctx: Any = None,
+    ) -> Splits:
+        """(train, valid, test) datasets of this class for the configuration (`build_datasets`)."""
+        return build_datasets(cls, cfg, tokenizer, num_samples, pctx)
+
+    def identifiers(self, class_name: str) -> dict[str, Any]:
+        """Megatron-Core's description keys that every dataset has (its cache depends on them)."""
+        options = self.options
+        return {
+            "class": class_name,
+            "dataset_path": self.path,
+            "num_samples": self.num_samples,
+            "index_split": self.index_split,
+            "random_seed": options.seed,
+            "sequence_length": options.seq_length,
+            "split": options.split,
+            "split_matrix": options.split_matrix,
+            "tokenizer": options.tokenizer_identifiers,
+        }
+
+    def load_indices(
+        self, cache_dir: str | None, stem: str, names: Sequence[str], build: Callable[[], Any]
+    ) -> list[np.ndarray]:
+        """The index arrays `names`, from the cache entry of `unique_identifiers` in `cache_dir`
+        (file names `<hash>-<stem>-<name>`) or built (and saved there) by `build()`."""
+        self.description = describe(self.unique_identifiers)
+        cache = IndexCache(cache_dir, stem, self.description)
+        self.unique_description_hash = cache.hash
+        loaded, self.loaded_from_cache = cache.load_or_build(names, build)
+        return loaded
+
+    def position(self, index: int) -> int:
+        """`index` (negative counts from the end) as a position in [0, len)."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} out of range for {len(self)} samples")
+        return int(index) % len(self)
 
 
 # ----------------------------------------------------------------------------------------------

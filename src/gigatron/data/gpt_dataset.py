@@ -24,7 +24,8 @@ from gigatron.data.builder import (  # noqa: F401  (the split/blend parsers, imp
     split_indices,
     split_matrix,
 )
-from gigatron.data.index_cache import IndexCache, describe
+from gigatron.data.index_cache import IndexCache
+from gigatron.data.indexed import DocumentTable
 from gigatron.data.sample_index import build_all_indices
 from gigatron.errors import GigatronError
 
@@ -36,7 +37,7 @@ INDEX_NAMES = ("document_index.npy", "sample_index.npy", "shuffle_index.npy")
 # Synthetic documents for --mock-data
 
 
-class MockTokenDataset:
+class MockTokenDataset(DocumentTable):
     """Documents of seeded random lengths whose tokens are computed, not read (--mock-data).
 
     Serves the part of IndexedDataset's interface that GPTDataset uses.
@@ -52,17 +53,6 @@ class MockTokenDataset:
             np.random.RandomState(0).randint(1, max_length, size=num_documents).astype(np.int32)
         )
         self._document_indices = np.arange(num_documents + 1, dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self._sequence_lengths)
-
-    @property
-    def sequence_lengths(self) -> np.ndarray:
-        return self._sequence_lengths
-
-    @property
-    def document_indices(self) -> np.ndarray:
-        return self._document_indices
 
     def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         size = int(self._sequence_lengths[index])
@@ -112,7 +102,7 @@ class GPTDatasetOptions:
         )
 
 
-class GPTDataset:
+class GPTDataset(builder.SplitDataset):
     """One split of one low-level dataset, as `len(self)` samples of seq_length tokens.
 
     `len()` is the whole set of epochs built (at least `num_samples`), as in Megatron-Core.
@@ -122,55 +112,26 @@ class GPTDataset:
 
     cache_name = "GPTDataset"
 
-    def __init__(
-        self,
-        low_level: Any,
-        dataset_path: str | None,
-        indices: np.ndarray,
-        num_samples: int | None,
-        index_split: str,
-        options: GPTDatasetOptions,
-        cache_dir: str | None = None,
-    ) -> None:
-        self.dataset = low_level
-        self.path = dataset_path
-        self.indices = indices
-        self.num_samples = num_samples
-        self.index_split = index_split
-        self.options = options
-        self.seq_length = options.seq_length
+    def build_indices(self, where: str, cache_dir: str | None) -> None:
+        options, low_level, indices = self.options, self.dataset, self.indices
         self.pad_id = options.pad if options.pad is not None else PAD_WHEN_NO_PAD_TOKEN
         tokens = int(np.asarray(low_level.sequence_lengths)[indices].sum(dtype=np.int64))
         if tokens == 0:
             raise GigatronError(
-                f"--split {options.split}: the {index_split} split of "
-                f"{dataset_path or 'the mock data'} holds no tokens ({len(indices)} of "
+                f"--split {options.split}: {where} holds no tokens ({len(indices)} of "
                 f"{len(low_level)} sequences) but samples are asked of it; change "
-                f"--split to give {index_split} a larger share, or give --{index_split}-data-path"
+                f"--split to give {self.index_split} a larger share, or give "
+                f"--{self.index_split}-data-path"
             )
-        self.unique_identifiers = {
-            "class": "GPTDataset",
-            "dataset_path": dataset_path,
-            "num_samples": num_samples,
-            "index_split": index_split,
-            "random_seed": options.seed,
-            "sequence_length": options.seq_length,
-            "split": options.split,
-            "split_matrix": options.split_matrix,
-            "tokenizer": options.tokenizer_identifiers,
-        }
-        self.description = describe(self.unique_identifiers)
-        cache = IndexCache(cache_dir, f"GPTDataset-{index_split}", self.description)
-        self.unique_description_hash = cache.hash
-        loaded = cache.load(INDEX_NAMES)
-        self.loaded_from_cache = loaded is not None
-        if loaded is None:
-            loaded = list(
-                build_all_indices(
-                    low_level.sequence_lengths, indices, self.seq_length, num_samples, options.seed
-                )
-            )
-            cache.save(dict(zip(INDEX_NAMES, loaded)))
+        self.unique_identifiers = self.identifiers("GPTDataset")
+        loaded = self.load_indices(
+            cache_dir,
+            f"GPTDataset-{self.index_split}",
+            INDEX_NAMES,
+            lambda: build_all_indices(
+                low_level.sequence_lengths, indices, self.seq_length, self.num_samples, options.seed
+            ),
+        )
         self.document_index, self.sample_index, self.shuffle_index = loaded
 
     # The interface of data.builder.
@@ -235,9 +196,7 @@ class GPTDataset:
         return text, real
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        text, real = self.text(int(index) % len(self))
+        text, real = self.text(self.position(index))
         return make_sample(text, real, self.options)
 
 
@@ -285,15 +244,7 @@ def default_cache_dir(prefix: str) -> str:
     return builder.default_cache_dir(prefix, GPTDataset.cache_name)
 
 
-def build_gpt_datasets(
-    cfg: Any,
-    tokenizer: Any,
-    num_samples: tuple[int | None, int | None, int | None],
-    pctx: Any = None,
-) -> tuple[Any, Any, Any]:
-    """(train, valid, test) GPT datasets of the configuration; None for a split that is absent.
-
-    With a ParallelContext of several ranks, rank 0 builds (and caches) the indices first and the
-    others then load them, so the work is not repeated on every rank.
-    """
-    return builder.build_datasets(GPTDataset, cfg, tokenizer, num_samples, pctx)
+# (train, valid, test) GPT datasets of a configuration; None for a split that is absent.
+# With a ParallelContext of several ranks, rank 0 builds (and caches) the indices first and the
+# others then load them, so the work is not repeated on every rank.
+build_gpt_datasets = GPTDataset.build_splits

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,17 @@ class IndexCache:
         if not all(os.path.isfile(path) for path in self.files(names).values()):
             return None
         return [np.load(self.path(name), mmap_mode="r", allow_pickle=False) for name in names]
+
+    def load_or_build(
+        self, names: Sequence[str], build: Callable[[], Sequence[np.ndarray]]
+    ) -> tuple[list[np.ndarray], bool]:
+        """(the arrays `names`, whether they came from the cache): built and saved when missing."""
+        loaded = self.load(names)
+        if loaded is not None:
+            return loaded, True
+        built = list(build())
+        self.save(dict(zip(names, built)))
+        return built, False
 
     def save(self, arrays: Mapping[str, np.ndarray]) -> None:
         """Write the arrays, then the description; a directory that cannot be written to only

@@ -111,7 +111,26 @@ def _temporary_path(path: str) -> str:
     return os.path.join(directory, f".{name}.{os.getpid()}.tmp")
 
 
-class IndexedDataset:
+class DocumentTable:
+    """`len()` (sequences), `sequence_lengths` and `document_indices` of a low-level dataset,
+    read from its `_sequence_lengths` and `_document_indices` arrays."""
+
+    _sequence_lengths: np.ndarray
+    _document_indices: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self._sequence_lengths)
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        return self._sequence_lengths
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        return self._document_indices
+
+
+class IndexedDataset(DocumentTable):
     """A read-only, memory-mapped .bin/.idx pair.
 
     `multimodal=True` reads the trailing per-sequence modes array (the .idx header has no flag
@@ -235,24 +254,13 @@ class IndexedDataset:
             mapped = np.memmap(bin_path, dtype=self._dtype.newbyteorder("<"), mode="r")
             self._tokens = mapped.view(np.ndarray)
 
-    def __len__(self) -> int:
-        return len(self._sequence_lengths)
-
     @property
     def dtype(self) -> np.dtype:
         return self._dtype
 
     @property
-    def sequence_lengths(self) -> np.ndarray:
-        return self._sequence_lengths
-
-    @property
     def sequence_pointers(self) -> np.ndarray:
         return self._sequence_pointers
-
-    @property
-    def document_indices(self) -> np.ndarray:
-        return self._document_indices
 
     @property
     def sequence_modes(self) -> np.ndarray | None:

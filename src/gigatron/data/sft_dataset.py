@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from gigatron.data.builder import Bookend, build_datasets
+from gigatron.data.json_lines import json_lines
 from gigatron.errors import GigatronError
 
 
@@ -69,13 +70,7 @@ class SFTConversations:
                 "JSON-lines files"
             ) from None
         with handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as error:
-                    raise GigatronError(f"{path}: line {number} is not JSON ({error})") from None
+            for number, record in json_lines(handle, path):
                 where = f"{path}: line {number}"
                 self.conversations.append(conversation_from_json(record, tokenizer, where))
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from gigatron.data import builder
 from gigatron.data.bert_dataset import BertDataset, BertDatasetOptions
 from gigatron.data.masking import create_masked_spans
 from gigatron.data.sentence_samples import build_sentence_sample_index
@@ -140,14 +139,11 @@ class T5Dataset(BertDataset):
             short_seq_prob=float(cfg.data.short_seq_prob),
         )
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        if not -len(self) <= index < len(self):
-            raise IndexError(f"sample {index} out of range for {len(self)} samples")
-        index = int(index) % len(self)
-        first, end, target = (int(x) for x in self.sample_index[index])
-        sentences = [self.dataset.get(i).tolist() for i in range(first, end)]
-        rng = np.random.RandomState((self.options.seed + index) % 2**32)
-        return make_t5_sample(sentences, target, rng, self.options)
+    @staticmethod
+    def make_sample(
+        sentences: list[list[int]], target: int, rng: np.random.RandomState, options: Any
+    ) -> dict[str, Any]:
+        return make_t5_sample(sentences, target, rng, options)
 
 
 def make_t5_sample(
@@ -205,11 +201,5 @@ def make_t5_sample(
     }
 
 
-def build_t5_datasets(
-    cfg: Any,
-    tokenizer: Any,
-    num_samples: tuple[int | None, int | None, int | None],
-    pctx: Any = None,
-) -> tuple[Any, Any, Any]:
-    """(train, valid, test) T5 datasets of the configuration; None for a split that is absent."""
-    return builder.build_datasets(T5Dataset, cfg, tokenizer, num_samples, pctx)
+# (train, valid, test) T5 datasets of a configuration; None for a split that is absent.
+build_t5_datasets = T5Dataset.build_splits

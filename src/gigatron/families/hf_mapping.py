@@ -26,6 +26,44 @@ Tensor = torch.Tensor
 StateDict = dict[str, Tensor]
 
 
+def sizes_from_hf(c: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig sizes every BERT-style Hugging Face config names alike (`num_hidden_layers`...)."""
+    return {
+        "num_layers": c["num_hidden_layers"],
+        "hidden_size": c["hidden_size"],
+        "num_attention_heads": c["num_attention_heads"],
+        "ffn_hidden_size": c["intermediate_size"],
+        "seq_length": c["max_position_embeddings"],
+        "max_position_embeddings": c["max_position_embeddings"],
+    }
+
+
+def yarn_values(rope: dict[str, Any]) -> dict[str, Any]:
+    """The YaRN ModelConfig values of a Hugging Face `rope_parameters` (or `rope_scaling`) dict."""
+    return {
+        "rotary_scaling_factor": rope["factor"],
+        "yarn_original_max_position_embeddings": rope["original_max_position_embeddings"],
+        "yarn_beta_fast": rope.get("beta_fast", 32.0),
+        "yarn_beta_slow": rope.get("beta_slow", 1.0),
+        "yarn_correction_range_round_to_int": rope.get("truncate", True),
+    }
+
+
+def export_ends(
+    sd: StateDict, vocab_size: int, embedding: str, final_norm: str, clone: bool
+) -> StateDict:
+    """The Hugging Face word embedding, final norm and `lm_head.weight` (the embedding when the
+    output layer is tied) of a gigatron state dict, padding rows dropped; `clone`: copies."""
+    copy = torch.clone if clone else (lambda tensor: tensor)
+    embed = copy(sd["embedding.word_embeddings.weight"][:vocab_size])
+    head = sd.get("output_layer.weight")
+    return {
+        embedding: embed,
+        final_norm: copy(sd["decoder.final_layernorm.weight"]),
+        "lm_head.weight": embed if head is None else copy(head[:vocab_size]),
+    }
+
+
 def model_config_from_hf(hf_config: Any) -> dict[str, Any]:
     """gigatron ModelConfig values (plus `vocab_size`) for a Hugging Face GPT-2 or Llama config
     (a PretrainedConfig or its dict)."""
@@ -227,13 +265,7 @@ def gigatron_to_llama(
     vocab_size: int,
 ) -> StateDict:
     """gigatron GPT state dict (Llama shaped) -> LlamaForCausalLM state dict."""
-    embed = sd["embedding.word_embeddings.weight"][:vocab_size].clone()
-    head = sd.get("output_layer.weight")
-    out: StateDict = {
-        "model.embed_tokens.weight": embed,
-        "model.norm.weight": sd["decoder.final_layernorm.weight"].clone(),
-        "lm_head.weight": embed if head is None else head[:vocab_size].clone(),
-    }
+    out = export_ends(sd, vocab_size, "model.embed_tokens.weight", "model.norm.weight", True)
     for i in range(num_layers):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = sd[src + "input_layernorm.weight"].clone()

@@ -13,6 +13,7 @@ which Megatron removed (so is `beam_width` here); it is validated and has no oth
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,29 +171,35 @@ def _sampling(body: dict) -> tuple[float, int, float]:
 
 
 def _nucleus_decay(body: dict, top_p: float) -> tuple[float, float]:
-    top_p_decay = body.get("top_p_decay", 0.0)
-    if "top_p_decay" in body:
-        if not isinstance(top_p_decay, float):
-            raise RequestError(
-                "top_p_decay must be a positive float less than or equal to 1.0", "top_p_decay"
-            )
-        if top_p == 0.0:
-            raise RequestError("top_p_decay cannot be set without top_p", "top_p_decay")
-        if not 0 <= top_p_decay <= 1.0:
-            raise RequestError("top_p_decay must be less than or equal to 1.0", "top_p_decay")
-    top_p_bound = body.get("top_p_bound", 0.0)
-    if "top_p_bound" in body:
-        if not isinstance(top_p_bound, float):
-            raise RequestError(
-                "top_p_bound must be a positive float less than or equal to top_p", "top_p_bound"
-            )
-        if top_p == 0.0:
-            raise RequestError("top_p_bound cannot be set without top_p", "top_p_bound")
-        if not 0.0 < top_p_bound <= top_p:
-            raise RequestError(
-                "top_p_bound must be greater than 0 and less than top_p", "top_p_bound"
-            )
+    top_p_decay = _top_p_option(
+        body, "top_p_decay", top_p, "1.0", lambda v: 0 <= v <= 1.0, "less than or equal to 1.0"
+    )
+    top_p_bound = _top_p_option(
+        body,
+        "top_p_bound",
+        top_p,
+        "top_p",
+        lambda v: 0.0 < v <= top_p,
+        "greater than 0 and less than top_p",
+    )
     return top_p_decay, top_p_bound
+
+
+def _top_p_option(
+    body: dict, name: str, top_p: float, most: str, in_range: Callable[[float], bool], bounds: str
+) -> float:
+    """A float refining top-p (0.0 when absent): needs top_p; `bounds` says what `in_range` wants."""
+    value = body.get(name, 0.0)
+    if name in body:
+        if not isinstance(value, float):
+            raise RequestError(
+                f"{name} must be a positive float less than or equal to {most}", name
+            )
+        if top_p == 0.0:
+            raise RequestError(f"{name} cannot be set without top_p", name)
+        if not in_range(value):
+            raise RequestError(f"{name} must be {bounds}", name)
+    return value
 
 
 def megatron_response(completions: list[Completion], tokenizer, logprobs: bool) -> dict[str, Any]:

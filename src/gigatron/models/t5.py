@@ -130,10 +130,7 @@ class CrossAttention(Attention):
         core_attention=None,
     ) -> None:
         super().__init__(config, layer_number, rng)
-        tp = pctx.tp_size
-        self.heads = divide(config.num_attention_heads, tp, "--num-attention-heads")
-        self.groups = divide(config.num_query_groups, tp, "--num-query-groups")
-        self.kv_channels = config.kv_channels
+        self.split_heads(config, pctx)
         hidden, kv_channels = config.hidden_size, config.kv_channels
         q_size = config.num_attention_heads * kv_channels
         self.linear_q = column_linear(config, pctx, hidden, q_size)

@@ -378,6 +378,13 @@ class Attention(nn.Module):
         self.recompute_core = "core_attn" in selective_recompute_modules(config)
         self.rng = rng
 
+    def split_heads(self, config: TransformerConfig, pctx: ParallelContext) -> None:
+        """This rank's `heads` and `groups` (query groups) of `kv_channels` channels."""
+        tp = pctx.tp_size
+        self.heads = divide(config.num_attention_heads, tp, "--num-attention-heads")
+        self.groups = divide(config.num_query_groups, tp, "--num-query-groups")
+        self.kv_channels = config.kv_channels
+
     def attend(
         self,
         q: torch.Tensor,
@@ -409,10 +416,7 @@ class SelfAttention(Attention):
         core_attention: Callable[..., nn.Module] | None = None,
     ) -> None:
         super().__init__(config, layer_number, rng)
-        tp = pctx.tp_size
-        self.heads = divide(config.num_attention_heads, tp, "--num-attention-heads")
-        self.groups = divide(config.num_query_groups, tp, "--num-query-groups")
-        self.kv_channels = config.kv_channels
+        self.split_heads(config, pctx)
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         qkv_size = config.num_query_groups * (self.heads_per_group + 2) * config.kv_channels
         bias = config.add_bias_linear or config.add_qkv_bias

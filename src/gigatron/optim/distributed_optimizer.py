@@ -53,6 +53,58 @@ SHARDED_GROUP = "dp_cp"
 DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"
 
 
+def state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Per-element state tensors of the inner optimizer (same on every rank)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return ["momentum_buffer"] if optimizer.defaults.get("momentum") else []
+    return ["exp_avg", "exp_avg_sq"]
+
+
+def sharded_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The checkpoint entry of a sharded optimizer: its param-group settings and the name of the
+    file holding the state itself."""
+    groups = [
+        {key: value for key, value in group.items() if key != "params"}
+        for group in optimizer.param_groups
+    ]
+    return {"param_groups": groups, "sharded_state": DISTRIB_OPTIM_FILENAME}
+
+
+def load_param_groups(optimizer: torch.optim.Optimizer, state: dict[str, Any], error: str) -> None:
+    """Restore the param-group settings of `sharded_state_dict`; GigatronError(`error`) when
+    `state` has none or another number of groups."""
+    groups = state.get("param_groups")
+    if groups is None or len(groups) != len(optimizer.param_groups):
+        raise GigatronError(error)
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({key: value for key, value in saved.items() if key != "params"})
+
+
+def write_distrib_optim(
+    directory: str | Path, step: float, state_keys: list[str], full: dict[str, Any]
+) -> None:
+    """Write `distrib_optim.pt` (whole optimizer state by parameter name) into `directory`,
+    atomically (a temporary file renamed)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {"version": 1, "step": step, "state_keys": state_keys, "params": full}
+    tmp = directory / (DISTRIB_OPTIM_FILENAME + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, directory / DISTRIB_OPTIM_FILENAME)
+
+
+def read_distrib_optim(directory: str | Path, saved_by: str) -> tuple[Path, dict[str, Any]]:
+    """(path, contents) of `distrib_optim.pt` in `directory`; `saved_by` names the flags that
+    write it, for the error when it is missing."""
+    path = Path(directory) / DISTRIB_OPTIM_FILENAME
+    if not path.is_file():
+        raise GigatronError(
+            f"{path} is missing: the checkpoint was saved without {saved_by} (or is incomplete); "
+            "pass --no-load-optim to load the weights only"
+        )
+    return path, safe_load(path)
+
+
 @dataclass
 class ShardedParam:
     """The part [start, end) (flat indices) of one model parameter owned by this rank."""
@@ -157,33 +209,24 @@ class DistributedOptimizer(GigatronOptimizer):
     # position as `distrib_optim.pt`: a file that loads at any data-parallel size or bucket size.
     def state_dict(self) -> dict[str, Any]:
         """What every data-parallel rank shares: group hyper-parameters and the loss scale."""
-        groups = [
-            {key: value for key, value in group.items() if key != "params"}
-            for group in self.optimizer.param_groups
-        ]
-        state: dict[str, Any] = {"param_groups": groups, "sharded_state": DISTRIB_OPTIM_FILENAME}
+        state = sharded_state_dict(self.optimizer)
         if self.grad_scaler is not None:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        groups = state.get("param_groups")
-        if groups is None or len(groups) != len(self.optimizer.param_groups):
-            raise GigatronError(
-                "optimizer state: not a distributed-optimizer state (or one for a different "
-                "number of parameter groups); resume with --use-distributed-optimizer as saved, "
-                "or pass --no-load-optim"
-            )
-        for group, saved in zip(self.optimizer.param_groups, groups):
-            group.update({key: value for key, value in saved.items() if key != "params"})
+        load_param_groups(
+            self.optimizer,
+            state,
+            "optimizer state: not a distributed-optimizer state (or one for a different "
+            "number of parameter groups); resume with --use-distributed-optimizer as saved, "
+            "or pass --no-load-optim",
+        )
         if self.grad_scaler is not None and "grad_scaler" in state:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
 
     def _state_keys(self) -> list[str]:
-        """Per-element state tensors of the inner optimizer (same on every rank)."""
-        if isinstance(self.optimizer, torch.optim.SGD):
-            return ["momentum_buffer"] if self.optimizer.defaults.get("momentum") else []
-        return ["exp_avg", "exp_avg_sq"]
+        return state_keys(self.optimizer)
 
     def full_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], float] | None:
         """(name -> {"param", moments...} full fp32 tensors, step) on the rank writing this
@@ -231,23 +274,12 @@ class DistributedOptimizer(GigatronOptimizer):
         if gathered is None:
             return
         full, step = gathered
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {"version": 1, "step": step, "state_keys": self._state_keys(), "params": full}
-        tmp = directory / (DISTRIB_OPTIM_FILENAME + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, directory / DISTRIB_OPTIM_FILENAME)
+        write_distrib_optim(directory, step, self._state_keys(), full)
 
     def load_sharded_state(self, directory: str | Path) -> None:
         """Read `distrib_optim.pt` from `directory` and keep this rank's shards of it."""
-        path = Path(directory) / DISTRIB_OPTIM_FILENAME
-        if not path.is_file():
-            raise GigatronError(
-                f"{path} is missing: the checkpoint was saved without "
-                "--use-distributed-optimizer (or is incomplete); pass --no-load-optim to load "
-                "the weights only"
-            )
-        self.load_full_state(safe_load(path), str(path))
+        path, saved = read_distrib_optim(directory, "--use-distributed-optimizer")
+        self.load_full_state(saved, str(path))
 
     def load_full_state(self, state: dict[str, Any], source: str = "optimizer state") -> None:
         """Take this rank's shards from a gathered state (see `full_state`)."""

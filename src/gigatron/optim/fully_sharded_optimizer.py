@@ -14,7 +14,6 @@ checkpoint/dist_format.py.)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,15 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gigatron.errors import GigatronError
-from gigatron.optim.distributed_optimizer import DISTRIB_OPTIM_FILENAME
+from gigatron.optim.distributed_optimizer import (
+    load_param_groups,
+    read_distrib_optim,
+    sharded_state_dict,
+    state_keys,
+    write_distrib_optim,
+)
 from gigatron.optim.optimizer import FP32Optimizer
 from gigatron.parallel.checkpoint_writer import writes_checkpoint
-from gigatron.torch_files import safe_load
 
 
 class FullyShardedOptimizer(FP32Optimizer):
@@ -41,28 +45,20 @@ class FullyShardedOptimizer(FP32Optimizer):
                     yield f"chunk{index}.{name}", param
 
     def _state_keys(self) -> list[str]:
-        if isinstance(self.optimizer, torch.optim.SGD):
-            return ["momentum_buffer"] if self.optimizer.defaults.get("momentum") else []
-        return ["exp_avg", "exp_avg_sq"]
+        return state_keys(self.optimizer)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        groups = [
-            {key: value for key, value in group.items() if key != "params"}
-            for group in self.optimizer.param_groups
-        ]
-        return {"param_groups": groups, "sharded_state": DISTRIB_OPTIM_FILENAME}
+        return sharded_state_dict(self.optimizer)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        groups = state.get("param_groups")
-        if groups is None or len(groups) != len(self.optimizer.param_groups):
-            raise GigatronError(
-                "optimizer state: not a sharded optimizer state (saved without "
-                "--use-distributed-optimizer or FSDP, or with other parameter groups); pass "
-                "--no-load-optim to load the weights only"
-            )
-        for group, saved in zip(self.optimizer.param_groups, groups):
-            group.update({key: value for key, value in saved.items() if key != "params"})
+        load_param_groups(
+            self.optimizer,
+            state,
+            "optimizer state: not a sharded optimizer state (saved without "
+            "--use-distributed-optimizer or FSDP, or with other parameter groups); pass "
+            "--no-load-optim to load the weights only",
+        )
 
     def save_sharded_state(self, directory: str | Path) -> None:
         """Write `distrib_optim.pt` (collective over dp: full tensors; dp rank 0 writes)."""
@@ -80,22 +76,11 @@ class FullyShardedOptimizer(FP32Optimizer):
             full[name] = entry
         if not writes_checkpoint(self.pctx):
             return
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        saved = {"version": 1, "step": step, "state_keys": keys, "params": full}
-        tmp = directory / (DISTRIB_OPTIM_FILENAME + ".tmp")
-        torch.save(saved, tmp)
-        os.replace(tmp, directory / DISTRIB_OPTIM_FILENAME)
+        write_distrib_optim(directory, step, keys, full)
 
     def load_sharded_state(self, directory: str | Path) -> None:
         """Read `distrib_optim.pt` and keep this rank's shards (no communication)."""
-        path = Path(directory) / DISTRIB_OPTIM_FILENAME
-        if not path.is_file():
-            raise GigatronError(
-                f"{path} is missing: the checkpoint was saved without --use-distributed-optimizer "
-                "or FSDP (or is incomplete); pass --no-load-optim to load the weights only"
-            )
-        saved = safe_load(path)
+        path, saved = read_distrib_optim(directory, "--use-distributed-optimizer or FSDP")
         keys = self._state_keys()
         with torch.no_grad():
             for name, param in self._named_params():

@@ -26,6 +26,21 @@ from gigatron.errors import GigatronError
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
+# The checkpoint entries checked against the flags on load, in order, and what they are called.
+_CHECKED_STATE = (
+    ("max_lr", "learning rate"),
+    ("min_lr", "minimum learning rate"),
+    ("lr_warmup_steps", "warm-up samples"),
+    ("lr_decay_steps", "decay samples"),
+    ("lr_decay_style", "decay style"),
+    ("wsd_decay_steps", "WSD decay samples"),
+    ("lr_wsd_decay_style", "WSD decay style"),
+    ("start_wd", "start weight decay"),
+    ("end_wd", "end weight decay"),
+    ("wd_incr_steps", "weight-decay increment samples"),
+    ("wd_incr_style", "weight-decay increment style"),
+)
+_WSD_STATE = ("wsd_decay_steps", "lr_wsd_decay_style")
 
 
 def check_styles(lr_decay_style: str, lr_wsd_decay_style: str, wd_incr_style: str) -> None:
@@ -231,32 +246,10 @@ class LRScheduler:
         return saved
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.max_lr = self._check_and_set(self.max_lr, state["max_lr"], "learning rate")
-        self.min_lr = self._check_and_set(self.min_lr, state["min_lr"], "minimum learning rate")
-        self.lr_warmup_steps = self._check_and_set(
-            self.lr_warmup_steps, state["lr_warmup_steps"], "warm-up samples"
-        )
-        self.lr_decay_steps = self._check_and_set(
-            self.lr_decay_steps, state["lr_decay_steps"], "decay samples"
-        )
-        self.lr_decay_style = self._check_and_set(
-            self.lr_decay_style, state["lr_decay_style"], "decay style"
-        )
-        if "wsd_decay_steps" in state:
-            self.wsd_decay_steps = self._check_and_set(
-                self.wsd_decay_steps, state["wsd_decay_steps"], "WSD decay samples"
-            )
-            self.lr_wsd_decay_style = self._check_and_set(
-                self.lr_wsd_decay_style, state["lr_wsd_decay_style"], "WSD decay style"
-            )
-        self.start_wd = self._check_and_set(self.start_wd, state["start_wd"], "start weight decay")
-        self.end_wd = self._check_and_set(self.end_wd, state["end_wd"], "end weight decay")
-        self.wd_incr_steps = self._check_and_set(
-            self.wd_incr_steps, state["wd_incr_steps"], "weight-decay increment samples"
-        )
-        self.wd_incr_style = self._check_and_set(
-            self.wd_incr_style, state["wd_incr_style"], "weight-decay increment style"
-        )
+        has_wsd = "wsd_decay_steps" in state  # older checkpoints have no WSD entries
+        for name, what in _CHECKED_STATE:
+            if has_wsd or name not in _WSD_STATE:
+                setattr(self, name, self._check_and_set(getattr(self, name), state[name], what))
         # The sample count always comes from the checkpoint: it is where training stopped.
         self.num_steps = 0
         self.step(int(state["num_steps"]))

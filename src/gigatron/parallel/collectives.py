@@ -103,39 +103,36 @@ _GATHER_FIRST_KEEP_SLICE = (_gather_first, _split_first)
 _REDUCE_SCATTER_FIRST = (_reduce_scatter_first, _gather_first)
 
 
-def copy_to_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
-    """Identity forward, all-reduce of the gradient over tp (input of a column-parallel layer)."""
+def _on_tp(x: torch.Tensor, pctx: ParallelContext, ops: tuple[Any, Any]) -> torch.Tensor:
+    """`ops` (forward, backward) over the tp group; x itself when tp is 1."""
     if pctx.tp_size == 1:
         return x
-    return _Conjugate.apply(x, _COPY, *_tp(pctx))
+    return _Conjugate.apply(x, ops, *_tp(pctx))
+
+
+def copy_to_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient over tp (input of a column-parallel layer)."""
+    return _on_tp(x, pctx, _COPY)
 
 
 def reduce_from_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
     """All-reduce forward over tp, identity backward (output of a row-parallel layer)."""
-    if pctx.tp_size == 1:
-        return x
-    return _Conjugate.apply(x, _REDUCE, *_tp(pctx))
+    return _on_tp(x, pctx, _REDUCE)
 
 
 def scatter_to_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
     """Keep this rank's slice of the last dimension; the gradient is all-gathered."""
-    if pctx.tp_size == 1:
-        return x
-    return _Conjugate.apply(x, _SCATTER_LAST, *_tp(pctx))
+    return _on_tp(x, pctx, _SCATTER_LAST)
 
 
 def gather_from_tp_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
     """All-gather along the last dimension; the gradient is split."""
-    if pctx.tp_size == 1:
-        return x
-    return _Conjugate.apply(x, _GATHER_LAST, *_tp(pctx))
+    return _on_tp(x, pctx, _GATHER_LAST)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
     """Keep this rank's slice of dimension 0 (the sequence); the gradient is all-gathered."""
-    if pctx.tp_size == 1:
-        return x
-    return _Conjugate.apply(x, _SCATTER_FIRST, *_tp(pctx))
+    return _on_tp(x, pctx, _SCATTER_FIRST)
 
 
 def gather_from_sequence_parallel_region(
@@ -144,19 +141,14 @@ def gather_from_sequence_parallel_region(
     """All-gather along dimension 0. The backward reduce-scatters the gradient (the gathered
     tensor fed a tensor-parallel computation whose partial gradients must be summed) or, with
     `reduce_grads=False`, just keeps this rank's slice."""
-    if pctx.tp_size == 1:
-        return x
-    ops = _GATHER_FIRST if reduce_grads else _GATHER_FIRST_KEEP_SLICE
-    return _Conjugate.apply(x, ops, *_tp(pctx))
+    return _on_tp(x, pctx, _GATHER_FIRST if reduce_grads else _GATHER_FIRST_KEEP_SLICE)
 
 
 def reduce_scatter_to_sequence_parallel_region(
     x: torch.Tensor, pctx: ParallelContext
 ) -> torch.Tensor:
     """Sum over tp and keep this rank's slice of dimension 0; the gradient is all-gathered."""
-    if pctx.tp_size == 1:
-        return x
-    return _Conjugate.apply(x, _REDUCE_SCATTER_FIRST, *_tp(pctx))
+    return _on_tp(x, pctx, _REDUCE_SCATTER_FIRST)
 
 
 # ---- context parallelism: the same collectives in the context-parallel group -------------------

@@ -349,6 +349,19 @@ def _count(stats, key: str, value: float) -> None:
         stats[key] = stats.get(key, 0) + value
 
 
+def _begin_step(ring, step, src, kv, spare, route, q, q_pos, causal, mask, stats):
+    """One ring step's start: post the next key/value block's transfer along `route` (send to,
+    receive from) first, so it travels while this block is attended, then plan this block (from
+    rank `src`). Returns (the pending exchange or None, the compute start time, the plan)."""
+    n, sl = ring.size, q.shape[0]
+    pending = None
+    if step < n - 1:
+        pending = _Exchange(ring, kv, spare, *route, _KV_TAG, stats)
+    start = time.perf_counter()
+    mask_blk = _block_mask(mask, q_pos, cp_rank_positions(sl * n, n, src, q.device))
+    return pending, start, _block_plan(ring, src, sl, causal, mask_blk)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring, kernel, causal, mask, stats):
@@ -365,13 +378,10 @@ class _RingAttention(torch.autograd.Function):
         spare = torch.empty_like(kv) if n > 1 else None
         for step in range(n):
             src = (r - step) % n
-            # Post the next block's transfer first: it travels while this block is attended.
-            pending = None
-            if step < n - 1:
-                pending = _Exchange(ring, kv, spare, ring.next_rank, ring.prev_rank, _KV_TAG, stats)
-            start = time.perf_counter()
-            mask_blk = _block_mask(mask, q_pos, cp_rank_positions(seq, n, src, q.device))
-            plan = _block_plan(ring, src, sl, causal, mask_blk)
+            route = (ring.next_rank, ring.prev_rank)
+            pending, start, plan = _begin_step(
+                ring, step, src, kv, spare, route, q, q_pos, causal, mask, stats
+            )
             if plan is not None:
                 rows, keys, block_causal, sub_mask = plan
                 block_k, block_v = (_heads_first(t[keys]) for t in kv.unbind(0))
@@ -407,12 +417,10 @@ class _RingAttention(torch.autograd.Function):
         pending_dkv = None
         for step in range(n):
             src = (r + step) % n  # the other way round: blocks arrive from the next rank
-            pending = None
-            if step < n - 1:
-                pending = _Exchange(ring, kv, spare, ring.prev_rank, ring.next_rank, _KV_TAG, stats)
-            start = time.perf_counter()
-            mask_blk = _block_mask(mask, q_pos, cp_rank_positions(seq, n, src, q.device))
-            plan = _block_plan(ring, src, sl, causal, mask_blk)
+            route = (ring.prev_rank, ring.next_rank)
+            pending, start, plan = _begin_step(
+                ring, step, src, kv, spare, route, q, q_pos, causal, mask, stats
+            )
             parts = None
             if plan is not None:
                 rows, keys, block_causal, sub_mask = plan

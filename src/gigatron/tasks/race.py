@@ -5,10 +5,10 @@ rows; the label is the answer's index."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from gigatron.data.json_lines import json_lines
 from gigatron.errors import GigatronError
 from gigatron.tasks.glue import clean_text, make_sample, pair_ids
 from gigatron.tasks.text_files import read_utf8
@@ -61,12 +61,7 @@ def race_samples(path: str, tokenizer, seq_length: int) -> list[dict[str, Any]]:
         raise GigatronError(f"{path}: holds no *.txt article files")
     samples = []
     for file in files:
-        for number, line in enumerate(read_utf8(str(file), "a RACE article file").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except ValueError as error:
-                raise GigatronError(f"{file}: line {number} is not JSON ({error})") from None
+        lines = read_utf8(str(file), "a RACE article file").splitlines()
+        for number, data in json_lines(lines, str(file)):
             samples += article_samples(data, tokenizer, seq_length, f"{file}:{number}")
     return samples

@@ -230,18 +230,17 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._notice.stop()
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        ends = (
+            ("_bar", "close"),
+            ("_tensorboard", "close"),
+            ("_wandb", "finish"),
+            ("_file", "close"),
+        )
+        for name, end in ends:
+            sink = getattr(self, name)
+            if sink is not None:
+                getattr(sink, end)()
+                setattr(self, name, None)
 
 
 def is_terminal(stream: Any) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import fuse_qkv, pad_rows, split_qkv
+from gigatron.families.hf_mapping import fuse_qkv, pad_rows, sizes_from_hf, split_qkv
 
 StateDict = dict[str, torch.Tensor]
 
@@ -59,12 +59,7 @@ class BertHFAdapter:
         """gigatron ModelConfig values (plus `vocab_size`) for a Hugging Face BertConfig."""
         c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         return {
-            "num_layers": c["num_hidden_layers"],
-            "hidden_size": c["hidden_size"],
-            "num_attention_heads": c["num_attention_heads"],
-            "ffn_hidden_size": c["intermediate_size"],
-            "seq_length": c["max_position_embeddings"],
-            "max_position_embeddings": c["max_position_embeddings"],
+            **sizes_from_hf(c),
             "position_embedding_type": "learned_absolute",
             "normalization": "LayerNorm",
             "layernorm_epsilon": c.get("layer_norm_eps", 1e-12),

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import pad_rows
+from gigatron.families.hf_mapping import pad_rows, sizes_from_hf, yarn_values
 
 StateDict = dict[str, torch.Tensor]
 
@@ -74,12 +74,7 @@ class DeepseekV3HFAdapter:
             )
         rope = c.get("rope_parameters") or {}
         model: dict[str, Any] = {
-            "num_layers": c["num_hidden_layers"],
-            "hidden_size": c["hidden_size"],
-            "num_attention_heads": c["num_attention_heads"],
-            "ffn_hidden_size": c["intermediate_size"],
-            "seq_length": c["max_position_embeddings"],
-            "max_position_embeddings": c["max_position_embeddings"],
+            **sizes_from_hf(c),
             "position_embedding_type": "rope",
             "normalization": "RMSNorm",
             "layernorm_epsilon": c["rms_norm_eps"],
@@ -99,13 +94,9 @@ class DeepseekV3HFAdapter:
         if rope.get("rope_type", "default") == "yarn":
             model.update(
                 rope_type="yarn",
-                rotary_scaling_factor=rope["factor"],
                 mscale=rope.get("mscale") or 1.0,
                 mscale_all_dim=rope.get("mscale_all_dim") or 0.0,
-                yarn_original_max_position_embeddings=rope["original_max_position_embeddings"],
-                yarn_beta_fast=rope.get("beta_fast", 32.0),
-                yarn_beta_slow=rope.get("beta_slow", 1.0),
-                yarn_correction_range_round_to_int=rope.get("truncate", True),
+                **yarn_values(rope),
             )
         else:
             model["rope_type"] = "rope"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import fuse_qkv, pad_rows, split_qkv
+from gigatron.families.hf_mapping import export_ends, fuse_qkv, pad_rows, split_qkv, yarn_values
 
 StateDict = dict[str, torch.Tensor]
 QUICK_GELU_ALPHA = 1.702
@@ -76,14 +76,7 @@ class GptOssHFAdapter:
             values["window_size"] = f"({c['sliding_window'] - 1},0)"
             values["window_attn_skip_freq"] = _window_pattern(c)
         if rope.get("rope_type", "default") == "yarn":
-            values.update(
-                position_embedding_type="yarn",
-                rotary_scaling_factor=rope["factor"],
-                yarn_original_max_position_embeddings=rope["original_max_position_embeddings"],
-                yarn_beta_fast=rope.get("beta_fast", 32.0),
-                yarn_beta_slow=rope.get("beta_slow", 1.0),
-                yarn_correction_range_round_to_int=rope.get("truncate", True),
-            )
+            values.update(position_embedding_type="yarn", **yarn_values(rope))
         else:
             values["position_embedding_type"] = "rope"
         moe = {
@@ -136,13 +129,7 @@ class GptOssHFAdapter:
         heads = c["num_attention_heads"]
         groups = c.get("num_key_value_heads") or heads
         vocab = c["vocab_size"]
-        embed = sd["embedding.word_embeddings.weight"][:vocab]
-        head = sd.get("output_layer.weight")
-        hf: StateDict = {
-            "model.embed_tokens.weight": embed,
-            "model.norm.weight": sd["decoder.final_layernorm.weight"],
-            "lm_head.weight": embed if head is None else head[:vocab],
-        }
+        hf = export_ends(sd, vocab, "model.embed_tokens.weight", "model.norm.weight", False)
         for i in range(c["num_hidden_layers"]):
             src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
             attn, mlp = dst + "self_attn.", dst + "mlp."

@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import fuse_qkv, llama_like_values, pad_rows, split_qkv
+from gigatron.families.hf_mapping import (
+    export_ends,
+    fuse_qkv,
+    llama_like_values,
+    pad_rows,
+    split_qkv,
+)
 
 Tensor = torch.Tensor
 StateDict = dict[str, Tensor]
@@ -222,13 +228,7 @@ def gigatron_to_hf(sd: StateDict, hf_config: Any) -> StateDict:
     groups = c.get("num_key_value_heads") or heads
     channels = c.get("head_dim") or c["hidden_size"] // heads
     vocab = c["vocab_size"]
-    embed = sd["embedding.word_embeddings.weight"][:vocab].clone()
-    head = sd.get("output_layer.weight")
-    out: StateDict = {
-        "model.embed_tokens.weight": embed,
-        "model.norm.weight": sd["decoder.final_layernorm.weight"].clone(),
-        "lm_head.weight": embed if head is None else head[:vocab].clone(),
-    }
+    out = export_ends(sd, vocab, "model.embed_tokens.weight", "model.norm.weight", True)
     for i, is_moe in enumerate(moe_layer_flags(c)):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = sd[src + "input_layernorm.weight"].clone()

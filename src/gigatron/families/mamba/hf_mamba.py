@@ -14,12 +14,22 @@ from typing import Any
 import torch
 
 from gigatron.errors import GigatronError
-from gigatron.families.hf_mapping import pad_rows
+from gigatron.families.hf_mapping import export_ends, pad_rows
 
 StateDict = dict[str, torch.Tensor]
 
 _MIXER = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D")
 _MIXER += ("norm.weight", "out_proj.weight")
+
+
+def _layer_names(num_layers: int) -> list[tuple[str, str]]:
+    """(Hugging Face name, gigatron name) of every layer weight, in layer order."""
+    names = []
+    for i in range(num_layers):
+        theirs, ours = f"backbone.layers.{i}.", f"decoder.layers.{i}."
+        names.append((theirs + "norm.weight", ours + "norm.weight"))
+        names += [(f"{theirs}mixer.{name}", f"{ours}mixer.{name}") for name in _MIXER]
+    return names
 
 
 class Mamba2HFAdapter:
@@ -75,11 +85,7 @@ class Mamba2HFAdapter:
         head = hf.get("lm_head.weight")
         if head is not None and not torch.equal(head, embedding):
             sd["output_layer.weight"] = pad_rows(head, padded_vocab)
-        for i in range(num_layers):
-            src, dst = f"backbone.layers.{i}.", f"decoder.layers.{i}."
-            sd[dst + "norm.weight"] = hf[src + "norm.weight"]
-            for name in _MIXER:
-                sd[f"{dst}mixer.{name}"] = hf[f"{src}mixer.{name}"]
+        sd.update({ours: hf[theirs] for theirs, ours in _layer_names(num_layers)})
         return sd
 
     def to_hf(self, sd: StateDict, num_layers: int, num_heads: int | None, vocab_size: int):
@@ -91,16 +97,8 @@ class Mamba2HFAdapter:
                         f"{name}: Mamba2ForCausalLM holds Mamba layers only; export a stack "
                         "whose pattern is all M"
                     )
-        embedding = sd["embedding.word_embeddings.weight"][:vocab_size]
-        head = sd.get("output_layer.weight")
-        hf: StateDict = {
-            "backbone.embeddings.weight": embedding,
-            "backbone.norm_f.weight": sd["decoder.final_layernorm.weight"],
-            "lm_head.weight": embedding if head is None else head[:vocab_size],
-        }
-        for i in range(num_layers):
-            src, dst = f"decoder.layers.{i}.", f"backbone.layers.{i}."
-            hf[dst + "norm.weight"] = sd[src + "norm.weight"]
-            for name in _MIXER:
-                hf[f"{dst}mixer.{name}"] = sd[f"{src}mixer.{name}"]
+        hf = export_ends(
+            sd, vocab_size, "backbone.embeddings.weight", "backbone.norm_f.weight", False
+        )
+        hf.update({theirs: sd[ours] for theirs, ours in _layer_names(num_layers)})
         return hf
