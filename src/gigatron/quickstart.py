@@ -22,16 +22,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        allow_abbrev=False,  # Megatron refuses abbreviated flags too
-        prog="gigatron quickstart",
-        description="Train a small GPT on a corpus shipped with Python, end to end, on CPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = command_parser(
+        "quickstart",
+        "Train a small GPT on a corpus shipped with Python, end to end, on CPU.",
     )
     parser.add_argument("--output-dir", default="quickstart-run", help="where everything goes")
     parser.add_argument("--iterations", type=int, default=800, help="training iterations")

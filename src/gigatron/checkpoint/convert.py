@@ -26,7 +26,7 @@ from gigatron.checkpoint.hf_convert import decoded, hf_to_gigatron, read_hf_conf
 from gigatron.checkpoint.layout import offline_context
 from gigatron.checkpoint.pipeline import Target, convert, locate
 from gigatron.checkpoint.torch_format import CHECKPOINT_FILENAME, safe_load
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 
 __all__ = ["convert_checkpoint", "main", "offline_context"]
@@ -118,10 +118,9 @@ def run(args: argparse.Namespace, log: Any) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        allow_abbrev=False,  # Megatron refuses abbreviated flags too
-        prog="gigatron convert-checkpoint",
-        description="Re-split a checkpoint for another tensor/pipeline/expert-parallel layout "
+    parser = command_parser(
+        "convert-checkpoint",
+        "Re-split a checkpoint for another tensor/pipeline/expert-parallel layout "
         "(model weights only; optimizer and random states are dropped). Takes Megatron-LM's "
         "tools/checkpoint/convert.py flags too.",
     )

@@ -46,7 +46,7 @@ from gigatron.checkpoint.torch_format import (
     safe_load,
 )
 from gigatron.config import config_from_dict
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
 
@@ -267,10 +267,9 @@ def gigatron_to_hf(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        allow_abbrev=False,
-        prog="gigatron convert",
-        description="Convert checkpoints between gigatron, Hugging Face (safetensors) and "
+    parser = command_parser(
+        "convert",
+        "Convert checkpoints between gigatron, Hugging Face (safetensors) and "
         "Megatron-LM's torch format, one tensor at a time.",
     )
     parser.add_argument(

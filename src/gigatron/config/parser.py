@@ -58,3 +58,9 @@ class FlagParser(argparse.ArgumentParser):
         else:
             message = f"{message} (`{self.prog} --help` lists every flag)"
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def command_parser(name: str, description: str, **kwargs) -> FlagParser:
+    """The parser of `gigatron <name>`: one-line errors, no abbreviations, every default shown."""
+    kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+    return FlagParser(prog=f"gigatron {name}", description=description, **kwargs)

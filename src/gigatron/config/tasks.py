@@ -66,13 +66,12 @@ def task_config_from_namespace(cls: type, namespace: argparse.Namespace):
 def build_finetune_parser() -> argparse.ArgumentParser:
     """`gigatron finetune`'s flags: every configuration flag and the fine-tuning task's."""
     # why: config.root imports every section; this module stays importable from them
-    from gigatron.config.parser import FlagParser
+    from gigatron.config.parser import command_parser
     from gigatron.config.root import add_config_arguments
 
-    parser = FlagParser(
-        prog="gigatron finetune",
-        description="fine-tune a BERT checkpoint on MNLI, QQP or RACE",
-        allow_abbrev=False,
+    parser = command_parser(
+        "finetune",
+        "fine-tune a BERT checkpoint on MNLI, QQP or RACE",
     )
     add_config_arguments(parser)
     add_task_arguments(parser, FinetuneTaskConfig)

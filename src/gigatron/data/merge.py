@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.data.indexed import (
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -22,11 +22,9 @@ from gigatron.errors import GigatronError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        allow_abbrev=False,  # Megatron refuses abbreviated flags too
-        prog="gigatron merge",
-        description="Concatenate indexed datasets made with the same tokenizer into one.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = command_parser(
+        "merge",
+        "Concatenate indexed datasets made with the same tokenizer into one.",
     )
     sources = parser.add_mutually_exclusive_group(required=True)
     sources.add_argument(

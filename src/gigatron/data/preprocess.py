@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from gigatron.config.fields import add_dataclass_arguments
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.data.indexed import (
     IndexedDatasetBuilder,
@@ -51,10 +51,9 @@ INPUT_PATTERNS = ("*.jsonl", "*.json", "*.jsonl.gz", "*.json.gz")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        allow_abbrev=False,  # Megatron refuses abbreviated flags too
-        prog="gigatron preprocess",
-        description="Tokenize loose JSON lines (one document per line) into indexed datasets "
+    parser = command_parser(
+        "preprocess",
+        "Tokenize loose JSON lines (one document per line) into indexed datasets "
         "<output-prefix>_<key>_document.bin/.idx that `--data-path` reads.",
     )
     group = parser.add_argument_group("input data")

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.data.preprocess import parse_line, reading, resolve_inputs
 from gigatron.errors import GigatronError
 
@@ -22,12 +22,10 @@ GPT2_END_OF_TEXT = "<|endoftext|>"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        allow_abbrev=False,  # Megatron refuses abbreviated flags too
-        prog="gigatron train-tokenizer",
-        description="Train a tokenizer on JSON lines and write the files `gigatron preprocess` "
+    parser = command_parser(
+        "train-tokenizer",
+        "Train a tokenizer on JSON lines and write the files `gigatron preprocess` "
         "and `gigatron pretrain` read with the same --tokenizer-type.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
         "--input", nargs="+", required=True, help="JSON-lines files, globs or directories (.gz ok)"

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 
 
@@ -37,12 +37,11 @@ def put_api(url: str, prompt: str, tokens_to_generate: int, timeout_s: float = 6
 
 def main(argv: Sequence[str]) -> int:
     """`gigatron text-generation-cli HOST:PORT`."""
-    parser = FlagParser(
-        prog="gigatron text-generation-cli",
-        description="Interactive client of a generation server (gigatron serve, or Megatron's "
+    parser = command_parser(
+        "text-generation-cli",
+        "Interactive client of a generation server (gigatron serve, or Megatron's "
         "tools/run_text_generation_server.py): asks for a prompt and a number of tokens, sends "
         "PUT /api and prints the text. End with Ctrl-D.",
-        allow_abbrev=False,
     )
     parser.add_argument("address", metavar="HOST:PORT", help="the server, e.g. localhost:5000")
     address = parser.parse_args(list(argv)).address

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 from gigatron.inference.arguments import add_load_arguments, resolve_batch_size
 
@@ -52,11 +52,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        prog="gigatron generate",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-        description="Generate text from a training checkpoint (KV cache, batched prompts).",
+    parser = command_parser(
+        "generate",
+        "Generate text from a training checkpoint (KV cache, batched prompts).",
     )
     add_load_arguments(parser)
     source = parser.add_mutually_exclusive_group(required=True)

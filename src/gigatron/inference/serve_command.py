@@ -6,17 +6,15 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 from gigatron.inference.arguments import add_load_arguments, resolve_batch_size
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        prog="gigatron serve",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
-        description="Serve a checkpoint over HTTP: Megatron's PUT /api and OpenAI's /v1 API.",
+    parser = command_parser(
+        "serve",
+        "Serve a checkpoint over HTTP: Megatron's PUT /api and OpenAI's /v1 API.",
     )
     add_load_arguments(parser)
     parser.add_argument(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.config.presets import PRESET_VOCAB_SIZE, PRESETS
 from gigatron.config.root import GigatronConfig
 from gigatron.config.validate import finalize_config
@@ -45,10 +45,9 @@ def preset_table() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`gigatron presets`: print the named model shapes."""
-    parser = FlagParser(
-        allow_abbrev=False,  # Megatron refuses abbreviated flags too
-        prog="gigatron presets",
-        description="List the named model shapes usable with --model-preset, with their "
+    parser = command_parser(
+        "presets",
+        "List the named model shapes usable with --model-preset, with their "
         "layers, hidden size, heads, vocabulary and parameter count.",
         epilog=f"presets: {', '.join(PRESETS)}",
     )

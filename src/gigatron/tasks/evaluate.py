@@ -14,16 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from gigatron.config.checkpoint_args import add_checkpoint_arguments
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.config.tasks import ZeroShotTaskConfig, add_task_arguments, task_config_from_namespace
 from gigatron.errors import GigatronError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        prog="gigatron evaluate",
-        description="zero-shot WikiText perplexity or LAMBADA accuracy of a GPT checkpoint",
-        allow_abbrev=False,
+    parser = command_parser(
+        "evaluate",
+        "zero-shot WikiText perplexity or LAMBADA accuracy of a GPT checkpoint",
     )
     add_task_arguments(parser, ZeroShotTaskConfig)
     group = parser.add_argument_group("checkpoint and run")

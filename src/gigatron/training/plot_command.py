@@ -8,17 +8,15 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from gigatron.config.parser import FlagParser
+from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = FlagParser(
-        prog="gigatron plot",
-        description="Plot the training and validation loss of a run from its metrics.jsonl "
+    parser = command_parser(
+        "plot",
+        "Plot the training and validation loss of a run from its metrics.jsonl "
         "(--metrics-file; by default metrics.jsonl in --save).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,
     )
     parser.add_argument("metrics", help="the run's metrics.jsonl")
     parser.add_argument(
