@@ -256,7 +256,7 @@ def test_fsdp_at_dp1_warns_that_nothing_is_sharded():
 def test_logging_level_and_reduced_precision_matmul(monkeypatch):
     import logging
 
-    from gigatron.training.pretrain import apply_process_settings
+    from gigatron.training.run import apply_process_settings
 
     root = logging.getLogger()
     monkeypatch.setattr(root, "level", root.level)  # restored after the test

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gigatron.checkpoint import dist_format, torch_format
+from gigatron.checkpoint.gigatron_io import CheckpointSource
 from gigatron.checkpoint.state import (
     Located,
     TrainingState,
@@ -72,6 +73,14 @@ def detect_format(iteration_dir: Path) -> str:
     """The name of the format of the checkpoint in `iteration_dir`; "torch" when no format
     recognises it (the torch loader then names what is missing)."""
     return next((f.name for f in _REGISTRY.values() if f.detect(iteration_dir)), "torch")
+
+
+def saved_header(iteration_dir: Path) -> dict[str, Any]:
+    """What a checkpoint records beside its tensors (`args`, `gigatron_family`, consumed
+    samples, ...): torch_dist's common.pt, or the torch format's first rank file (mapped)."""
+    if detect_format(iteration_dir) == "torch_dist":
+        return torch_format.safe_load(iteration_dir / dist_format.COMMON_FILENAME)
+    return CheckpointSource.first_state(iteration_dir)
 
 
 def save_state(

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gigatron.config.fields import add_dataclass_arguments, flag_field
+from gigatron.config.parser import command_parser
+from gigatron.config.root import add_config_arguments
 
 ZERO_SHOT_TASKS = ["WIKITEXT103", "LAMBADA"]
 FINETUNE_TASKS = ["MNLI", "QQP", "RACE"]
@@ -65,10 +67,6 @@ def task_config_from_namespace(cls: type, namespace: argparse.Namespace):
 
 def build_finetune_parser() -> argparse.ArgumentParser:
     """`gigatron finetune`'s flags: every configuration flag and the fine-tuning task's."""
-    # why: config.root imports every section; this module stays importable from them
-    from gigatron.config.parser import command_parser
-    from gigatron.config.root import add_config_arguments
-
     parser = command_parser(
         "finetune",
         "fine-tune a BERT checkpoint on MNLI, QQP or RACE",

@@ -12,12 +12,9 @@ from typing import Any
 from torch import nn
 
 from gigatron.checkpoint.dist_format import COMMON_FILENAME, read_metadata
-from gigatron.checkpoint.formats import detect_format, load_checkpoint
+from gigatron.checkpoint.formats import detect_format, load_checkpoint, saved_header
 from gigatron.checkpoint.torch_format import (
-    CHECKPOINT_FILENAME,
     locate_iteration,
-    mp_rank_dir_name,
-    safe_load,
     saved_layout,
 )
 from gigatron.config import config_from_dict
@@ -25,7 +22,6 @@ from gigatron.config.checkpoint_args import apply_checkpoint_flags
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
-from gigatron.inference.arguments import add_load_arguments  # noqa: F401 (moved; old import path)
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
 from gigatron.parallel.context import ParallelContext
@@ -99,7 +95,7 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
             "expert-parallel size 1: convert it first with gigatron convert-checkpoint "
             "--target-expert-parallel-size 1"
         )
-    first = safe_load(iteration_dir / mp_rank_dir_name(0, 0, pp) / CHECKPOINT_FILENAME)
+    first = saved_header(iteration_dir)
     saved = first.get("args")
     if not isinstance(saved, dict) or not saved:
         raise GigatronError(
@@ -145,7 +141,7 @@ def _torch_dist_config(iteration_dir: Path, load_dir: Path, data_parallel: bool)
     = the process count (1 with `data_parallel`: one copy per process), pipeline, context and
     expert parallel 1, and the saved padded vocabulary."""
 
-    common = safe_load(iteration_dir / COMMON_FILENAME)
+    common = saved_header(iteration_dir)
     saved = common.get("args")
     if not isinstance(saved, dict) or not saved:
         raise GigatronError(f"--load {load_dir}: the checkpoint holds no gigatron configuration")

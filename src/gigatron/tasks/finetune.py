@@ -28,14 +28,28 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gigatron.config.root import config_from_namespace
-from gigatron.config.tasks import (
-    FinetuneTaskConfig,
-    task_config_from_namespace,
-)
+from gigatron.checkpoint.formats import load_checkpoint, save_checkpoint, saved_header
+from gigatron.checkpoint.torch_format import iteration_dir_name, locate_iteration
+from gigatron.config import config_from_dict
+from gigatron.config.checkpoint_args import PARAMETER_SHAPES, apply_checkpoint_flags
+from gigatron.config.fields import flag_name
+from gigatron.config.root import SECTIONS, config_from_namespace, field_section
+from gigatron.config.tasks import FinetuneTaskConfig, task_config_from_namespace
 from gigatron.config.tasks import build_finetune_parser as build_parser
+from gigatron.config.validate import finalize_config, validate_config
 from gigatron.errors import GigatronError
+from gigatron.families import get_family
+from gigatron.families.accepted import check_family_config
+from gigatron.families.gpt.flops import model_flops_per_iteration
+from gigatron.models.bert import build_bert_model
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.schedules import ScheduleConfig
+from gigatron.tasks.glue import NUM_CLASSES, glue_samples
+from gigatron.tasks.heads import BertClassifier
+from gigatron.tasks.race import race_samples
+from gigatron.training.loop import Run, train
+from gigatron.training.pretrain import launch_world_size
+from gigatron.training.run import apply_thread_choice, build_metrics, build_run
 
 LOSS_NAMES = ("lm_loss",)  # Megatron's finetuning logs its cross entropy as 'lm loss'
 
@@ -57,9 +71,6 @@ _REFUSED = {
 
 
 def _refuse(cfg, task: FinetuneTaskConfig) -> None:
-    from gigatron.config.fields import flag_name
-    from gigatron.config.root import SECTIONS, field_section
-
     fields = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
     defaults = type(cfg)()
     refused = dict(_REFUSED)
@@ -104,11 +115,6 @@ def _refuse(cfg, task: FinetuneTaskConfig) -> None:
 def parse_finetune_args(argv: Sequence[str], world_size: int | None = None):
     """(GigatronConfig, FinetuneTaskConfig) from the command line, validated for training (the
     iteration count is set later from the data: `--epochs` x batches per epoch)."""
-    from gigatron.config.validate import finalize_config, validate_config
-    from gigatron.families import get_family
-    from gigatron.families.accepted import check_family_config
-    from gigatron.training.pretrain import launch_world_size
-
     namespace = build_parser().parse_args(list(argv))
     cfg = config_from_namespace(namespace)
     task = task_config_from_namespace(FinetuneTaskConfig, namespace)
@@ -123,9 +129,6 @@ def parse_finetune_args(argv: Sequence[str], world_size: int | None = None):
 
 # ---- data ---------------------------------------------------------------------------------------
 def read_samples(task: str, path: str, tokenizer, seq_length: int) -> list[dict[str, Any]]:
-    from gigatron.tasks.glue import glue_samples
-    from gigatron.tasks.race import race_samples
-
     if task == "RACE":
         return race_samples(path, tokenizer, seq_length)
     if not Path(path).is_file():
@@ -240,10 +243,6 @@ def accuracy(
 
 def build_classifier(cfg, pctx: ParallelContext, vocab_size: int, task: FinetuneTaskConfig):
     """The BERT chunk with the pretrained weights loaded (if any), under the task's head."""
-    from gigatron.checkpoint.formats import load_checkpoint
-    from gigatron.models.bert import build_bert_model
-    from gigatron.tasks.glue import NUM_CLASSES
-    from gigatron.tasks.heads import BertClassifier
 
     (bert,) = build_bert_model(cfg, pctx, vocab_size=vocab_size)
     if task.pretrained_checkpoint:
@@ -271,10 +270,6 @@ def build_classifier(cfg, pctx: ParallelContext, vocab_size: int, task: Finetune
 def finetune(cfg, task: FinetuneTaskConfig, stream: Any = None) -> dict[str, Any]:
     """Fine-tune (or, with --epochs 0, evaluate); returns the accuracies of every epoch and the
     best one (every rank)."""
-    # why (here and below): the training stack loads when a run starts, so --help stays fast
-    from gigatron.families import get_family
-    from gigatron.training.run import build_metrics, build_run
-
     data: dict[str, Any] = {}
     parts = build_run(
         cfg,
@@ -328,10 +323,6 @@ def _finetune_loop_run(
     parts: Any, task: FinetuneTaskConfig, metrics: Any, data: dict[str, Any]
 ) -> Any:
     """The loop's Run for the classifier (its train_iterator is set per epoch)."""
-    from gigatron.families.gpt.flops import model_flops_per_iteration
-    from gigatron.parallel.schedules import ScheduleConfig
-    from gigatron.training.loop import Run
-
     cfg, t = parts.cfg, parts.cfg.training
     choices = 4 if task.task == "RACE" else 1
     run = Run(
@@ -354,8 +345,6 @@ def _finetune_loop_run(
 
 def _train_epochs(run: Any, task: FinetuneTaskConfig, data: dict[str, Any]) -> dict[str, Any]:
     """Train epoch by epoch, measure the accuracy after each, keep the best checkpoint."""
-    from gigatron.training.loop import train
-
     t, pctx = run.cfg.training, run.pctx
     classifier = run.model[0].module
     eval_micro = task.eval_micro_batch_size or t.micro_batch_size
@@ -422,9 +411,6 @@ def evaluate_epoch(
 
 def _save_best(run: Any, task: FinetuneTaskConfig, record: dict, previous: dict | None) -> None:
     """Save the new best checkpoint, then remove the previous best (rank 0)."""
-    from gigatron.checkpoint.formats import save_checkpoint
-    from gigatron.checkpoint.torch_format import iteration_dir_name
-
     cfg, save_dir = run.cfg, run.cfg.checkpoint.save
     extra = {
         "consumed_train_samples": run.state.consumed_train_samples,
@@ -452,32 +438,14 @@ def _save_best(run: Any, task: FinetuneTaskConfig, record: dict, previous: dict 
 def pretrained_config(path: str) -> Any:
     """The configuration saved in a gigatron checkpoint (torch or torch_dist), or None when it
     holds none that gigatron can read (its loader then says what is wrong)."""
-    from gigatron.checkpoint.dist_format import COMMON_FILENAME
-    from gigatron.checkpoint.formats import detect_format
-    from gigatron.checkpoint.torch_format import (
-        CHECKPOINT_FILENAME,
-        locate_iteration,
-        mp_rank_dir_name,
-        safe_load,
-        saved_layout,
-    )
-    from gigatron.config import config_from_dict
-
     try:
         located = locate_iteration(Path(path)) if Path(path).is_dir() else None
         if located is None:
             return None
-        iteration_dir = located[0]
-        if detect_format(iteration_dir) == "torch_dist":
-            saved = safe_load(iteration_dir / COMMON_FILENAME).get("args")
-        else:
-            layout = saved_layout(iteration_dir)
-            pp = layout[1] if layout else 1
-            first = iteration_dir / mp_rank_dir_name(0, 0, pp) / CHECKPOINT_FILENAME
-            saved = safe_load(first).get("args")
+        saved = saved_header(located[0]).get("args")
         if not isinstance(saved, dict) or not saved:
             return None
-        return config_from_dict(saved, source=f"{iteration_dir} args")
+        return config_from_dict(saved, source=f"{located[0]} args")
     except (GigatronError, OSError):
         return None
 
@@ -485,8 +453,6 @@ def pretrained_config(path: str) -> Any:
 def check_pretrained_shapes(argv: Sequence[str], task: FinetuneTaskConfig) -> None:
     """Megatron's model flags that fix parameter shapes must match --pretrained-checkpoint's:
     a difference is one error naming both values."""
-    from gigatron.config.checkpoint_args import PARAMETER_SHAPES, apply_checkpoint_flags
-
     if not task.pretrained_checkpoint:
         return
     saved = pretrained_config(task.pretrained_checkpoint)
@@ -496,8 +462,6 @@ def check_pretrained_shapes(argv: Sequence[str], task: FinetuneTaskConfig) -> No
 
 
 def main(argv: Sequence[str]) -> int:
-    from gigatron.training.run import apply_thread_choice  # why: the training stack is heavy
-
     cfg, task = parse_finetune_args(argv)
     check_pretrained_shapes(argv, task)
     apply_thread_choice()  # one process: a few threads (docs/training.md)

@@ -25,7 +25,6 @@ from gigatron.checkpoint.torch_format import loaded_message
 from gigatron.config import GigatronConfig, validate_config
 from gigatron.config.validate import freeze_config, params_dtype
 from gigatron.data.loader import build_data_iterator
-from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
 from gigatron.families.accepted import check_family_config
@@ -44,25 +43,12 @@ from gigatron.training.metrics import (
 )
 from gigatron.training.run import (
     RunParts,
-    apply_process_settings,
     apply_thread_choice,
     build_metrics,
     build_run,
     gather_for_save,
-    set_determinism,
     state_to_saved,
 )
-
-# The builders live in training/run.py; the last three names stay importable from here.
-__all__ = [
-    "dataset_sample_counts",
-    "main",
-    "parse_pretrain_config",
-    "pretrain",
-    "apply_process_settings",
-    "build_run_tokenizer",
-    "set_determinism",
-]
 
 
 def launch_world_size() -> int:
