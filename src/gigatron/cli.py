@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "train a small GPT on a built-in corpus, end to end",
     ),
     "preprocess": ("gigatron.data.preprocess:main", "tokenize JSON lines into .bin/.idx datasets"),
+    "data": (
+        "gigatron.data.corpus.command:main",
+        "corpus tools: gigatron data wikipedia|clean|dedup|decontaminate|blacklist",
+    ),
     "merge": ("gigatron.data.merge:main", "concatenate indexed datasets into one"),
     "train-tokenizer": (
         "gigatron.data.train_tokenizer:main",
