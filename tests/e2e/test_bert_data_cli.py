@@ -11,7 +11,8 @@ import pytest
 from gigatron.config import parse_config
 from gigatron.data.bert_dataset import BertDataset, build_bert_datasets
 from gigatron.data.indexed import IndexedDataset
-from gigatron.data.sentences import split_sentences
+from gigatron.data.preprocess import training_text
+from gigatron.data.sentences import sentence_splitter
 from gigatron.data.tokenizers import build_tokenizer
 from gigatron.errors import GigatronError
 from helpers import gigatron, write_jsonl
@@ -28,7 +29,8 @@ def sentence_data(tmp_path_factory, shared_data):
     gigatron("preprocess", "--input", str(path), "--output-prefix", str(directory / "lambada"),
              "--split-sentences", "--workers", "1", "--tokenizer-type", "BertWordPieceLowerCase",
              "--vocab-file", vocab, timeout=120)  # fmt: skip
-    return str(directory / "lambada_text_sentence"), texts, vocab
+    split = sentence_splitter("english", training_text([str(path)], ["text"]))
+    return str(directory / "lambada_text_sentence"), texts, vocab, split
 
 
 def flags(prefix, vocab, *extra):
@@ -39,7 +41,7 @@ def flags(prefix, vocab, *extra):
 
 
 def test_preprocess_then_bert_samples(sentence_data):
-    prefix, texts, vocab = sentence_data
+    prefix, texts, vocab, split = sentence_data
     cfg = parse_config(flags(prefix, vocab))
     tokenizer = build_tokenizer(cfg.tokenizer)
     low = IndexedDataset(prefix)
@@ -47,7 +49,7 @@ def test_preprocess_then_bert_samples(sentence_data):
     # Each document is its sentences, each tokenized alone.
     for d in (0, 41, 79):
         first, end = (int(x) for x in low.document_indices[d : d + 2])
-        want = [tokenizer.tokenize(s) for s in split_sentences(texts[d])]
+        want = [tokenizer.tokenize(s) for s in split(texts[d])]
         assert [low[i].tolist() for i in range(first, end)] == want
 
     train, valid, test = build_bert_datasets(cfg, tokenizer, (200, 20, None))
@@ -88,7 +90,7 @@ def position(run: list[int], text: list[int], after: int = -1) -> int:
 
 
 def test_flags_reach_the_samples(sentence_data):
-    prefix, _, vocab = sentence_data
+    prefix, _, vocab, _ = sentence_data
     cfg = parse_config(
         flags(prefix, vocab, "--bert-no-binary-head", "--mask-prob", "0.3", "--short-seq-prob", "0")
     )

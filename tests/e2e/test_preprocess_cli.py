@@ -13,7 +13,8 @@ import pytest
 import helpers
 from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.data.indexed import IndexedDataset
-from gigatron.data.sentences import split_sentences
+from gigatron.data.preprocess import training_text
+from gigatron.data.sentences import sentence_splitter
 from gigatron.data.tokenizers import build_tokenizer
 
 EXTRA_DOCUMENTS = [
@@ -148,7 +149,13 @@ def test_split_sentences_and_gzip_and_keys(tmp_path, shared_data, tokenizer):
     )
     assert result.returncode == 0, result.stderr
     text = IndexedDataset(tmp_path / "s_text_sentence")
-    sentences = [split_sentences(d["text"]) for d in documents]
+    # the splitter preprocess trains on the start of its input (no punkt_tab data installed)
+    split = sentence_splitter("english", training_text([str(path)], ["text", "title"]))
+    record = json.loads((tmp_path / "s_text_sentence.json").read_text())
+    assert record["sentence_splitter"] == split.description
+    # the six texts (64 + 1 + 17 + 0 + 0 + 1 characters) joined by five blank lines
+    assert split.description.startswith("punkt trained on 93 characters of the input")
+    sentences = [split(d["text"]) for d in documents]
     assert sentences[0] == ["Mr. Smith went to Washington.", "He arrived at 3.30 p.m. on Monday."]
     expected = [tokenizer.tokenize(s) for doc in sentences for s in doc]
     assert [s.tolist() for s in text[:]] == expected

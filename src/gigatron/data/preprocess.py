@@ -36,7 +36,7 @@ from gigatron.data.indexed import (
     index_file_path,
     optimal_dtype,
 )
-from gigatron.data.sentences import SPLITTERS, sentence_splitter
+from gigatron.data.sentences import TRAINING_CHARS, SentenceSplitter, sentence_splitter
 from gigatron.data.tokenizers import build_tokenizer
 from gigatron.errors import GigatronError
 
@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--lang",
         default="english",
-        choices=sorted(SPLITTERS),
-        help="language of the --split-sentences splitter (default: english)",
+        help="language of the --split-sentences splitter: NLTK's punkt_tab model of that "
+        "name when installed, else punkt trained on the input",
     )
     group.add_argument(
         "--skip-invalid",
@@ -132,6 +132,7 @@ class Options:
     append_eod: bool
     skip_invalid: bool
     dtype: str
+    splitter: SentenceSplitter | None = None
 
 
 @dataclass
@@ -175,8 +176,8 @@ def _init_worker(options: Options, tokenizer: Any, in_subprocess: bool) -> None:
     _worker["tokenizer"] = (
         tokenizer if tokenizer is not None else build_tokenizer(options.tokenizer)
     )
-    if options.split_sentences:
-        _worker["split"] = sentence_splitter(options.lang)
+    if options.splitter is not None:
+        _worker["split"] = options.splitter
 
 
 def parse_line(raw: bytes, keys: Sequence[str]) -> tuple[list[list[str]] | None, str | None]:
@@ -434,6 +435,34 @@ def reading(path: str) -> Iterator[BinaryIO]:
         ) from None
     except OSError as error:
         raise GigatronError(f"--input {path}: cannot be read ({error})") from None
+
+
+def training_text(files: Sequence[str], keys: Sequence[str]) -> str:
+    """The texts at the start of the input (about TRAINING_CHARS characters), for training the
+    sentence splitter; unreadable lines are skipped here (the main pass reports them)."""
+    texts: list[str] = []
+    size = 0
+    for path in files:
+        with reading(path) as stream:
+            for raw in stream:
+                values, _ = parse_line(raw, keys)
+                for text in (t for pieces in values or [] for t in pieces):
+                    texts.append(text)
+                    size += len(text)
+                if size >= TRAINING_CHARS:
+                    return "\n\n".join(texts)
+    return "\n\n".join(texts)
+
+
+def write_splitter_record(writer: DatasetWriter, options: Options) -> None:
+    """`<dataset>.json` beside each sentence dataset: which splitter made its sentences."""
+    for prefix in writer.final.values():
+        record = {"sentence_splitter": options.splitter.description, "lang": options.lang,
+                  "keep_newlines": options.keep_newlines}  # fmt: skip
+        temporary = f"{prefix}.json.partial-{os.getpid()}"
+        with open(temporary, "w", encoding="utf-8") as stream:
+            json.dump(record, stream, indent=1)
+        os.replace(temporary, f"{prefix}.json")
 
 
 def _count_lines(files: Sequence[str]) -> int:
@@ -762,6 +791,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         append_eod=args.append_eod,
         skip_invalid=args.skip_invalid,
         dtype=dtype.str,
+        splitter=(
+            sentence_splitter(args.lang, training_text(files, args.json_keys))
+            if args.split_sentences
+            else None
+        ),
     )
     writer = DatasetWriter(args, level, dtype, args.partitions)
     any_gz = any(path.endswith(".gz") for path in files)
@@ -777,6 +811,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     start = time.perf_counter()
     totals = _run(args, options, tokenizer, files, writer, progress)
+    if options.splitter is not None:
+        write_splitter_record(writer, options)
+        print(f"sentences split by {options.splitter.description}", file=sys.stderr)
     _report(args, totals, writer, time.perf_counter() - start, progress.bytes)
     return 0
 
