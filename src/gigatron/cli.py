@@ -55,6 +55,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gigatron.tasks.finetune_command:main",
         "fine-tune a BERT checkpoint on MNLI, QQP or RACE (--task ...)",
     ),
+    "detoxify": (
+        "gigatron.tasks.detoxify.command:main",
+        "detoxification by self-generation: gigatron detoxify generate|score|filter|evaluate",
+    ),
     "lm-eval": (
         "gigatron.integrations.lm_eval:main",
         "lm-evaluation-harness with gigatron checkpoints: gigatron lm-eval --model gigatron ...",

@@ -15,9 +15,11 @@ from gigatron.families.registry import family_names
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 # Commands whose flags all have defaults worth showing (others: positional arguments only, or the
-# lm-evaluation-harness's own help; `data` lists its tools, whose own help
-# test_corpus_tools.py checks).
-SHOWS_DEFAULTS = set(COMMANDS) - {"text-generation-cli", "lm-eval", "presets", "plot", "data"}
+# lm-evaluation-harness's own help; `data` and `detoxify` list their steps, whose own help
+# test_corpus_tools.py and test_detoxify.py check).
+SHOWS_DEFAULTS = set(COMMANDS) - {
+    "text-generation-cli", "lm-eval", "presets", "plot", "data", "detoxify",
+}  # fmt: skip
 
 
 def _help(capsys, argv: list[str]) -> str:

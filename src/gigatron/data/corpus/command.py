@@ -136,8 +136,7 @@ def _clean(args: argparse.Namespace) -> Counter:
 
 
 def _fingerprints(texts: list[str], num_perm: int, seed: int) -> tuple[np.ndarray, list[bytes]]:
-    a, b = minhash.hash_functions(num_perm, seed)
-    signatures = np.stack([minhash.signature(text, a, b) for text in texts])
+    signatures = np.stack([minhash.signature(text, num_perm, seed) for text in texts])
     return signatures, [minhash.exact_key(text) for text in texts]
 
 
@@ -167,6 +166,8 @@ def _dedup_groups(args: argparse.Namespace) -> tuple[minhash.UnionFind, list[str
 
 
 def _dedup(args: argparse.Namespace) -> Counter:
+    if args.num_perm not in (2**k for k in range(4, 11)):
+        raise GigatronError(f"--num-perm {args.num_perm}: give a power of two from 16 to 1024")
     if args.num_perm % args.bands:
         raise GigatronError(
             f"--bands {args.bands}: must divide --num-perm {args.num_perm}; e.g. --bands 16"
@@ -326,7 +327,7 @@ def _clean_parser(parser: FlagParser) -> None:
 def _dedup_parser(parser: FlagParser) -> None:
     _common(parser)
     parser.add_argument("--threshold", type=float, default=0.9, help="Jaccard similarity")
-    parser.add_argument("--num-perm", type=int, default=128, help="MinHash functions")
+    parser.add_argument("--num-perm", type=int, default=128, help="MinHash bins (2^k)")
     parser.add_argument("--bands", type=int, default=16, help="LSH bands (divides --num-perm)")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the hash functions")
     parser.add_argument("--exact-only", action="store_true", help="exact duplicates only")

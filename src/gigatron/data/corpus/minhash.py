@@ -1,11 +1,14 @@
 """Near-duplicate detection: MinHash signatures of character shingles, LSH banding, and groups.
 
-Vectorised with numpy: a document's shingles are the 5-byte windows of its normalised UTF-8
-text packed into integers; each of `num_perm` multiply-shift hash functions keeps its minimum,
-so the fraction of equal signature entries estimates the Jaccard similarity of the shingle
-sets. Documents sharing one band of `rows` entries are candidates; a candidate pair is a
-duplicate when its estimated similarity reaches the threshold (Megatron's 0.9). Fingerprints are
-plain arrays, never pickles.
+Vectorised with numpy, and cheaper than classic MinHash: a document's shingles are the 5-byte
+windows of its normalised UTF-8 text packed into integers and hashed once to 64 bits; the top
+7 bits choose one of 128 bins and each bin keeps its smallest hash (one-permutation hashing, Li et
+al. 2012), an empty bin borrowing from the next non-empty one with a distinct offset (rotation
+densification, Shrivastava and Li 2014). The fraction of equal bins of two signatures estimates
+the Jaccard similarity of the shingle sets, as classic MinHash's 128 hash functions would, at one
+hash per shingle instead of 128. Documents sharing one band of rows are candidates; a candidate
+pair is a duplicate when its estimated similarity reaches the threshold (Megatron's 0.9).
+Fingerprints are plain arrays, never pickles.
 """
 
 from __future__ import annotations
@@ -16,15 +19,6 @@ from collections import defaultdict
 import numpy as np
 
 SHINGLE_BYTES = 5
-_MIX = np.uint64(0x9E3779B97F4A7C15)
-
-
-def hash_functions(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The (a, b) coefficients of `num_perm` multiply-shift hashes (a odd), from `seed`."""
-    rng = np.random.default_rng(seed)
-    a = rng.integers(1, 2**63, size=num_perm, dtype=np.uint64) | np.uint64(1)
-    b = rng.integers(0, 2**63, size=num_perm, dtype=np.uint64)
-    return a, b
 
 
 def normalise(text: str) -> bytes:
@@ -32,22 +26,36 @@ def normalise(text: str) -> bytes:
     return " ".join(text.lower().split()).encode("utf-8")
 
 
-def shingles(data: bytes) -> np.ndarray:
-    """The distinct 5-byte windows of `data` as 32-bit hashes (uint64 holding 32 bits)."""
+def shingle_hashes(data: bytes, seed: int) -> np.ndarray:
+    """The sorted distinct 64-bit hashes of the 5-byte windows of `data`."""
     raw = np.frombuffer(data, dtype=np.uint8).astype(np.uint64)
     if raw.size < SHINGLE_BYTES:
         raw = np.concatenate([raw, np.zeros(SHINGLE_BYTES - raw.size, dtype=np.uint64)])
     windows = np.zeros(raw.size - SHINGLE_BYTES + 1, dtype=np.uint64)
     for offset in range(SHINGLE_BYTES):
         windows = (windows << np.uint64(8)) | raw[offset : offset + windows.size]
-    return np.unique((windows * _MIX) >> np.uint64(32))
+    # splitmix64's finaliser: every input bit reaches every output bit
+    mixed = windows ^ np.uint64(seed * 0x9E3779B97F4A7C15 % 2**64)
+    mixed = (mixed ^ (mixed >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    mixed = (mixed ^ (mixed >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return np.unique(mixed ^ (mixed >> np.uint64(31)))
 
 
-def signature(text: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """The MinHash signature (uint32 per hash function) of `text`."""
-    values = shingles(normalise(text))
-    hashed = (a[:, None] * values[None, :] + b[:, None]) >> np.uint64(32)
-    return hashed.min(axis=1).astype(np.uint32)
+def signature(text: str, num_perm: int = 128, seed: int = 1234) -> np.ndarray:
+    """The one-permutation MinHash signature (uint32 per bin) of `text`."""
+    hashes = shingle_hashes(normalise(text), seed)
+    shift = np.uint64(64 - int(num_perm).bit_length() + 1)
+    bins = (hashes >> shift).astype(np.int64)
+    first = np.searchsorted(bins, np.arange(num_perm))  # hashes are sorted: bin order, then value
+    filled = (first < bins.size) & (bins[np.minimum(first, bins.size - 1)] == np.arange(num_perm))
+    values = (hashes[np.minimum(first, hashes.size - 1)] & np.uint64(0xFFFFFFFF)).astype(np.uint64)
+    owners = np.flatnonzero(filled)
+    # each empty bin takes the next filled bin's value (circularly), offset by the distance
+    position = np.searchsorted(owners, np.arange(num_perm)) % owners.size
+    source = owners[position]
+    distance = (source - np.arange(num_perm)) % num_perm
+    offset = distance.astype(np.uint64) * np.uint64(0x9E3779B9)
+    return ((values[source] + offset) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
 
 
 def exact_key(text: str) -> bytes:
