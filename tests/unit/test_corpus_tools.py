@@ -243,7 +243,7 @@ def test_bad_dump_and_flags(tmp_path, capsys):
                  "--bands", "7"]) == 2  # fmt: skip
     assert "must divide --num-perm" in capsys.readouterr().err
     assert main(["data", "sort"]) == 2
-    assert "unknown tool" in capsys.readouterr().err
+    assert "data sort: unknown step" in capsys.readouterr().err
 
 
 def test_common_ngrams_are_not_contamination(tmp_path, capsys):

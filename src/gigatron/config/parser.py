@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from gigatron.errors import GigatronError
 
 _UNRECOGNIZED = "unrecognized arguments: "
 
@@ -64,3 +66,25 @@ def command_parser(name: str, description: str, **kwargs) -> FlagParser:
     """The parser of `gigatron <name>`: one-line errors, no abbreviations, every default shown."""
     kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
     return FlagParser(prog=f"gigatron {name}", description=description, **kwargs)
+
+
+def run_subcommand(
+    command: str,
+    steps: dict[str, tuple[str, Callable[[FlagParser], None], Callable[..., Any]]],
+    argv: Sequence[str],
+) -> Any:
+    """`gigatron <command> <step> [flags]`: `steps` maps each step to (what it does, the function
+    adding its flags, the function running the parsed flags). No step or `--help` lists them."""
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        width = max(len(name) for name in steps)
+        lines = [f"usage: gigatron {command} <step> [flags]   (gigatron {command} <step> --help)"]
+        lines += ["", "steps:", *(f"  {n:<{width}}  {s}" for n, (s, _, _) in steps.items())]
+        print("\n".join(lines))
+        raise SystemExit(0 if argv else 2)  # as argparse ends a help or a missing argument
+    if argv[0] not in steps:
+        raise GigatronError(f"{command} {argv[0]}: unknown step; choose one of {', '.join(steps)}")
+    summary, add_flags, run = steps[argv[0]]
+    parser = command_parser(f"{command} {argv[0]}", summary)
+    add_flags(parser)
+    return run(parser.parse_args(argv[1:]))

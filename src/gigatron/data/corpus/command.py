@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from gigatron.config.fields import add_dataclass_arguments
-from gigatron.config.parser import FlagParser, command_parser
+from gigatron.config.parser import FlagParser, run_subcommand
 from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.data.corpus import blacklist, clean, decontaminate, minhash, wikipedia
 from gigatron.data.corpus.records import (
@@ -378,29 +378,25 @@ TOOLS: dict[str, tuple[str, Callable[[FlagParser], None], Callable[..., Counter]
 }
 
 
-def _usage() -> str:
-    lines = ["usage: gigatron data <tool> [flags]   (gigatron data <tool> --help)", "", "tools:"]
-    lines += [f"  {name:<14} {summary}" for name, (summary, _, _) in TOOLS.items()]
-    return "\n".join(lines)
+def _run(run: Callable[..., Counter], tool: str) -> Callable[[argparse.Namespace], int]:
+    """Checks common to every tool, the tool's run, and its counts printed."""
+
+    def checked(args: argparse.Namespace) -> int:
+        if args.workers < 1:
+            raise GigatronError(f"--workers {args.workers}: give 1 or more")
+        inputs = [args.input] + list(getattr(args, "eval_data", []) or [])
+        for output in (args.output, args.report, getattr(args, "groups_output", None)):
+            if output:
+                check_output(output, inputs)
+        start = time.perf_counter()
+        counts = run(args)
+        return _finish(tool, counts, args, time.perf_counter() - start)
+
+    return checked
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        raise SystemExit(0 if argv else 2)  # as argparse ends a help or a missing argument
-    if argv[0] not in TOOLS:
-        raise GigatronError(f"data {argv[0]}: unknown tool; choose one of {', '.join(TOOLS)}")
-    summary, add_flags, run = TOOLS[argv[0]]
-    parser = command_parser(f"data {argv[0]}", summary)
-    add_flags(parser)
-    args = parser.parse_args(argv[1:])
-    if args.workers < 1:
-        raise GigatronError(f"--workers {args.workers}: give 1 or more")
-    inputs = [args.input] + list(getattr(args, "eval_data", []) or [])
-    for output in (args.output, args.report, getattr(args, "groups_output", None)):
-        if output:
-            check_output(output, inputs)
-    start = time.perf_counter()
-    counts = run(args)
-    return _finish(argv[0], counts, args, time.perf_counter() - start)
+    steps = {
+        name: (summary, flags, _run(run, name)) for name, (summary, flags, run) in TOOLS.items()
+    }
+    return run_subcommand("data", steps, sys.argv[1:] if argv is None else argv)

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gigatron.config.parser import FlagParser, command_parser
+from gigatron.config.parser import FlagParser, run_subcommand
 from gigatron.data.corpus.records import atomic_output, check_output, read_records, write_record
 from gigatron.errors import GigatronError
 from gigatron.inference.arguments import add_load_arguments, resolve_batch_size
@@ -210,16 +210,4 @@ STEPS: dict[str, tuple[str, Callable[[FlagParser], None], Callable[..., int]]] =
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        lines = ["usage: gigatron detoxify <step> [flags]   (gigatron detoxify <step> --help)",
-                 "", "steps:"]  # fmt: skip
-        lines += [f"  {name:<9} {summary}" for name, (summary, _, _) in STEPS.items()]
-        print("\n".join(lines))
-        raise SystemExit(0 if argv else 2)
-    if argv[0] not in STEPS:
-        raise GigatronError(f"detoxify {argv[0]}: unknown step; choose one of {', '.join(STEPS)}")
-    summary, add_flags, run = STEPS[argv[0]]
-    parser = command_parser(f"detoxify {argv[0]}", summary)
-    add_flags(parser)
-    return run(parser.parse_args(argv[1:]))
+    return run_subcommand("detoxify", STEPS, sys.argv[1:] if argv is None else argv)
