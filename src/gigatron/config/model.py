@@ -190,6 +190,12 @@ class ModelConfig(Section):
     bias_gelu_fusion: bool = flag_field(
         True, "no fused bias + GeLU kernel", flag="--no-bias-gelu-fusion", store_false=True
     )
+    bias_swiglu_fusion: bool = flag_field(
+        True,
+        "SwiGLU by PyTorch operations, not the fused kernel (CUDA; docs/performance.md)",
+        flag="--no-bias-swiglu-fusion",
+        store_false=True,
+    )
     bias_dropout_fusion: bool = flag_field(
         True,
         "no fused bias + dropout + add kernel",
@@ -197,10 +203,15 @@ class ModelConfig(Section):
         store_false=True,
     )
     apply_rope_fusion: bool = flag_field(
-        True, "no fused RoPE kernel", flag="--no-rope-fusion", store_false=True
+        True,
+        "RoPE by PyTorch operations, not the fused kernel (CUDA; docs/performance.md)",
+        flag="--no-rope-fusion",
+        store_false=True,
     )
     cross_entropy_loss_fusion: bool = flag_field(
-        False, "fused cross-entropy kernel (gigatron's vocab-parallel loss is always one pass)"
+        False,
+        "the output layer and the loss in one fused kernel that never holds the logits "
+        "(CUDA, tp 1; docs/performance.md)",
     )
     disable_bf16_reduced_precision_matmul: bool = flag_field(
         False, "bf16 matrix products reduce in fp32 (cuBLAS reduced-precision reduction off)"
