@@ -224,9 +224,16 @@ class ModelConfig(Section):
     )
     fp8: Optional[str] = flag_field(
         None,
-        "fp8 training recipe (Transformer Engine)",
+        "fp8 training of the transformer layers' linear layers (torchao float8; "
+        "docs/performance.md): e4m3 everywhere, or hybrid (e5m2 gradients)",
         flag="--fp8-format",
         choices=["e4m3", "hybrid"],
+    )
+    fp8_recipe: str = flag_field(
+        "delayed",
+        "fp8 scaling: tensorwise or rowwise (torchao's dynamic scaling); Megatron's other "
+        "recipes are Transformer Engine's",
+        choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"],
     )
     fp8_amax_history_len: int = flag_field(1, "fp8 amax history length (Transformer Engine)")
     fp8_amax_compute_algo: str = flag_field(
@@ -379,7 +386,18 @@ class ModelConfig(Section):
             found.append(f"--mtp-num-layers {self.mtp_num_layers} must be at least 1")
         if self.rotary_scaling_factor <= 0:
             found.append(f"--rotary-scaling-factor {self.rotary_scaling_factor} must be positive")
-        return found
+        return found + self.fp8_problems()
+
+    def fp8_problems(self) -> list[str]:
+        """fp8 is torchao's dynamic scaling: tensorwise or rowwise recipes only."""
+        if self.fp8 is not None and self.fp8_recipe not in ("tensorwise", "rowwise"):
+            return [
+                f"--fp8-recipe {self.fp8_recipe}: not available (Transformer Engine's); gigatron's "
+                "fp8 scales from each step's amax: give --fp8-recipe tensorwise or rowwise"
+            ]
+        if self.fp8 is None and self.fp8_recipe != "delayed":
+            return [f"--fp8-recipe {self.fp8_recipe} needs --fp8-format e4m3|hybrid"]
+        return []
 
 
 def parse_window_size(text: str | None) -> tuple[int, int] | None:
