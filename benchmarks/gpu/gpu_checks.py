@@ -214,11 +214,14 @@ def test_fp8_trains_like_bf16(recipe):
 
 # ---- checkpoints and inference ----------------------------------------------------------------------
 def test_checkpoint_save_and_resume():
+    """Resumed iterations 3 and 4 match the uninterrupted run (to the rounding of GPU kernels
+    that sum with atomics; on a CPU exactly)."""
     full, part = Path(tempfile.mkdtemp()), Path(tempfile.mkdtemp())
     reference = losses(train(*LLAMA, "--bf16", "--save", str(full), "--save-interval", "2"))
     train(*LLAMA, "--bf16", "--save", str(part), "--save-interval", "2", "--exit-interval", "2")
     resumed = train(*LLAMA, "--bf16", "--save", str(part), "--load", str(part), save=part)
-    assert [resumed[i]["lm_loss"] for i in (3, 4)] == pytest.approx(reference[2:], rel=1e-5)
+    assert sorted(resumed) == [3, 4]  # the second run went on from iteration 2
+    assert [resumed[i]["lm_loss"] for i in (3, 4)] == pytest.approx(reference[2:], rel=1e-3)
 
 
 def test_inference_engine_greedy_matches_full_forward():
