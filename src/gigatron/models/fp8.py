@@ -1,8 +1,8 @@
 """fp8 training through torchao's float8 (`--fp8-format e4m3|hybrid`, `--fp8-recipe
 tensorwise|rowwise`; docs/performance.md).
 
-The module swap gives every tensor-parallel linear layer of the transformer layers (attention
-and MLP projections, not the embedding or the output layer) an fp8 product: inputs and weights
+The module swap gives every tensor-parallel linear layer of the layer stacks (attention and MLP
+projections, Mamba's, not the embedding or the output layer) an fp8 product: inputs and weights
 are scaled to float8 e4m3 by their current amax (one scale per tensor, or per row with
 `rowwise`), the gradient of the output to e4m3 (`e4m3`) or e5m2 (`hybrid`), and torch's scaled
 matrix product runs them. Parameters stay plain tensors in their dtype, so checkpoints are the
@@ -68,8 +68,9 @@ class Float8Matmul:
 
 
 def fp8_layers(chunk: nn.Module) -> dict[str, nn.Module]:
-    """{name: layer} of the chunk's parallel linear layers that fp8 covers: those inside
-    transformer layers (not the embedding, the output layer or the MTP projections)."""
+    """{name: layer} of the chunk's parallel linear layers that fp8 covers: those of its layer
+    stacks (`...layers.N...`: attention, MLP, shared experts, Mamba and MTP layers), not the
+    embedding or the output layer."""
     return {
         name: module
         for name, module in chunk.named_modules()
