@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ FP8_MULTIPLE = 16
 
 def float8_config(fp8_format: str, recipe: str, emulate: bool) -> Any:
     """torchao's Float8LinearConfig for Megatron's format and a recipe (tensorwise, rowwise)."""
-    torchao_float8 = _torchao_float8()
+    torchao_float8, _ = _torchao_float8()
     base = torchao_float8.Float8LinearConfig.from_recipe_name(recipe)
     grad_dtype = torch.float8_e4m3fn if fp8_format == "e4m3" else torch.float8_e5m2
     return dataclasses.replace(
@@ -49,11 +48,11 @@ class Float8Matmul:
     `matmul`); the scales are computed in each call (dynamic scaling)."""
 
     def __init__(self, config: Any) -> None:
-        torchao_float8 = _torchao_float8()
+        torchao_float8, matmul = _torchao_float8()
         self.config = config
         gemm = torchao_float8.ScaledMMConfig(config.emulate, False, False, config.pad_inner_dim)
         self.mm_config = torchao_float8.LinearMMConfig(gemm, gemm, gemm)
-        self.apply = torchao_float8.matmul_with_hp_or_float8_args.apply
+        self.apply = matmul.apply
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -120,7 +119,8 @@ def apply_fp8(chunk: nn.Module, cfg: Any, device_type: str, tokens: int | None) 
     return len(layers)
 
 
-def _torchao_float8() -> SimpleNamespace:
+def _torchao_float8() -> tuple[Any, Any]:
+    """torchao.float8 and its fp8-or-high-precision matrix product (an autograd function)."""
     try:
         # why: torchao is an optional dependency (the `fp8` extra), needed only with --fp8-format
         import torchao.float8 as torchao_float8
@@ -129,9 +129,4 @@ def _torchao_float8() -> SimpleNamespace:
         raise GigatronError(
             f"--fp8-format: torchao cannot be imported ({error}); `pip install 'gigatron[fp8]'`"
         ) from error
-    return SimpleNamespace(
-        Float8LinearConfig=torchao_float8.Float8LinearConfig,
-        ScaledMMConfig=torchao_float8.ScaledMMConfig,
-        LinearMMConfig=torchao_float8.LinearMMConfig,
-        matmul_with_hp_or_float8_args=matmul_with_hp_or_float8_args,
-    )
+    return torchao_float8, matmul_with_hp_or_float8_args
