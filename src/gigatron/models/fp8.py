@@ -12,8 +12,11 @@ Expert weights of MoE layers (grouped GEMMs) stay in the parameter dtype.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -123,10 +126,27 @@ def _torchao_float8() -> tuple[Any, Any]:
     """torchao.float8 and its fp8-or-high-precision matrix product (an autograd function)."""
     try:
         # why: torchao is an optional dependency (the `fp8` extra), needed only with --fp8-format
-        import torchao.float8 as torchao_float8
-        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        with _quiet_loggers("torchao", "torch.utils._pytree"):
+            import torchao.float8 as torchao_float8
+            from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     except ImportError as error:
         raise GigatronError(
             f"--fp8-format: torchao cannot be imported ({error}); `pip install 'gigatron[fp8]'`"
         ) from error
     return torchao_float8, matmul_with_hp_or_float8_args
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names: str) -> Iterator[None]:
+    """Only errors from these loggers meanwhile: torchao's import warns when its compiled
+    kernels (not used by float8 training, which is PyTorch code and torch._scaled_mm) do not
+    load on this machine, and about a deprecated registration; neither concerns the user."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
