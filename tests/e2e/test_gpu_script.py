@@ -9,6 +9,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +23,7 @@ CPU_CHECKS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_dry_run_reports_every_check_and_variant(tmp_path):
     run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "run.py"), "--dry-run",
          "--no-compile", "--in-process", "--steps", "2", "--warmup", "1", "--out", str(tmp_path),
