@@ -375,7 +375,7 @@ def run_variant(spec: ModelSpec, variant: str, args: argparse.Namespace) -> dict
             figures = run_hf(spec, args)
         else:
             figures = run_megatron_core(spec, args)
-    except Exception as error:  # a failed variant is a result; the others still run
+    except (Exception, SystemExit) as error:  # a failed variant is a result; others still run
         tail = traceback.format_exc().splitlines()[-12:]
         return {**record, "status": "failed", "reason": f"{type(error).__name__}: {error}",
                 "traceback": tail}  # fmt: skip

@@ -126,7 +126,13 @@ def bench_one(model: str, variant: str, args: argparse.Namespace, seconds: float
     if not out.is_file():
         return {"model": model, "variant": variant, "status": "failed",
                 "reason": f"exit {log.returncode}: {(log.stdout + log.stderr)[-1500:]}"}  # fmt: skip
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    if result["status"] == "failed":  # what the command printed says why
+        output = log.stdout + log.stderr
+        result["output_tail"] = output[-3000:]
+        errors = [line for line in output.splitlines() if "error:" in line]
+        result["reason"] += f" ({errors[-1].strip()})" if errors else ""
+    return result
 
 
 def run_benchmarks(args: argparse.Namespace, deadline: float) -> list[dict]:
