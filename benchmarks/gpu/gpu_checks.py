@@ -105,12 +105,15 @@ def test_bf16_trains_like_fp32():
 
 
 def test_fp16_with_dynamic_loss_scaling():
-    records = train(*LLAMA, "--fp16", "--initial-loss-scale", "65536", "--loss-scale-window", "2")
-    fp32 = losses(train(*LLAMA))
-    fp16 = losses(records)
-    assert abs(fp16[0] - fp32[0]) / fp32[0] < 0.02 and fp16[-1] < fp16[0]
-    scales = [records[i]["loss_scale"] for i in sorted(records)]
-    assert scales[0] <= 65536 and max(scales) > 1  # dynamic: it moved or held, never collapsed
+    fp16 = ["--fp16", "--loss-scale-window", "2"]
+    records = train(*LLAMA, *fp16, "--initial-loss-scale", "65536")
+    fp32, got = losses(train(*LLAMA)), losses(records)
+    assert abs(got[0] - fp32[0]) / fp32[0] < 0.02 and got[-1] < got[0]
+    # Doubled after every 2 clean steps; an overflowing scale skips the step and halves.
+    assert [records[i]["loss_scale"] for i in (1, 2, 3, 4)] == [2.0**16, 2.0**17, 2.0**17, 2.0**18]
+    overflow = train(*LLAMA, *fp16, "--initial-loss-scale", str(2.0**40))
+    assert [overflow[i]["loss_scale"] for i in (1, 2, 3, 4)] == [2.0**k for k in (40, 39, 38, 37)]
+    assert [overflow[i]["skipped_iterations"] for i in (1, 2, 3, 4)] == [1, 2, 3, 4]
 
 
 # ---- fused kernels --------------------------------------------------------------------------------
