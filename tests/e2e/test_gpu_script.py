@@ -56,3 +56,12 @@ def test_dry_run_reports_every_check_and_variant(tmp_path):
     rows = (tmp_path / "rows.md").read_text()
     assert rows.startswith("## GPU training throughput (issue 26)")
     assert rows.count("\n| llama-1b |") == 4 and "Checks (gpu_checks.py): 6 passed" in rows
+
+    # Several device calls' results joined into one report.
+    merged = tmp_path / "merged"
+    results = str(tmp_path / "results.json")
+    run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "run.py"), "--merge", results, results,
+         "--out", str(merged)], timeout=120)  # fmt: skip
+    joined = json.loads((merged / "results.json").read_text())
+    assert len(joined["results"]) == 16 and len(joined["checks"]) == 2 * len(checks)
+    assert (merged / "rows.md").read_text().count("\n| llama-1b |") == 8
