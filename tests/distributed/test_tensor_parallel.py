@@ -84,6 +84,9 @@ def _compare_layout(pctx: ParallelContext) -> None:
             loss = token_losses(model(tokens, positions, mask), labels, pctx)
             assert loss.dtype == torch.float32 and loss.shape == (BATCH, SEQ)
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5, msg=case)
+            with torch.no_grad():  # the model's own loss (--cross-entropy-loss-fusion's path)
+                in_model = model(tokens, positions, mask, labels=labels)
+            torch.testing.assert_close(in_model, ref_loss, rtol=1e-5, atol=1e-5, msg=case)
             loss.sum().backward()
             finalize_model_grads([model], pctx)
             for name, param in model.named_parameters():

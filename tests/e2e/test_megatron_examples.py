@@ -65,7 +65,10 @@ SHRINK = {
 }
 
 # Reasons shared by several scripts.
-FP8 = "fp8 training (Transformer Engine) is refused: config/refusals.py"
+FP8 = (
+    "fp8 with delayed scaling (Megatron's default --fp8-recipe, the amax history) is refused; "
+    "gigatron's fp8 is torchao's dynamic scaling (--fp8-recipe tensorwise|rowwise)"
+)
 FSDP_TUNING = "a Megatron-FSDP NCCL tuning, refused: config/refusals.py"
 CUDA_ONLY = "records CUDA allocations: an error on a CPU"
 REAL_DATA_BRANCH = "the script's real-data branch; the test runs its --mock-data branch"

@@ -141,7 +141,6 @@ def test_refusals_name_real_fields_and_are_enforced():
         "timing_log_level": ["--timing-log-level", "2"],
         "transformer_impl": ["--transformer-impl", "inference_optimized"],
         "spec": ["--spec", "megatron.core.models.retro"],
-        "fp8": ["--fp8-format", "hybrid"],
         "fp8_amax_history_len": ["--fp8-amax-history-len", "1024"],
         "fp8_amax_compute_algo": ["--fp8-amax-compute-algo", "max"],
         "fp8_param_gather": ["--fp8-param-gather"],

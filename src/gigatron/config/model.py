@@ -190,6 +190,12 @@ class ModelConfig(Section):
     bias_gelu_fusion: bool = flag_field(
         True, "no fused bias + GeLU kernel", flag="--no-bias-gelu-fusion", store_false=True
     )
+    bias_swiglu_fusion: bool = flag_field(
+        True,
+        "SwiGLU by PyTorch operations, not the fused kernel (CUDA; docs/performance.md)",
+        flag="--no-bias-swiglu-fusion",
+        store_false=True,
+    )
     bias_dropout_fusion: bool = flag_field(
         True,
         "no fused bias + dropout + add kernel",
@@ -197,10 +203,15 @@ class ModelConfig(Section):
         store_false=True,
     )
     apply_rope_fusion: bool = flag_field(
-        True, "no fused RoPE kernel", flag="--no-rope-fusion", store_false=True
+        True,
+        "RoPE by PyTorch operations, not the fused kernel (CUDA; docs/performance.md)",
+        flag="--no-rope-fusion",
+        store_false=True,
     )
     cross_entropy_loss_fusion: bool = flag_field(
-        False, "fused cross-entropy kernel (gigatron's vocab-parallel loss is always one pass)"
+        False,
+        "the output layer and the loss in one fused kernel that never holds the logits "
+        "(CUDA, tp 1; docs/performance.md)",
     )
     disable_bf16_reduced_precision_matmul: bool = flag_field(
         False, "bf16 matrix products reduce in fp32 (cuBLAS reduced-precision reduction off)"
@@ -213,9 +224,16 @@ class ModelConfig(Section):
     )
     fp8: Optional[str] = flag_field(
         None,
-        "fp8 training recipe (Transformer Engine)",
+        "fp8 training of the transformer layers' linear layers (torchao float8; "
+        "docs/performance.md): e4m3 everywhere, or hybrid (e5m2 gradients)",
         flag="--fp8-format",
         choices=["e4m3", "hybrid"],
+    )
+    fp8_recipe: str = flag_field(
+        "delayed",
+        "fp8 scaling: tensorwise or rowwise (torchao's dynamic scaling); Megatron's other "
+        "recipes are Transformer Engine's",
+        choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"],
     )
     fp8_amax_history_len: int = flag_field(1, "fp8 amax history length (Transformer Engine)")
     fp8_amax_compute_algo: str = flag_field(
@@ -368,7 +386,18 @@ class ModelConfig(Section):
             found.append(f"--mtp-num-layers {self.mtp_num_layers} must be at least 1")
         if self.rotary_scaling_factor <= 0:
             found.append(f"--rotary-scaling-factor {self.rotary_scaling_factor} must be positive")
-        return found
+        return found + self.fp8_problems()
+
+    def fp8_problems(self) -> list[str]:
+        """fp8 is torchao's dynamic scaling: tensorwise or rowwise recipes only."""
+        if self.fp8 is not None and self.fp8_recipe not in ("tensorwise", "rowwise"):
+            return [
+                f"--fp8-recipe {self.fp8_recipe}: not available (Transformer Engine's); gigatron's "
+                "fp8 scales from each step's amax: give --fp8-recipe tensorwise or rowwise"
+            ]
+        if self.fp8 is None and self.fp8_recipe != "delayed":
+            return [f"--fp8-recipe {self.fp8_recipe} needs --fp8-format e4m3|hybrid"]
+        return []
 
 
 def parse_window_size(text: str | None) -> tuple[int, int] | None:

@@ -37,19 +37,19 @@ REFUSALS: dict[str, Refusal] = {
         f"--spec or name one of {', '.join(KNOWN_SPEC_MODULES)} with its family "
         "(`gigatron pretrain gpt|mamba`)",
     ),
-    "fp8": Refusal(
-        lambda value: value is not None,
-        "fp8 training (Transformer Engine recipes) is not available; drop --fp8-format and "
-        "train in --bf16",
-    ),
     "fp8_amax_history_len": Refusal(
-        lambda value: value != 1, "an fp8 setting; fp8 training is not available (drop it)"
+        lambda value: value != 1,
+        "an amax history is delayed scaling (Transformer Engine); gigatron's fp8 (torchao) "
+        "scales from each step's amax: drop it",
     ),
     "fp8_amax_compute_algo": Refusal(
         lambda value: value != "most_recent",
-        "an fp8 setting; fp8 training is not available (drop it)",
+        "an amax history is delayed scaling (Transformer Engine); gigatron's fp8 (torchao) "
+        "scales from each step's amax: drop it",
     ),
-    "fp8_param_gather": Refusal(bool, "an fp8 setting; fp8 training is not available (drop it)"),
+    "fp8_param_gather": Refusal(
+        bool, "gathering parameters in fp8 is not available; drop it (fp8 GEMMs still run)"
+    ),
     "nccl_ub": Refusal(
         bool,
         "NCCL user-buffer registration is a Megatron-FSDP tuning gigatron's FSDP (PyTorch "

@@ -41,6 +41,9 @@ def mlp_activation(config) -> Activation:
         return partial(_glu, act=quick_gelu, offset=offset, clamp=clamp)
     gelu = partial(F.gelu, approximate="tanh" if config.openai_gelu else "none")
     if config.swiglu:
+        kernels = getattr(config, "kernels", None)  # the fused kernel (models/fused.py)
+        if kernels is not None and kernels.swiglu is not None and not offset and clamp is None:
+            return kernels.swiglu
         return partial(_glu, act=F.silu, offset=offset, clamp=clamp)
     if getattr(config, "geglu", False):
         return partial(_glu, act=gelu, offset=offset, clamp=clamp)

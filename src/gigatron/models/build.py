@@ -1,5 +1,5 @@
 """`build_model_chunks`: this rank's pipeline chunks of any family, initialised identically to
-the one-process model."""
+the one-process model (with fp8 products under --fp8-format: models/fp8.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import nn
 
 from gigatron.errors import GigatronError
 from gigatron.models.embedding import resolve_vocab_size
+from gigatron.models.fp8 import apply_fp8
 from gigatron.models.transformer import LayerParts
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import context_parallel_core_attention
@@ -63,8 +64,18 @@ def build_model_chunks(
             pctx.etp_rank,
             pctx.etp_size,
         )
+        apply_fp8(chunk, cfg, pctx.device.type, micro_batch_tokens(cfg, pctx))
         chunks.append(chunk)
     return chunks
+
+
+def micro_batch_tokens(cfg, pctx: ParallelContext) -> int | None:
+    """The tokens of a micro-batch on this rank (its part of the sequence under cp); None when
+    the run has no micro-batch size (conversions, inference)."""
+    micro_batch, seq = cfg.training.micro_batch_size, cfg.model.seq_length
+    if micro_batch is None or seq is None:
+        return None
+    return micro_batch * seq // pctx.cp_size
 
 
 def layer_parts_for_run(cfg, pctx: ParallelContext, parts: LayerParts | None) -> LayerParts:

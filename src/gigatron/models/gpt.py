@@ -24,6 +24,7 @@ from gigatron.models.yarn import rotary_embedding
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import sequence_positions
 from gigatron.parallel.random import ModelParallelRNG
+from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 
 class GPTModel(LanguageModelStage):
@@ -72,6 +73,7 @@ class GPTModel(LanguageModelStage):
         position_ids: torch.Tensor | None,
         attention_mask: torch.Tensor | None = None,
         inference_cache=None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Last stage: logits [batch, seq, vocab/tp] (a transposed view of the [seq, batch, ...]
         result: `.transpose(0, 1)` gives back the contiguous tensor); other stages: hidden
@@ -82,7 +84,11 @@ class GPTModel(LanguageModelStage):
         the positions the cache selects (the last real token of each row, or all of them).
 
         With multi-token prediction (`--mtp-num-layers`, training and evaluation) the last stage
-        returns `(logits, [logits of depth 1, ..., depth D])` (models/mtp.py)."""
+        returns `(logits, [logits of depth 1, ..., depth D])` (models/mtp.py).
+
+        `labels` [batch, seq] (training without multi-token prediction): the last stage returns
+        the per-token losses [batch, seq] (float32) instead of the logits, through the fused
+        linear cross entropy when it runs (`--cross-entropy-loss-fusion`, models/fused.py)."""
         if self.pre_process:
             hidden = self.embedding(tokens, position_ids)
         else:
@@ -103,6 +109,8 @@ class GPTModel(LanguageModelStage):
             return hidden
         if inference_cache is not None:
             hidden = inference_cache.select_hidden(hidden)
+        if labels is not None and self.mtp is None and inference_cache is None:
+            return self.token_losses(hidden, labels)
         logits = self.output_layer(hidden, self.output_weight())  # [s, b, vocab/tp]
         if self.mtp is None or inference_cache is not None:
             return logits.transpose(0, 1)
@@ -111,6 +119,16 @@ class GPTModel(LanguageModelStage):
         return logits.transpose(0, 1), [
             self.output_layer(h, weight).transpose(0, 1) for h in depths
         ]
+
+    def token_losses(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token cross entropy [b, s] of the output layer on `hidden` [s, b, h]."""
+        fused = self.config.kernels.linear_cross_entropy
+        if fused is None:
+            logits = self.output_layer(hidden, self.output_weight())
+            return vocab_parallel_cross_entropy(logits, labels.t(), self.pctx).t()
+        seq, batch, size = hidden.shape
+        losses = fused(hidden.reshape(-1, size), self.output_weight(), labels.t().reshape(-1))
+        return losses.view(seq, batch).t()
 
 
 def build_model(

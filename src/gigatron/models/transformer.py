@@ -51,6 +51,7 @@ class Norm(nn.Module):
         self.kind = config.normalization
         self.eps = config.layernorm_epsilon
         self.zero_centered = config.layernorm_zero_centered_gamma
+        self.kernel = config.kernels.rms_norm if self.kind == "RMSNorm" else None
         shape = (hidden_size or config.hidden_size,)
         self.weight = nn.Parameter(
             torch.empty(shape, dtype=config.params_dtype, device=pctx.device)
@@ -78,6 +79,8 @@ class Norm(nn.Module):
         weight = self.weight + 1 if self.zero_centered else self.weight
         if self.kind == "LayerNorm":
             return F.layer_norm(x, x.shape[-1:], weight, self.bias, self.eps)
+        if self.kernel is not None:
+            return self.kernel(x, weight, self.eps)
         # Statistics in float32 (as Llama does), result in the input dtype.
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -144,6 +147,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotated = torch.cat([-second, first], dim=-1)
     out = rot * cos.to(x.dtype) + rotated * sin.to(x.dtype)
     return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def rotate_query_key(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` on queries and keys (the PyTorch path of the fused RoPE kernel)."""
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def _flash_attn_func():
@@ -430,6 +440,7 @@ class SelfAttention(Attention):
             self.q_layernorm = self.k_layernorm = None
         proj_in = config.num_attention_heads * config.kv_channels
         self.linear_proj = row_linear(config, pctx, proj_in, config.hidden_size)
+        self.rotate = config.kernels.rope or rotate_query_key
 
     def forward(
         self,
@@ -450,8 +461,7 @@ class SelfAttention(Attention):
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
-            q = apply_rotary(q, *rotary)
-            k = apply_rotary(k, *rotary)
+            q, k = self.rotate(q, k, *rotary)
         return self.attend(q, k, v, attention_mask, inference_cache)
 
 

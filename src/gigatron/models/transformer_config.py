@@ -21,6 +21,8 @@ import torch
 from gigatron.config.model import ModelConfig, parse_window_size, parse_window_skip_freq
 from gigatron.config.validate import finalize_config, params_dtype
 from gigatron.errors import GigatronError
+from gigatron.models.fused import PYTORCH, Kernels, select_kernels
+from gigatron.parallel.context import resolve_device
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +52,8 @@ class TransformerOptions:
     yarn_original_max_position_embeddings: int = 4096
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    # The fused kernels the layers call (models/fused.py; PYTORCH: none).
+    kernels: Kernels = PYTORCH
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> TransformerOptions:
@@ -100,6 +104,11 @@ class TransformerOptions:
             and cfg.parallel.tensor_model_parallel_size > 1,
             params_dtype=params_dtype(cfg),
             seed=cfg.training.seed,
+            kernels=select_kernels(
+                m,
+                resolve_device(cfg.parallel.device).type,
+                cfg.parallel.tensor_model_parallel_size,
+            ),
         )
         values.update(overrides)
         return cls(**values)

@@ -167,13 +167,21 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
 
 
+# The local product of a parallel linear layer, `(x, weight, bias) -> y`; fp8 training
+# (models/fp8.py) gives a layer its own.
+Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split over tp.
 
     `gather_output` all-gathers y (otherwise each rank keeps its slice of the features);
     `sequence_parallel` means x arrives split along dim 0 and is all-gathered here.
     `skip_weight` leaves the weight to the caller (`forward(x, weight)`; tied output layer).
+    `matmul` computes the local product (F.linear; fp8 training swaps it).
     """
+
+    matmul: Matmul = staticmethod(F.linear)
 
     def __init__(
         self,
@@ -213,7 +221,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.pctx)
         else:
             x = copy_to_tp_region(x, self.pctx)
-        y = F.linear(x, weight, self.bias)
+        y = self.matmul(x, weight, self.bias)
         if self.gather_output:
             y = gather_from_tp_region(y, self.pctx)
         return y
@@ -225,7 +233,10 @@ class RowParallelLinear(nn.Module):
     `input_is_parallel`: x already holds this rank's slice of the features (else it is split
     here). `sequence_parallel`: the sum is a reduce-scatter along dim 0. The bias is replicated
     and added after the sum (marked `sequence_parallel` then: it sees a slice of the sequence).
+    `matmul` computes the local product (F.linear; fp8 training swaps it).
     """
+
+    matmul: Matmul = staticmethod(F.linear)
 
     def __init__(
         self,
@@ -258,10 +269,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pctx.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # one fused GEMM + bias
+            return self.matmul(x, self.weight, self.bias)  # one fused GEMM + bias
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.pctx)
-        y = F.linear(x, self.weight)
+        y = self.matmul(x, self.weight, None)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.pctx)
         else:

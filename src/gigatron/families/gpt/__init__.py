@@ -44,8 +44,16 @@ def language_model_loss(
     rank's part (its gradient is summed over cp by the data-parallel wrapper), the token count
     and the report are the whole sequences' (summed over cp), so the per-token mean is the
     same as at cp = 1."""
+    return masked_loss(token_losses(logits, labels, pctx), loss_mask, pctx)
+
+
+def masked_loss(
+    losses: torch.Tensor, loss_mask: torch.Tensor, pctx: ParallelContext
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """`language_model_loss` of per-token losses [b, s] (the model computed them: the fused
+    output layer and loss)."""
     mask = loss_mask.float()
-    loss_sum = torch.sum(token_losses(logits, labels, pctx) * mask)
+    loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum()
     report = torch.stack([loss_sum.detach(), num_tokens.detach()])
     if pctx.cp_size > 1:
@@ -102,18 +110,32 @@ def forward_step(
     data_iterator: Iterator | None,
     model: nn.Module,
     mtp_scaling_factor: float = 0.1,
+    loss_in_model: bool = False,
 ) -> tuple[torch.Tensor, Callable]:
-    """One micro-batch through one model chunk (schedule contract)."""
+    """One micro-batch through one model chunk (schedule contract). `loss_in_model`: the last
+    stage computes the per-token losses itself (`--cross-entropy-loss-fusion`)."""
     batch = get_batch(data_iterator, pctx, BATCH_KEYS)
+    labels = {"labels": batch["labels"]} if loss_in_model else {}
     output = model(
-        batch["tokens"], batch["position_ids"], attention_mask=batch.get("attention_mask")
+        batch["tokens"],
+        batch["position_ids"],
+        attention_mask=batch.get("attention_mask"),
+        **labels,
     )
+    if loss_in_model:
+        return output, partial(masked_loss, loss_mask=batch["loss_mask"], pctx=pctx)
     loss = partial(gpt_loss, batch["labels"], batch["loss_mask"], pctx, mtp_scaling_factor)
     return output, loss
 
 
 def make_forward_step(cfg, pctx: ParallelContext):
-    return partial(forward_step, pctx, mtp_scaling_factor=cfg.model.mtp_loss_scaling_factor)
+    m = cfg.model
+    return partial(
+        forward_step,
+        pctx,
+        mtp_scaling_factor=m.mtp_loss_scaling_factor,
+        loss_in_model=m.cross_entropy_loss_fusion and not m.mtp_num_layers,
+    )
 
 
 def build_datasets(cfg, tokenizer, num_samples, pctx=None):
