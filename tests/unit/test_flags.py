@@ -39,6 +39,8 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from gigatron.training import plot_command
 
     return {
+        **_step_parsers("data", "gigatron.data.corpus.command", "TOOLS"),
+        **_step_parsers("detoxify", "gigatron.tasks.detoxify.command", "STEPS"),
         "quickstart": quickstart.build_parser,
         "preprocess": preprocess.build_parser,
         "merge": merge.build_parser,
@@ -52,6 +54,23 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "finetune": finetune.build_parser,
         "plot": plot_command.build_parser,
     }
+
+
+def _step_parsers(command: str, module: str, table: str) -> dict:
+    """The parser of each step of a command with steps (`gigatron data clean`, ...)."""
+    from gigatron.config.parser import command_parser
+
+    steps = getattr(__import__(module, fromlist=["_"]), table)
+
+    def build(step: str, add_flags) -> Callable[[], argparse.ArgumentParser]:
+        def parser() -> argparse.ArgumentParser:
+            made = command_parser(f"{command} {step}", "")
+            add_flags(made)
+            return made
+
+        return parser
+
+    return {f"{command} {step}": build(step, flags) for step, (_, flags, _) in steps.items()}
 
 
 # `gigatron presets` takes no flags; `text-generation-cli` only HOST:PORT; `lm-eval` passes its
@@ -68,7 +87,7 @@ def _long_option_actions(parser: argparse.ArgumentParser) -> list[argparse.Actio
 
 
 def test_every_command_is_walked():
-    assert set(_parsers()) | NO_FLAGS == set(COMMANDS)
+    assert {name.split()[0] for name in _parsers()} | NO_FLAGS == set(COMMANDS)
 
 
 # ---- read or refused ------------------------------------------------------------------------------
@@ -212,7 +231,7 @@ def test_abbreviated_flags_are_refused(argv, capsys):
     assert f"{argv[0]}: unknown flag; did you mean --" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", sorted(set(COMMANDS) - NO_FLAGS))
+@pytest.mark.parametrize("command", sorted(_parsers()))
 def test_abbreviations_of_each_command_are_refused(command, capsys):
     parser = _parsers()[command]()
     action = max(_long_option_actions(parser), key=lambda a: len(a.option_strings[0]))
@@ -223,7 +242,7 @@ def test_abbreviations_of_each_command_are_refused(command, capsys):
 
 
 # ---- help ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("command", sorted(set(COMMANDS) - NO_FLAGS))
+@pytest.mark.parametrize("command", sorted(_parsers()))
 def test_every_flag_has_help_and_its_default(command):
     """Each flag says what it does; one with a default (not None, not a switch) shows it."""
     problems = []

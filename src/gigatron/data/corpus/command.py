@@ -344,11 +344,19 @@ def _decontaminate_parser(parser: FlagParser) -> None:
         help="evaluation sets: JSON lines (field --eval-key) or text files (one text a line)",
     )
     parser.add_argument("--eval-key", default="text", help="text field of JSON-lines eval sets")
-    parser.add_argument("--max-ngram-size", type=int, default=13)
-    parser.add_argument("--min-ngram-size", type=int, default=8)
-    parser.add_argument("--remove-char-each-side", type=int, default=200)
-    parser.add_argument("--filter-text-char-len", type=int, default=200)
-    parser.add_argument("--splits-count", type=int, default=10)
+    parser.add_argument("--max-ngram-size", type=int, default=13, help="words in an n-gram")
+    parser.add_argument(
+        "--min-ngram-size", type=int, default=8, help="shorter eval texts count whole from here"
+    )
+    parser.add_argument(
+        "--remove-char-each-side", type=int, default=200, help="characters cut around a match"
+    )
+    parser.add_argument(
+        "--filter-text-char-len", type=int, default=200, help="pieces this short are dropped"
+    )
+    parser.add_argument(
+        "--splits-count", type=int, default=10, help="documents cut into more pieces are dropped"
+    )
     parser.add_argument(
         "--key-threshold",
         type=int,
