@@ -80,7 +80,7 @@ def test_both_losses_are_logged_and_fall(reference):
     assert [r["iteration"] for r in train] == list(range(1, 11))
     assert all(r["mlm_loss"] > 0 and r["sop_loss"] > 0 for r in train)
     first, last = train[0], train[-1]
-    assert last["mlm_loss"] < first["mlm_loss"] - 1.0  # ln(30522) ~ 10.3 at the start
+    assert last["mlm_loss"] < first["mlm_loss"] - 0.8  # ln(30522) ~ 10.3 at the start
     evals = records(reference, "eval")
     assert {"mlm_loss", "sop_loss", "mlm_loss_ppl"} <= set(evals[0])
 
