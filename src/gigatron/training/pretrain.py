@@ -38,6 +38,7 @@ from gigatron.training.metrics import (
     MetricsLogger,
     count_active_parameters,
     count_parameters,
+    count_parameters_by_kind,
     gather_from_ranks,
     memory_footprint,
 )
@@ -209,6 +210,10 @@ def _startup_record(parts: RunParts, vocab_size: int, precision: str) -> Callabl
             if moe is not None
             else {}
         )
+        if cfg.model.lora_target_modules:  # LoRA: the adapters alone train
+            active["trainable_parameters"] = sum(
+                count_parameters_by_kind(model, pctx, trainable_only=True)
+            )
         return {
             "parameters": count_parameters(model, pctx),
             **active,

@@ -188,13 +188,16 @@ def load_or_init(
 
 
 def load_pretrained(cfg: GigatronConfig, pctx: ParallelContext, chunks: list[nn.Module]) -> None:
-    """Load --pretrained-checkpoint's weights (weights only) into unwrapped chunks."""
+    """Load --pretrained-checkpoint's weights (weights only, any format) into unwrapped chunks."""
     path = cfg.checkpoint.pretrained_checkpoint
     if not path:
         return
     if not os.path.isdir(path):
         raise GigatronError(f"--pretrained-checkpoint {path}: no such directory")
-    weights_only = dataclasses.replace(cfg.checkpoint, finetune=True, load=path, save=None)
+    weights_only = dataclasses.replace(  # its latest iteration, in whichever format it is
+        cfg.checkpoint, finetune=True, load=path, save=None, auto_detect_ckpt_format=True,
+        ckpt_step=None,
+    )  # fmt: skip
     try:
         load_checkpoint(
             path, chunks, None, None, pctx, dataclasses.replace(cfg, checkpoint=weights_only)
