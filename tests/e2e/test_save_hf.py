@@ -6,14 +6,13 @@ end, whose transformers logits equal gigatron's for the checkpoint saved at the 
 from __future__ import annotations
 
 import json
-from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
 
-from gigatron.inference.load import load_for_inference
 from helpers import NO_DROPOUT, gigatron_runs, tiny_gpt_flags
+from hf_helpers import checkpoint_model, transformers_logits
 
 pytestmark = pytest.mark.distributed
 
@@ -22,7 +21,7 @@ LLAMA = [
     "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
     "--position-embedding-type", "rope", "--disable-bias-linear",
     "--untie-embeddings-and-output-weights", "--global-batch-size", "4", "--num-workers", "0",
-    "--eval-iters", "1", "--eval-interval", "10", "--train-iters", "5", "--save-interval", "3",
+    "--eval-iters", "1", "--eval-interval", "10", "--train-iters", "3", "--save-interval", "2",
     "--lr", "1e-2", "--ckpt-format", "torch_dist", *NO_DROPOUT,
 ]  # fmt: skip
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
@@ -49,32 +48,21 @@ def runs(tmp_path_factory) -> Path:
 
 
 def _gigatron_logits(load: Path, step: int) -> torch.Tensor:
-    args = Namespace(
-        load=str(load), ckpt_step=step, device="cpu", tokenizer_model=None, vocab_file=None,
-        merge_file=None, lora_checkpoint=None,
-    )  # fmt: skip
-    (model,) = load_for_inference(args).chunks
     with torch.no_grad():
-        output = model(TOKENS, torch.arange(TOKENS.shape[1]).unsqueeze(0))
+        output = checkpoint_model(load, step)(TOKENS, torch.arange(TOKENS.shape[1]).unsqueeze(0))
     return output[..., :128].float()
-
-
-def _hf_logits(folder: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM  # why: heavy, only these tests need it
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(TOKENS).logits.float()
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_save_hf_folders_give_gigatron_logits(runs, layout):
     hf = runs / layout / "hf"
-    assert sorted(p.name for p in hf.iterdir()) == ["iter_0000003", "iter_0000005"]
+    assert sorted(p.name for p in hf.iterdir()) == ["iter_0000002", "iter_0000003"]
     expected_type = "mixtral" if layout.startswith("moe") else "llama"
-    for step in (3, 5):
+    logits = []
+    for step in (2, 3):
         folder = hf / f"iter_{step:07d}"
         assert json.loads((folder / "config.json").read_text())["model_type"] == expected_type
+        logits.append(transformers_logits(folder, TOKENS))
         expected = _gigatron_logits(runs / layout / "ckpt", step)
-        torch.testing.assert_close(_hf_logits(folder), expected, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(_hf_logits(hf / "iter_0000003"), _hf_logits(hf / "iter_0000005"))
+        torch.testing.assert_close(logits[-1], expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(logits[0], logits[1])  # a folder per save: the model trained between

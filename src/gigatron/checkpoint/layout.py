@@ -79,6 +79,7 @@ def _target_config(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> A
     p.decoder_last_pipeline_num_layers = None
     if pp != cfg.parallel.pipeline_model_parallel_size:
         p.pipeline_model_parallel_split_rank = None
+    target.checkpoint.ckpt_format = "torch"  # the files of a target layout (also from torch_dist)
     return target
 
 

@@ -4,6 +4,7 @@ checkpoint (`load_for_inference`), in the layout it was saved with."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,8 +209,11 @@ def add_saved_adapters(
             "in its configuration)"
         )
     add_lora_adapters(chunks, spec, pctx, cfg.training.seed)
+    adapters_cfg = dataclasses.replace(  # adapters are saved in torch format, whatever the base
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, auto_detect_ckpt_format=True)
+    )
     try:
-        load_checkpoint(lora_dir, chunks, None, None, pctx, cfg)
+        load_checkpoint(lora_dir, chunks, None, None, pctx, adapters_cfg)
     except GigatronError as error:  # name the flag the user gave
         raise GigatronError(str(error).replace("--load ", "--lora-checkpoint ", 1)) from None
 
