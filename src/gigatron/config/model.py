@@ -291,8 +291,9 @@ class ModelConfig(Section):
     lora_target_modules: list[str] = flag_field(
         [],
         "LoRA: add low-rank adapters to these linear layers and freeze the rest of the model "
-        "(linear_qkv, linear_proj, linear_fc1, linear_fc2; docs/lora.md)",
+        "(docs/lora.md)",
         nargs="+",
+        choices=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
     )
     lora_rank: int = flag_field(32, "LoRA: rank of the adapters")
     lora_alpha: float = flag_field(32.0, "LoRA: the adapters' output is scaled by alpha / rank")
