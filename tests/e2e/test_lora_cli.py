@@ -3,7 +3,8 @@ so it loads at any layout, and --save-hf, its transformers folder); LoRA runs fi
 through --pretrained-checkpoint. Checked: the validation loss improves from the base's (new
 adapters change nothing); the start-up record counts the adapters as the trainable parameters;
 checkpoints hold the adapters only and resume exactly; tp 2 trains the losses of one process;
-`convert --merge-lora` (a gigatron checkpoint re-split to tp 2, and a Hugging Face folder) and
+`convert --merge-lora` (a gigatron checkpoint re-split to tp 2, and a Hugging Face folder), the
+run's own --save-hf folders (adapters merged) and
 `convert --to peft` (loaded by `peft` on the base's transformers model) give the adapted
 model's logits; `generate --lora-checkpoint` generates with the adapters."""
 
@@ -49,7 +50,7 @@ def runs(tmp_path_factory) -> Path:
             "tp2": (2, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--tensor-model-parallel-size",
                         "2", "--exit-interval", "5", "--metrics-file", root / "tp2.jsonl"]),
             "lora": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--eval-at-start", "--save",
-                         root / "lora", "--save-interval", "10"]),
+                         root / "lora", "--save-interval", "10", "--save-hf", root / "lora_hf"]),
             "resume": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--load", root / "lora",
                            "--ckpt-step", "10", "--metrics-file", root / "resume.jsonl"]),
             "merged": (1, ["convert", *lora, "--to", "gigatron", "--merge-lora", "--save",
@@ -134,6 +135,11 @@ def test_merged_checkpoint_gives_the_adapted_logits(runs, adapted):
 
 def test_merged_hugging_face_folder_gives_the_adapted_logits(runs, adapted):
     logits = transformers_logits(runs / "merged_hf", TOKENS)
+    torch.testing.assert_close(logits, _logits(adapted), rtol=1e-5, atol=1e-5)
+
+
+def test_save_hf_of_a_lora_run_writes_the_merged_model(runs, adapted):
+    logits = transformers_logits(runs / "lora_hf" / "iter_0000020", TOKENS)
     torch.testing.assert_close(logits, _logits(adapted), rtol=1e-5, atol=1e-5)
 
 

@@ -9,6 +9,7 @@ position that writes checkpoints (`writes_checkpoint`) sends its piece, rank 0 m
 into the full tensor and writes it at its place in the safetensors file (`write_safetensors`).
 So rank 0 holds about one layer, every other rank nothing extra; the other ranks serve requests
 until rank 0 says it is done (and whether it failed: then every rank raises the same error).
+A LoRA model is written with its adapters merged into the weights.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gigatron.checkpoint.hf_tokenizer_export import plan_tokenizer_export
 from gigatron.checkpoint.safetensors_io import write_safetensors
 from gigatron.checkpoint.torch_format import iteration_dir_name
 from gigatron.errors import GigatronError
+from gigatron.models.lora import adapted_layers, merged_weights
 from gigatron.parallel.checkpoint_writer import writes_checkpoint
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import merge_partitions
@@ -62,10 +64,13 @@ def hf_adapter_of(family: Any) -> Any:
 
 
 def _local_tensors(chunks: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """This rank's tensors by name (a LoRA model's with its adapters merged: models/lora.py)."""
     tensors: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         module = getattr(chunk, "module", chunk)
-        for name, tensor in module.state_dict(keep_vars=True).items():
+        lora = any(True for _ in adapted_layers(module))
+        state = merged_weights(module) if lora else module.state_dict(keep_vars=True)
+        for name, tensor in state.items():
             if not name.endswith("_extra_state"):
                 tensors.setdefault(name, tensor)
     return tensors

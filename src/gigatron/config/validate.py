@@ -254,23 +254,14 @@ def _fsdp_rules(cfg: GigatronConfig, world_size: int | None) -> list[str]:
 
 
 def _lora_rules(cfg: GigatronConfig) -> list[str]:
-    """LoRA's adapter-only checkpoints are written in the torch format, without --save-hf
-    (docs/lora.md)."""
+    """LoRA's adapter-only checkpoints are written in the torch format (docs/lora.md)."""
     c = cfg.checkpoint
-    if not cfg.model.lora_target_modules:
+    if not cfg.model.lora_target_modules or c.ckpt_format == "torch":
         return []
-    found = []
-    if c.ckpt_format != "torch":
-        found.append(
-            f"--lora-target-modules with --ckpt-format {c.ckpt_format}: adapter-only checkpoints "
-            "are written in the torch format; use --ckpt-format torch"
-        )
-    if c.save_hf:
-        found.append(
-            "--save-hf with --lora-target-modules: not available yet; save the adapters with "
-            "--save, then gigatron convert --merge-lora --to hf (or --to peft)"
-        )
-    return found
+    return [
+        f"--lora-target-modules with --ckpt-format {c.ckpt_format}: adapter-only checkpoints "
+        "are written in the torch format; use --ckpt-format torch"
+    ]
 
 
 def _schedule_rules(cfg: GigatronConfig) -> list[str]:

@@ -183,9 +183,25 @@ def add_lora_adapters(
 
 
 def _keep_adapters(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
-    """State-dict hook: an adapted chunk saves its adapters only."""
-    for key in [k for k in state if k.startswith(prefix) and not is_adapter_name(k)]:
-        del state[key]
+    """State-dict hook: an adapted chunk saves its adapters (and buffers), not the frozen base."""
+    for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
+        if not param.requires_grad and not is_adapter_name(name):
+            state.pop(name, None)
+
+
+@torch.no_grad()
+def merged_weights(chunk: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and saved buffer of an adapted chunk, the base weights of adapted layers
+    with their adapters folded in (this rank's slices), the adapters left out."""
+    tensors = dict(chunk.named_parameters())
+    tensors.update(chunk.state_dict(keep_vars=True))
+    for name, layer in adapted_layers(chunk):
+        adapter = getattr(layer, ADAPTER)
+        merged = layer.weight + adapter.delta_weight().to(layer.weight.dtype)
+        for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            setattr(merged, attribute, getattr(layer.weight, attribute))
+        tensors[f"{name}.weight"] = merged
+    return {name: t for name, t in tensors.items() if not is_adapter_name(name)}
 
 
 def _allow_adapter_or_base_only(module: nn.Module, incompatible: Any) -> None:
