@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import skip_init
 
 from gigatron.errors import GigatronError
 from gigatron.parallel.collectives import (
@@ -86,9 +87,10 @@ class LoRAAdapter(nn.Module):
         self.sequence_parallel = base.sequence_parallel
         weight = base.weight
         local_out, local_in = weight.shape
-        options = dict(dtype=weight.dtype, device=weight.device)
-        self.linear_in = nn.Linear(local_in, spec.rank, bias=False, **options)
-        self.linear_out = nn.Linear(spec.rank, local_out, bias=False, **options)
+        # skip_init: the weights are drawn below from their own generators (any layout alike)
+        options = dict(bias=False, dtype=weight.dtype, device=weight.device)
+        self.linear_in = skip_init(nn.Linear, local_in, spec.rank, **options)
+        self.linear_out = skip_init(nn.Linear, spec.rank, local_out, **options)
         a, b = self.linear_in.weight, self.linear_out.weight
         tp = pctx.tp_size > 1
         # A ~ N(0, 1 / fan_in), as PEFT's and Bridge's uniform inits scale it.
