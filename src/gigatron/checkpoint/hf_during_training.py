@@ -153,9 +153,19 @@ class LiveSource:
         return self.fetch(name)
 
     def fetch(self, name: str | None) -> torch.Tensor | None:
-        """Every rank: the request of rank 0 (`name`, None = done) and this rank's piece."""
+        """Rank 0: the full tensor `name` (None: tell the other ranks it is done)."""
         if self.pctx.world_size == 1:
             return None if name is None else self.local[name].detach().to("cpu", copy=True)
+        return self._exchange(name)
+
+    def serve(self) -> None:
+        """Other ranks: answer rank 0's requests until it is done."""
+        while self._exchange(None) is not None:
+            pass
+
+    def _exchange(self, name: str | None) -> Any:
+        """One request: rank 0 broadcasts its `name` (None: done), the writing ranks send their
+        pieces; rank 0 gets the joined tensor, the others True (None once done)."""
         request = [name]
         dist.broadcast_object_list(request, src=0)
         if request[0] is None:
@@ -164,7 +174,7 @@ class LiveSource:
         piece = _piece(request[0], entry, self.local, self.pctx, self.writer)
         pieces = [None] * self.pctx.world_size if self.pctx.rank == 0 else None
         dist.gather_object(piece, pieces, dst=0)
-        return join_pieces(pieces, entry) if self.pctx.rank == 0 else None
+        return join_pieces(pieces, entry) if self.pctx.rank == 0 else True
 
 
 def save_hf(
@@ -195,7 +205,7 @@ def save_hf(
         finally:
             source.fetch(None)  # done: the other ranks stop serving
     else:
-        _serve(source)
+        source.serve()
     if pctx.world_size > 1:
         status = [error]
         dist.broadcast_object_list(status, src=0)
@@ -203,18 +213,6 @@ def save_hf(
     if error is not None:
         raise GigatronError(error)
     return final
-
-
-def _serve(source: LiveSource) -> None:
-    """Other ranks: answer rank 0's requests (`LiveSource.fetch`) until it is done."""
-    while True:
-        request = [None]
-        dist.broadcast_object_list(request, src=0)
-        if request[0] is None:
-            return
-        entry = source.entries[request[0]]
-        piece = _piece(request[0], entry, source.local, source.pctx, source.writer)
-        dist.gather_object(piece, None, dst=0)
 
 
 def _write_folder(final: Path, source: LiveSource, adapter: Any, cfg: Any, vocab: int) -> None:
