@@ -67,6 +67,8 @@ _REFUSED = {
     "ckpt_convert_format": "convert checkpoints with gigatron pretrain or convert-checkpoint",
     "ckpt_convert_save": "convert checkpoints with gigatron pretrain or convert-checkpoint",
     "async_save": "the best checkpoint is saved synchronously after its epoch",
+    "save_hf": "export the best checkpoint with gigatron convert --to hf",
+    "lora_target_modules": "LoRA fine-tunes GPT models: gigatron pretrain gpt --sft",
 }
 
 
