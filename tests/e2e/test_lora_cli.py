@@ -6,15 +6,17 @@ checkpoints hold the adapters only and resume exactly; tp 2 trains the losses of
 `convert --merge-lora` (a gigatron checkpoint re-split to tp 2, and a Hugging Face folder), the
 run's own --save-hf folders (adapters merged) and
 `convert --to peft` (loaded by `peft` on the base's transformers model) give the adapted
-model's logits; `generate --lora-checkpoint` generates with the adapters."""
+model's logits; `generate` and `serve` with --lora-checkpoint generate with the adapters."""
 
 from __future__ import annotations
 
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
+from inference_helpers import start_server, stop_server
 
 from gigatron.checkpoint.pipeline import Target, convert
 from gigatron.models.lora import is_adapter_name
@@ -158,3 +160,20 @@ def test_generate_with_the_adapters_follows_the_adapted_model(runs, adapted):
             logits = adapted(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0))
             ids.append(int(logits[0, -1, :128].argmax()))
     assert record["tokens"] == ids[4:]
+
+
+def test_serve_with_the_adapters_answers_as_generate(runs):
+    process, url = start_server(runs / "base", "--lora-checkpoint", str(runs / "lora"))
+    body = {"prompts": ["3 17 40 41"], "tokens_to_generate": 6, "top_k": 1}
+    request = urllib.request.Request(
+        url + "/api", data=json.dumps(body).encode(), method="PUT",
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+    finally:
+        stop_server(process)
+    (record,) = [json.loads(line) for line in (runs / "generated.jsonl").read_text().splitlines()]
+    served = answer["tokens"][0][4:]
+    assert served and served == record["tokens"][: len(served)]
