@@ -4,7 +4,7 @@ through --pretrained-checkpoint. Checked: the validation loss improves from the 
 adapters change nothing); the start-up record counts the adapters as the trainable parameters;
 checkpoints hold the adapters only and resume exactly; tp 2 trains the losses of one process;
 `convert --merge-lora` (a gigatron checkpoint re-split to tp 2, and a Hugging Face folder), the
-run's own --save-hf folders (adapters merged) and
+run's own --save-hf folders (adapters merged, also from tp 2) and
 `convert --to peft` (loaded by `peft` on the base's transformers model) give the adapted
 model's logits; `generate` and `serve` with --lora-checkpoint generate with the adapters."""
 
@@ -50,7 +50,8 @@ def runs(tmp_path_factory) -> Path:
             "base": (2, ["pretrain", "gpt", *LLAMA, "--save", root / "base", "--ckpt-format",
                          "torch_dist", "--save-hf", root / "base_hf"]),
             "tp2": (2, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--tensor-model-parallel-size",
-                        "2", "--exit-interval", "5", "--metrics-file", root / "tp2.jsonl"]),
+                        "2", "--exit-interval", "5", "--metrics-file", root / "tp2.jsonl",
+                        "--save", root / "tp2", "--save-hf", root / "tp2_hf"]),
             "lora": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--eval-at-start", "--save",
                          root / "lora", "--save-interval", "10", "--save-hf", root / "lora_hf"]),
             "resume": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--load", root / "lora",
@@ -60,6 +61,9 @@ def runs(tmp_path_factory) -> Path:
             "merged_hf": (1, ["convert", *lora, "--to", "hf", "--merge-lora", "--save",
                               root / "merged_hf", "--no-tokenizer"]),
             "peft": (1, ["convert", *lora, "--to", "peft", "--save", root / "peft"]),
+            "tp2_merged": (1, ["convert", "--from", "gigatron", "--load", root / "tp2", "--to",
+                               "gigatron", "--merge-lora", "--save", root / "tp2_merged",
+                               "--target-tensor-parallel-size", "1"]),
             "generate": (1, ["generate", "--load", root / "base", "--lora-checkpoint",
                              root / "lora", "--prompt", "3 17 40 41", "--greedy", "--device",
                              "cpu", "--max-tokens", "6", "--ignore-eos", "--output",
@@ -143,6 +147,16 @@ def test_merged_hugging_face_folder_gives_the_adapted_logits(runs, adapted):
 def test_save_hf_of_a_lora_run_writes_the_merged_model(runs, adapted):
     logits = transformers_logits(runs / "lora_hf" / "iter_0000020", TOKENS)
     torch.testing.assert_close(logits, _logits(adapted), rtol=1e-5, atol=1e-5)
+
+
+def test_tp2_lora_run_save_hf_and_merge_agree(runs):
+    # --save-hf of the tp 2 run (each rank merges its slices) and --merge-lora of its tp 2
+    # adapter checkpoint, read back at one process, are the same model.
+    merged = _logits(checkpoint_model(runs / "tp2_merged"))
+    base = _logits(checkpoint_model(runs / "base"))
+    assert (merged - base).abs().max() > 1e-3  # five steps moved the adapters
+    logits = transformers_logits(runs / "tp2_hf" / "iter_0000005", TOKENS)
+    torch.testing.assert_close(logits, merged, rtol=1e-5, atol=1e-5)
 
 
 def test_peft_export_loads_with_peft_and_gives_the_adapted_logits(runs, adapted):
