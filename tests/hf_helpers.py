@@ -1,14 +1,18 @@
 """Shared by the Hugging Face parity tests (importable as `hf_helpers`, beside tests/helpers.py): a
 small decoder's config values, random weights, a gigatron model built from the values an adapter
-reads, and the comparisons (logits, state dicts, greedy generation)."""
+reads, and the comparisons (logits, state dicts, greedy generation); a checkpoint's model as
+`generate` loads it and a transformers folder's logits."""
 
 from __future__ import annotations
+
+from argparse import Namespace
 
 import torch
 
 from gigatron.config.root import GigatronConfig
 from gigatron.config.validate import finalize_config, validate_config
 from gigatron.inference import InferenceEngine, ModelRunner, SamplingParams
+from gigatron.inference.load import load_for_inference
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
 
@@ -88,3 +92,27 @@ def assert_greedy_generation_matches(model: torch.nn.Module, hf_model, vocab: in
             max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
         )  # fmt: skip
         assert completion.output_ids == hf_out[0, len(prompt) :].tolist()
+
+
+def checkpoint_model(load, step: int | None = None, lora=None) -> torch.nn.Module:
+    """The one-process model of a checkpoint as `generate` loads it (with a LoRA run's adapters
+    when `lora` is given)."""
+    args = Namespace(
+        load=str(load), ckpt_step=step, device="cpu", tokenizer_model=None, vocab_file=None,
+        merge_file=None, lora_checkpoint=str(lora) if lora else None,
+    )  # fmt: skip
+    (model,) = load_for_inference(args).chunks
+    return model
+
+
+def transformers_logits(folder, tokens: torch.Tensor, peft=None) -> torch.Tensor:
+    """float32 logits of a transformers folder (with a PEFT adapter folder when given)."""
+    from transformers import AutoModelForCausalLM  # why: transformers is slow to import
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if peft is not None:
+        from peft import PeftModel  # why: slow to import, only the PEFT test needs it
+
+        model = PeftModel.from_pretrained(model, peft)
+    with torch.no_grad():
+        return model.eval()(tokens).logits.float()

@@ -171,6 +171,8 @@ def test_pretrained_weights_are_loaded_and_the_head_is_new(pretrained, tmp_path)
         ),
         (["--eval-iters", "3"], "--eval-iters 3: the validation loss is measured every"),
         (["--async-save"], "--async-save: not a gigatron finetune flag"),
+        (["--save-hf", "x"], "--save-hf: not a gigatron finetune flag"),
+        (["--lora-target-modules", "linear_qkv"], "--lora-target-modules: not a gigatron"),
         (["--pipeline-model-parallel-size", "2"], "tensor and data parallelism only"),
         (["--use-torch-fsdp2"], "--use-torch-fsdp2/--use-megatron-fsdp: gigatron finetune"),
     ],

@@ -3,6 +3,8 @@
     gigatron convert --from hf --to gigatron --load HF_DIR --save CKPT [--target-...-size N]
     gigatron convert --from gigatron --to hf --load CKPT --save HF_DIR
     gigatron convert --from megatron --to gigatron ... / --from gigatron --to megatron ...
+    gigatron convert --from gigatron --to gigatron|hf --merge-lora --load LORA_RUN --save DIR
+    gigatron convert --from gigatron --to peft --load LORA_RUN --save DIR
 
 Hugging Face: the family comes from `config.json`'s `model_type` (or `--family`) through the
 families' adapters (checkpoint/hf_adapter.py); weights are read from safetensors one layer at a
@@ -18,6 +20,7 @@ import argparse
 import json
 import re
 import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from gigatron.checkpoint.layout import (
     check_target,
     true_vocab_size,
 )
+from gigatron.checkpoint.lora_convert import export_peft, merge_lora
 from gigatron.checkpoint.megatron_convert import gigatron_to_megatron
 from gigatron.checkpoint.pipeline import Target, convert
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
@@ -53,7 +57,7 @@ from gigatron.families import get_family
 CONFIG_FILE = "config.json"
 # Hugging Face tensors that are not weights (buffers some versions saved).
 IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq|position_ids)$")
-FORMATS = ["hf", "gigatron", "megatron"]
+FORMATS = ["hf", "gigatron", "megatron", "peft"]  # peft: a LoRA run's adapters (target only)
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMG]?B)?$", re.IGNORECASE)
 
 
@@ -325,6 +329,17 @@ def _parser() -> argparse.ArgumentParser:
             flag, default=None, help=f"--to hf: {what} to export (default: the run's)"
         )
     parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="--load is a LoRA run's checkpoint: write its base with the adapters folded into "
+        "the weights (--to gigatron or hf; docs/lora.md)",
+    )
+    parser.add_argument(
+        "--pretrained-checkpoint",
+        default=None,
+        help="--merge-lora: the base checkpoint (default: the one the LoRA run trained on)",
+    )
+    parser.add_argument(
         "--no-tokenizer",
         action="store_true",
         help="--to hf: export the weights without tokenizer files (default: the run's "
@@ -354,6 +369,11 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
         unused.append("max_shard_size")
     if args.source == "hf" and args.ckpt_step is not None:
         unused.append("ckpt_step")
+    lora_pairs = (("gigatron", "gigatron"), ("gigatron", "hf"))
+    if args.merge_lora and (args.source, args.target) not in lora_pairs:
+        unused.append("merge_lora")
+    if args.pretrained_checkpoint is not None and not args.merge_lora:
+        unused.append("pretrained_checkpoint")
     if args.target != "hf":
         unused += [f for f in TOKENIZER_FLAGS if getattr(args, f) is not None]
         unused += ["no_tokenizer"] if args.no_tokenizer else []
@@ -387,7 +407,9 @@ def _convert(
     args: argparse.Namespace, pair: tuple[str, str], load: Path, save: Path, log: Any
 ) -> None:
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    if pair == ("hf", "gigatron"):
+    if args.merge_lora or pair == ("gigatron", "peft"):
+        _convert_lora(args, pair, load, save, log)
+    elif pair == ("hf", "gigatron"):
         hf_to_gigatron(
             load,
             save,
@@ -417,5 +439,31 @@ def _convert(
     else:
         raise GigatronError(
             f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "
-            "gigatron, gigatron -> hf, megatron -> gigatron, gigatron -> megatron"
+            "gigatron, gigatron -> hf, megatron -> gigatron, gigatron -> megatron, gigatron -> "
+            "peft (a LoRA run's adapters), gigatron -> gigatron or hf with --merge-lora"
+        )
+
+
+def _convert_lora(
+    args: argparse.Namespace, pair: tuple[str, str], load: Path, save: Path, log: Any
+) -> None:
+    """A LoRA run's checkpoint: its adapters as PEFT's, or merged into its base (docs/lora.md)."""
+    if pair == ("gigatron", "peft"):
+        export_peft(load, save, log, args.ckpt_step)
+        return
+    vp, ep = args.target_num_virtual_stages_per_pipeline_rank, args.target_expert_parallel_size
+    target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size, vp, ep)
+    if pair == ("gigatron", "gigatron"):
+        merge_lora(load, save, args.pretrained_checkpoint, target, log, args.ckpt_step)
+        return
+    with tempfile.TemporaryDirectory(prefix="gigatron-merged-") as tmp:
+        merge_lora(load, Path(tmp), args.pretrained_checkpoint, Target(), log, args.ckpt_step)
+        gigatron_to_hf(
+            Path(tmp),
+            save,
+            None,
+            parse_size(args.max_shard_size or "5GB"),
+            log,
+            {f: getattr(args, f) for f in TOKENIZER_FLAGS},
+            "none" if args.no_tokenizer else "required",
         )

@@ -18,6 +18,7 @@ import torch
 from gigatron.data.tokenizers import build_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
+from gigatron.models.lora import LoRASpec, add_lora_adapters
 from gigatron.parallel.context import GROUP_NAMES, Grid, ParallelContext
 from gigatron.parallel.tensor_parallel import slice_for_rank
 
@@ -78,6 +79,7 @@ def _target_config(cfg: Any, tp: int, pp: int, vp: int | None, ep: int = 1) -> A
     p.decoder_last_pipeline_num_layers = None
     if pp != cfg.parallel.pipeline_model_parallel_size:
         p.pipeline_model_parallel_split_rank = None
+    target.checkpoint.ckpt_format = "torch"  # the files of a target layout (also from torch_dist)
     return target
 
 
@@ -136,11 +138,17 @@ def _build_rank_model(
 ) -> list[Any]:
     build_model = get_family(family).build_model
     try:
-        return build_model(cfg, offline_context(grid, rank, "meta"), vocab_size=vocab)
+        pctx = offline_context(grid, rank, "meta")
+        chunks = build_model(cfg, pctx, vocab_size=vocab)
     except GigatronError:
         raise
     except Exception:  # noqa: BLE001 - initialisation may not run on meta tensors: use the CPU
-        return build_model(cfg, offline_context(grid, rank, "cpu"), vocab_size=vocab)
+        pctx = offline_context(grid, rank, "cpu")
+        chunks = build_model(cfg, pctx, vocab_size=vocab)
+    spec = LoRASpec.from_config(cfg)
+    if spec is not None:  # a LoRA run's checkpoint: its adapters' layout too (docs/lora.md)
+        add_lora_adapters(chunks, spec, pctx, cfg.training.seed)
+    return chunks
 
 
 def _resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:

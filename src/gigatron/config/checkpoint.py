@@ -15,6 +15,16 @@ class CheckpointConfig(Section):
     save_interval: Optional[int] = flag_field(None, "iterations between checkpoints")
     load: Optional[str] = flag_field(None, "directory to resume from")
     finetune: bool = flag_field(False, "load weights only and start at iteration 0")
+    pretrained_checkpoint: Optional[str] = flag_field(
+        None,
+        "checkpoint directory whose weights start the run (weights only): the base model of a "
+        "LoRA run (docs/lora.md), the BERT of `gigatron finetune`",
+    )
+    save_hf: Optional[str] = flag_field(
+        None,
+        "write a Hugging Face folder DIR/iter_NNNNNNN (config.json, safetensors) at every "
+        "--save-interval and at the end, straight from the model (docs/lora.md)",
+    )
     no_save_optim: bool = flag_field(False, "do not save the optimizer state")
     no_save_rng: bool = flag_field(False, "do not save the random states")
     no_load_optim: bool = flag_field(False, "do not load the optimizer state")

@@ -306,10 +306,28 @@ class ModelConfig(Section):
     hybrid_mlp_ratio: float = flag_field(
         0.0, "without a pattern: fraction of the --num-layers layers that are MLP layers"
     )
+    lora_target_modules: list[str] = flag_field(
+        [],
+        "LoRA: add low-rank adapters to these linear layers and freeze the rest of the model "
+        "(docs/lora.md)",
+        nargs="+",
+        choices=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+    )
+    lora_rank: int = flag_field(32, "LoRA: rank of the adapters")
+    lora_alpha: float = flag_field(32.0, "LoRA: the adapters' output is scaled by alpha / rank")
+    lora_dropout: float = flag_field(0.0, "LoRA: dropout on the adapters' input")
 
     def problems(self) -> list[str]:
-        """The shape's own rules, then the attention and MLP variants'."""
-        return self.shape_problems() + self.variant_problems()
+        """The shape's own rules, then the attention and MLP variants', then LoRA's."""
+        return self.shape_problems() + self.variant_problems() + self.lora_problems()
+
+    def lora_problems(self) -> list[str]:
+        """LoRA's rank and dropout (docs/lora.md)."""
+        if not self.lora_target_modules:
+            return []
+        found = positive_problems(((self.lora_rank, "--lora-rank"),))
+        found += fraction_problem(self.lora_dropout, "--lora-dropout", False, True)
+        return found
 
     def shape_problems(self) -> list[str]:
         """Sizes, heads, positions, dropouts and recompute."""

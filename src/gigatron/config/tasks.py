@@ -38,9 +38,6 @@ class FinetuneTaskConfig:
     valid_data: list[str] = flag_field(
         [], "validation files or directories; accuracy is reported on each", nargs="*"
     )
-    pretrained_checkpoint: Optional[str] = flag_field(
-        None, "BERT checkpoint directory whose weights start the fine-tuning (weights only)"
-    )
     epochs: Optional[int] = flag_field(
         None, "passes over the training data; 0 evaluates the pretrained checkpoint only"
     )

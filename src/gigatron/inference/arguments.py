@@ -17,6 +17,12 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("checkpoint")
     group.add_argument("--load", required=True, help="checkpoint directory (written by --save)")
     group.add_argument("--ckpt-step", type=int, default=None, help="iteration (default: latest)")
+    group.add_argument(
+        "--lora-checkpoint",
+        default=None,
+        help="a LoRA run's checkpoint directory (its --save): its adapters are added to the "
+        "--load model (docs/lora.md)",
+    )
     group.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     group.add_argument(
         "--tokenizer-model", default=None, help="tokenizer file, if it moved since training"

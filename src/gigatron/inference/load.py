@@ -4,6 +4,7 @@ checkpoint (`load_for_inference`), in the layout it was saved with."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from gigatron.errors import GigatronError
 from gigatron.families import get_family
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
+from gigatron.models.lora import LoRASpec, add_lora_adapters
 from gigatron.parallel.context import ParallelContext
 from gigatron.training.run import build_context
 
@@ -182,9 +184,38 @@ def _build_and_load(
     pctx = build_context(cfg)
     chunks = get_family(family).build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
     load_checkpoint(load_dir, chunks, None, None, pctx, cfg, iteration=iteration)
+    if getattr(args, "lora_checkpoint", None):
+        add_saved_adapters(chunks, Path(args.lora_checkpoint), pctx, cfg)
     for chunk in chunks:
         chunk.eval()
     return LoadedModel(cfg, pctx, chunks, tokenizer, iteration)
+
+
+def add_saved_adapters(
+    chunks: list[nn.Module], lora_dir: Path, pctx: ParallelContext, cfg: Any
+) -> None:
+    """Add the adapters of a LoRA run's checkpoint (`--lora-checkpoint`) to loaded chunks."""
+    located = locate_iteration(lora_dir, None) if lora_dir.is_dir() else None
+    if located is None:
+        raise GigatronError(
+            f"--lora-checkpoint {lora_dir}: no checkpoint there; give the --save directory of a "
+            "LoRA run"
+        )
+    saved = saved_header(located[0]).get("args")
+    spec = LoRASpec.from_config(config_from_dict(saved)) if isinstance(saved, dict) else None
+    if spec is None:
+        raise GigatronError(
+            f"--lora-checkpoint {lora_dir}: not a LoRA run's checkpoint (no --lora-target-modules "
+            "in its configuration)"
+        )
+    add_lora_adapters(chunks, spec, pctx, cfg.training.seed)
+    adapters_cfg = dataclasses.replace(  # adapters are saved in torch format, whatever the base
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, auto_detect_ckpt_format=True)
+    )
+    try:
+        load_checkpoint(lora_dir, chunks, None, None, pctx, adapters_cfg)
+    except GigatronError as error:  # name the flag the user gave
+        raise GigatronError(str(error).replace("--load ", "--lora-checkpoint ", 1)) from None
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> InferenceEngine:

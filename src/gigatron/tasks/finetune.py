@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from gigatron.checkpoint.formats import load_checkpoint, save_checkpoint, saved_header
+from gigatron.checkpoint.formats import save_checkpoint, saved_header
 from gigatron.checkpoint.torch_format import iteration_dir_name, locate_iteration
 from gigatron.config import config_from_dict
 from gigatron.config.checkpoint_args import PARAMETER_SHAPES, apply_checkpoint_flags
@@ -49,7 +49,7 @@ from gigatron.tasks.heads import BertClassifier
 from gigatron.tasks.race import race_samples
 from gigatron.training.loop import Run, train
 from gigatron.training.pretrain import launch_world_size
-from gigatron.training.run import apply_thread_choice, build_metrics, build_run
+from gigatron.training.run import apply_thread_choice, build_metrics, build_run, load_pretrained
 
 LOSS_NAMES = ("lm_loss",)  # Megatron's finetuning logs its cross entropy as 'lm loss'
 
@@ -67,6 +67,8 @@ _REFUSED = {
     "ckpt_convert_format": "convert checkpoints with gigatron pretrain or convert-checkpoint",
     "ckpt_convert_save": "convert checkpoints with gigatron pretrain or convert-checkpoint",
     "async_save": "the best checkpoint is saved synchronously after its epoch",
+    "save_hf": "export the best checkpoint with gigatron convert --to hf",
+    "lora_target_modules": "LoRA fine-tunes GPT models: gigatron pretrain gpt --sft",
 }
 
 
@@ -245,23 +247,7 @@ def build_classifier(cfg, pctx: ParallelContext, vocab_size: int, task: Finetune
     """The BERT chunk with the pretrained weights loaded (if any), under the task's head."""
 
     (bert,) = build_bert_model(cfg, pctx, vocab_size=vocab_size)
-    if task.pretrained_checkpoint:
-        if not Path(task.pretrained_checkpoint).is_dir():
-            raise GigatronError(
-                f"--pretrained-checkpoint {task.pretrained_checkpoint}: no such directory"
-            )
-        weights_only = dataclasses.replace(
-            cfg.checkpoint, finetune=True, load=task.pretrained_checkpoint, save=None
-        )
-        try:
-            load_checkpoint(
-                task.pretrained_checkpoint, [bert], None, None, pctx,
-                dataclasses.replace(cfg, checkpoint=weights_only),
-            )  # fmt: skip
-        except GigatronError as error:  # name the flag the user gave
-            raise GigatronError(
-                str(error).replace("--load ", "--pretrained-checkpoint ", 1)
-            ) from None
+    load_pretrained(cfg, pctx, [bert])
     outputs = 1 if task.task == "RACE" else NUM_CLASSES[task.task]
     return BertClassifier(bert, outputs, cfg.model.hidden_dropout, cfg.training.seed)
 
@@ -450,12 +436,12 @@ def pretrained_config(path: str) -> Any:
         return None
 
 
-def check_pretrained_shapes(argv: Sequence[str], task: FinetuneTaskConfig) -> None:
+def check_pretrained_shapes(argv: Sequence[str], pretrained: str | None) -> None:
     """Megatron's model flags that fix parameter shapes must match --pretrained-checkpoint's:
     a difference is one error naming both values."""
-    if not task.pretrained_checkpoint:
+    if not pretrained:
         return
-    saved = pretrained_config(task.pretrained_checkpoint)
+    saved = pretrained_config(pretrained)
     if saved is not None:
         namespace = build_parser().parse_args(list(argv))
         apply_checkpoint_flags(saved, namespace, only=PARAMETER_SHAPES)
@@ -463,7 +449,7 @@ def check_pretrained_shapes(argv: Sequence[str], task: FinetuneTaskConfig) -> No
 
 def main(argv: Sequence[str]) -> int:
     cfg, task = parse_finetune_args(argv)
-    check_pretrained_shapes(argv, task)
+    check_pretrained_shapes(argv, cfg.checkpoint.pretrained_checkpoint)
     apply_thread_choice()  # one process: a few threads (docs/training.md)
     finetune(cfg, task)
     return 0

@@ -461,7 +461,7 @@ def _after_iteration(run: Run, result: TrainResult, collector: ManualGC) -> None
     t, ckpt, iteration = run.cfg.training, run.cfg.checkpoint, run.state.iteration
     if t.eval_interval and iteration % t.eval_interval == 0 and run.valid_iterator is not None:
         _evaluate_and_log(run, "valid", run.valid_iterator, result, collector)
-    if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0:
+    if (ckpt.save or ckpt.save_hf) and ckpt.save_interval and iteration % ckpt.save_interval == 0:
         _save(run, result, collector)
     if run.after_iteration is not None:
         run.after_iteration()
@@ -484,7 +484,7 @@ def _exit_reason(run: Run, exit_signal: ExitSignal, start_time: float) -> str | 
 def _exit_early(run: Run, result: TrainResult, collector: ManualGC, reason: str) -> TrainResult:
     """Save (with --save), validate when asked, and stop."""
     state = run.state
-    if run.cfg.checkpoint.save:
+    if run.cfg.checkpoint.save or run.cfg.checkpoint.save_hf:
         _save(run, result, collector)
     if (
         run.evaluate_on_early_exit
@@ -503,7 +503,7 @@ def _finish(run: Run, result: TrainResult, collector: ManualGC) -> TrainResult:
     """The end of the iterations: the last checkpoint, validation and test."""
     state, t = run.state, run.cfg.training
     result.iteration = state.iteration
-    if run.cfg.checkpoint.save and state.iteration > 0:
+    if (run.cfg.checkpoint.save or run.cfg.checkpoint.save_hf) and state.iteration > 0:
         _save(run, result, collector)
     if run.valid_iterator is not None and t.eval_iters > 0:
         if state.iteration not in result.valid_losses:

@@ -132,6 +132,10 @@ class MetricsLogger:
                 active = record.get("active_parameters")
                 extra = f" ({active:,} active per token)" if active is not None else ""
                 self.message(f"> model parameters: {params:,}{extra}")
+            trainable = record.get("trainable_parameters")
+            if trainable is not None and params:
+                share = 100.0 * trainable / params
+                self.message(f"> trainable parameters: {trainable:,} ({share:.2f}%)")
             for entry in per_rank:
                 self.message(
                     "> rank {rank}: parameters {p:.1f} MiB, gradients {g:.1f} MiB, "
@@ -374,15 +378,18 @@ def memory_footprint(model_chunks: list[nn.Module], optimizer: Any) -> dict[str,
 
 
 def count_parameters_by_kind(
-    model_chunks: list[nn.Module], pctx: ParallelContext
+    model_chunks: list[nn.Module], pctx: ParallelContext, trainable_only: bool = False
 ) -> tuple[int, int]:
     """(dense, expert) parameters of the whole model: every tensor-, pipeline- and
-    expert-parallel shard once (the rule of the gradient norm, optim/clip_grads.py)."""
+    expert-parallel shard once (the rule of the gradient norm, optim/clip_grads.py); with
+    `trainable_only` those with requires_grad only (LoRA freezes the rest)."""
 
     local = [0, 0]
     seen: set[int] = set()
     for chunk in model_chunks:
         for p in chunk.parameters():
+            if trainable_only and not p.requires_grad:
+                continue
             if id(p) not in seen and counts_in_norm(p, pctx):
                 seen.add(id(p))
                 local[is_expert(p)] += p.numel()

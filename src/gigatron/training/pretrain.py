@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from gigatron.checkpoint.async_save import AsyncCheckpointSaver
 from gigatron.checkpoint.formats import save_checkpoint
+from gigatron.checkpoint.hf_during_training import hf_adapter_of, save_hf
 from gigatron.checkpoint.megatron_args import parse_config_with_checkpoint_args
 from gigatron.checkpoint.torch_format import loaded_message
 from gigatron.config import GigatronConfig, validate_config
@@ -38,6 +39,7 @@ from gigatron.training.metrics import (
     MetricsLogger,
     count_active_parameters,
     count_parameters,
+    count_parameters_by_kind,
     gather_from_ranks,
     memory_footprint,
 )
@@ -209,6 +211,10 @@ def _startup_record(parts: RunParts, vocab_size: int, precision: str) -> Callabl
             if moe is not None
             else {}
         )
+        if cfg.model.lora_target_modules:  # LoRA: the adapters alone train
+            active["trainable_parameters"] = sum(
+                count_parameters_by_kind(model, pctx, trainable_only=True)
+            )
         return {
             "parameters": count_parameters(model, pctx),
             **active,
@@ -245,8 +251,20 @@ def _async_saver(parts: RunParts, metrics: MetricsLogger) -> Any:
 def _checkpoint_writer(parts: RunParts, saver: Any) -> Callable[[TrainState], str | None]:
     """The loop's save_checkpoint: a synchronous save, or one handed to the async saver."""
     cfg, ckpt = parts.cfg, parts.cfg.checkpoint
+    if ckpt.save_hf:
+        hf_adapter_of(parts.family)  # a family without a config.json writer: refused up front
 
     def save(current: TrainState) -> str | None:
+        notes = [save_gigatron(current)] if ckpt.save else []
+        if ckpt.save_hf:
+            folder = save_hf(
+                ckpt.save_hf, current.iteration, parts.model, parts.pctx, cfg, parts.family,
+                parts.tokenizer.vocab_size,
+            )  # fmt: skip
+            notes.append(f"saved Hugging Face folder {folder}")
+        return "; ".join(notes)
+
+    def save_gigatron(current: TrainState) -> str:
         gather_for_save(parts.model, ckpt.ckpt_format)
         extra = {**state_to_saved(current), "gigatron_family": parts.family.name}
         if saver is not None:
@@ -259,7 +277,7 @@ def _checkpoint_writer(parts: RunParts, saver: Any) -> Callable[[TrainState], st
             ckpt.save, current.iteration, parts.model, parts.optimizer, parts.scheduler,
             parts.pctx, cfg, extra=extra, rng_tracker=parts.rng_tracker,
         )  # fmt: skip
-        return None
+        return f"saved checkpoint at iteration {current.iteration} to {ckpt.save}"
 
     return save
 
@@ -320,7 +338,11 @@ def _loop_run(
         valid_iterator=iterators[1],
         test_iterator=iterators[2],
         state=parts.state,
-        save_checkpoint=_checkpoint_writer(parts, saver) if cfg.checkpoint.save else None,
+        save_checkpoint=(
+            _checkpoint_writer(parts, saver)
+            if cfg.checkpoint.save or cfg.checkpoint.save_hf
+            else None
+        ),
         after_iteration=saver.poll if saver is not None else None,
         peak_flops=device_peak_flops(pctx.device, precision),
         startup_record=_startup_record(parts, vocab_size, precision),

@@ -11,6 +11,7 @@ tokenizer, model). `build_metrics` makes the run's MetricsLogger.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ from gigatron.config.validate import params_dtype
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily
+from gigatron.models.lora import LoRASpec, add_lora_adapters
 from gigatron.optim import build_optimizer
 from gigatron.optim.batch_schedule import build_num_microbatches_calculator
 from gigatron.optim.lr_schedule import build_lr_scheduler
@@ -185,6 +187,34 @@ def load_or_init(
     return state_from_loaded(loaded, cfg), loaded
 
 
+def load_pretrained(cfg: GigatronConfig, pctx: ParallelContext, chunks: list[nn.Module]) -> None:
+    """Load --pretrained-checkpoint's weights (weights only, any format) into unwrapped chunks."""
+    path = cfg.checkpoint.pretrained_checkpoint
+    if not path:
+        return
+    if not os.path.isdir(path):
+        raise GigatronError(f"--pretrained-checkpoint {path}: no such directory")
+    weights_only = dataclasses.replace(  # its latest iteration, in whichever format it is
+        cfg.checkpoint, finetune=True, load=path, save=None, auto_detect_ckpt_format=True,
+        ckpt_step=None,
+    )  # fmt: skip
+    try:
+        load_checkpoint(
+            path, chunks, None, None, pctx, dataclasses.replace(cfg, checkpoint=weights_only)
+        )
+    except GigatronError as error:  # name the flag the user gave
+        raise GigatronError(str(error).replace("--load ", "--pretrained-checkpoint ", 1)) from None
+
+
+def prepare_chunks(cfg: GigatronConfig, pctx: ParallelContext, chunks: list[nn.Module]) -> None:
+    """The family's chunks before their wrappers: --pretrained-checkpoint's weights, then LoRA's
+    adapters (the rest frozen; docs/lora.md)."""
+    load_pretrained(cfg, pctx, chunks)
+    spec = LoRASpec.from_config(cfg)
+    if spec is not None:
+        add_lora_adapters(chunks, spec, pctx, cfg.training.seed)
+
+
 # ---- what the user sees -------------------------------------------------------------------
 def build_metrics(
     cfg: GigatronConfig,
@@ -322,6 +352,13 @@ def build_run(
             lambda c, p, vocab_size: family.build_model(c, p, vocab_size=vocab_size)
         )
         chunks = builder(cfg, pctx, parts.tokenizer.vocab_size)
+        if build_chunks is None:
+            prepare_chunks(cfg, pctx, chunks)
+        elif cfg.model.lora_target_modules:
+            raise GigatronError(
+                "--lora-target-modules: this command builds its own model and takes no LoRA "
+                "adapters; use gigatron pretrain (e.g. gpt --sft)"
+            )
         parts.model, parts.optimizer, parts.scheduler = build_model_and_optimizer(cfg, pctx, chunks)
         t = cfg.training
         parts.train_iters = (

@@ -1,0 +1,243 @@
+"""LoRA: low-rank adapters on the linear layers a run names, the rest of the model frozen.
+
+An adapted layer computes `y = base(x) + (alpha / rank) * B(A(dropout(x)))`, A = `linear_in`
+[rank, in], B = `linear_out` [out, rank] (Megatron-Bridge's names), B initialised to zero, so a
+new adapter leaves the model unchanged. Adapters follow the base layer's tensor parallelism
+(the rule Megatron-Bridge and PEFT use):
+- column-parallel base (linear_qkv, linear_fc1): A is whole on every tp rank, B is split by
+  output rows as the base weight is (same stride). The input is gathered as the base does; A's
+  gradient is a partial sum on each rank, summed over tp by `finalize_model_grads` (A is marked
+  `sequence_parallel`, the mark of replicated weights with partial gradients);
+- row-parallel base (linear_proj, linear_fc2): A is split by input columns as the base weight
+  is, its partial products summed over tp (reduce-scattered under sequence parallelism), B is
+  whole (marked `sequence_parallel` under sequence parallelism, where it sees a slice).
+So every tp layout computes the tp = 1 adapter, and the full A and B are `merge_partitions` of
+the slices. Names: `<layer>.adapter.linear_in.weight`, `<layer>.adapter.linear_out.weight`; the
+base parameters keep their names, frozen. A chunk with adapters saves only them
+(`state_dict`) and loads a checkpoint that has only the adapters or only the base (docs/lora.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from gigatron.errors import GigatronError
+from gigatron.parallel.collectives import (
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    initialize_parameters,
+    merge_partitions,
+    set_tensor_parallel_attributes,
+)
+
+# The linear layers LoRA can adapt (Megatron-Core's module names).
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+ADAPTER = "adapter"  # the attribute (and name part) holding a layer's adapter
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """A run's adapters: which layers, rank, alpha, dropout (`--lora-*`)."""
+
+    targets: tuple[str, ...]
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> LoRASpec | None:
+        """The spec of a configuration (None without --lora-target-modules)."""
+        m = cfg.model
+        if not m.lora_target_modules:
+            return None
+        unknown = sorted(set(m.lora_target_modules) - set(TARGETS))
+        if unknown:
+            raise GigatronError(
+                f"--lora-target-modules {' '.join(unknown)}: not a layer LoRA adapts; choose "
+                f"from {', '.join(TARGETS)}"
+            )
+        return cls(tuple(m.lora_target_modules), m.lora_rank, m.lora_alpha, m.lora_dropout)
+
+
+class LoRAAdapter(nn.Module):
+    """The low-rank branch of one tensor-parallel linear layer (module docstring)."""
+
+    def __init__(self, base: nn.Module, spec: LoRASpec, pctx: ParallelContext, rng: Any) -> None:
+        super().__init__()
+        self.row = isinstance(base, RowParallelLinear)
+        self.pctx, self.rng, self.spec = pctx, rng, spec
+        self.sequence_parallel = base.sequence_parallel
+        weight = base.weight
+        local_out, local_in = weight.shape
+        # skip_init: the weights are drawn below from their own generators (any layout alike)
+        options = dict(bias=False, dtype=weight.dtype, device=weight.device)
+        self.linear_in = skip_init(nn.Linear, local_in, spec.rank, **options)
+        self.linear_out = skip_init(nn.Linear, spec.rank, local_out, **options)
+        a, b = self.linear_in.weight, self.linear_out.weight
+        tp = pctx.tp_size > 1
+        # A ~ N(0, 1 / fan_in), as PEFT's and Bridge's uniform inits scale it.
+        std = (local_in * (pctx.tp_size if self.row else 1)) ** -0.5
+        if self.row:
+            set_tensor_parallel_attributes(a, True, 1, 1, "normal", std)
+            set_tensor_parallel_attributes(b, False, init="zeros")
+            b.sequence_parallel = tp and self.sequence_parallel
+        else:
+            set_tensor_parallel_attributes(a, False, init="normal", init_std=std)
+            set_tensor_parallel_attributes(b, True, 0, weight.partition_stride, "zeros")
+            a.sequence_parallel = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The branch's output for the base layer's input `x`, laid out as the base's output."""
+        if self.row:
+            h = self.linear_in(self._dropout(x))
+            if self.sequence_parallel:
+                h = reduce_scatter_to_sequence_parallel_region(h, self.pctx)
+            else:
+                h = reduce_from_tp_region(h, self.pctx)
+            return self.linear_out(h) * self.spec.scale
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.pctx)
+        else:  # the input's gradient from this branch is partial on each rank: summed over tp
+            x = copy_to_tp_region(x, self.pctx)
+        return self.linear_out(self.linear_in(self._dropout(x))) * self.spec.scale
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.spec.dropout == 0.0:
+            return x
+        if self.row and self.rng is not None:  # a slice of the features: a per-rank mask
+            with self.rng.fork():
+                return F.dropout(x, self.spec.dropout)
+        return F.dropout(x, self.spec.dropout)
+
+    def delta_weight(self) -> torch.Tensor:
+        """This rank's slice of `scale * B @ A`, shaped as the base weight's slice."""
+        a, b = self.linear_in.weight.float(), self.linear_out.weight.float()
+        return (b @ a) * self.spec.scale
+
+
+def _add_adapter_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output + getattr(module, ADAPTER)(args[0])
+
+
+def adapted_layers(chunk: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    """(name, layer) of every layer of `chunk` holding an adapter."""
+    for name, module in chunk.named_modules():
+        if isinstance(getattr(module, ADAPTER, None), LoRAAdapter):
+            yield name, module
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a parameter name (a state-dict key) belongs to an adapter."""
+    return f".{ADAPTER}.linear_" in f".{name}"
+
+
+def add_lora_adapters(
+    chunks: list[nn.Module], spec: LoRASpec, pctx: ParallelContext, seed: int
+) -> None:
+    """Give every target layer of the chunks an adapter (initialised from the seed and its
+    name, so the same on any layout) and freeze every other parameter."""
+    found = 0
+    for chunk in chunks:
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+        handles = []
+        for name, module in list(chunk.named_modules()):
+            if name.rsplit(".", 1)[-1] not in spec.targets:
+                continue
+            if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                raise GigatronError(
+                    f"--lora-target-modules: {name} is a {type(module).__name__}, not a "
+                    "tensor-parallel linear layer; leave it out"
+                )
+            adapter = LoRAAdapter(module, spec, pctx, getattr(chunk, "rng", None))
+            setattr(module, ADAPTER, adapter)
+            handles.append(module.register_forward_hook(_add_adapter_output))
+            for pname, param in adapter.named_parameters():
+                param.init_name = f"{name}.{ADAPTER}.{pname}"
+            initialize_parameters(adapter, seed, pctx.tp_rank, pctx.tp_size)
+            found += 1
+        handles.append(chunk.register_state_dict_post_hook(_keep_adapters))
+        handles.append(chunk.register_load_state_dict_post_hook(_allow_adapter_or_base_only))
+        chunk.lora_handles = handles
+    if found == 0:
+        raise GigatronError(
+            f"--lora-target-modules {' '.join(spec.targets)}: the model has no such layer; "
+            f"choose from {', '.join(TARGETS)}"
+        )
+
+
+def _keep_adapters(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+    """State-dict hook: an adapted chunk saves its adapters (and buffers), not the frozen base."""
+    for name, param in module.named_parameters(prefix=prefix.rstrip(".")):
+        if not param.requires_grad and not is_adapter_name(name):
+            state.pop(name, None)
+
+
+@torch.no_grad()
+def merged_weights(chunk: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and saved buffer of an adapted chunk, the base weights of adapted layers
+    with their adapters folded in (this rank's slices), the adapters left out."""
+    tensors = dict(chunk.named_parameters())
+    tensors.update(chunk.state_dict(keep_vars=True))
+    for name, layer in adapted_layers(chunk):
+        adapter = getattr(layer, ADAPTER)
+        merged = layer.weight + adapter.delta_weight().to(layer.weight.dtype)
+        for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            setattr(merged, attribute, getattr(layer.weight, attribute))
+        tensors[f"{name}.weight"] = merged
+    return {name: t for name, t in tensors.items() if not is_adapter_name(name)}
+
+
+def _allow_adapter_or_base_only(module: nn.Module, incompatible: Any) -> None:
+    """Load hook: a checkpoint of the adapters alone, or of the base alone, loads (what it lacks
+    keeps its value: the base from --pretrained-checkpoint, new adapters their init)."""
+    missing = incompatible.missing_keys
+    adapters = [k for k in missing if is_adapter_name(k)]
+    if len(adapters) == len(missing) or not adapters:
+        missing.clear()
+
+
+def full_adapter_weights(layer: nn.Module, gather: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of a layer's adapter as the tp = 1 tensors; `gather(tensor) -> [every tp rank's
+    slice]` collects the slices (None at tp = 1)."""
+    adapter = getattr(layer, ADAPTER)
+    pieces = []
+    for param in (adapter.linear_in.weight, adapter.linear_out.weight):
+        if gather is None or not param.tensor_model_parallel:
+            pieces.append(param.detach())
+        else:
+            parts = gather(param.detach())
+            pieces.append(merge_partitions(parts, param.partition_dim, param.partition_stride))
+    return pieces[0], pieces[1]
+
+
+@torch.no_grad()
+def merge_adapters(chunks: list[nn.Module]) -> None:
+    """Fold every adapter into its base weight (W += scale B A on this rank's slice) and remove
+    it: the chunks compute what they computed, without adapters, and save every weight."""
+    for chunk in chunks:
+        for _, layer in list(adapted_layers(chunk)):
+            adapter = getattr(layer, ADAPTER)
+            layer.weight.add_(adapter.delta_weight().to(layer.weight.dtype))
+            delattr(layer, ADAPTER)
+        for handle in getattr(chunk, "lora_handles", []):
+            handle.remove()
+        chunk.lora_handles = []

@@ -1,0 +1,105 @@
+"""LoRA adapters at tensor parallel size 2, with and without sequence parallelism, equal the
+single-process model: logits, loss and every adapter gradient (gathered to full tensors); the
+base gets no gradient; folding the adapters into the weights (`merge_adapters`) keeps the
+logits; an adapted chunk saves and loads its adapters only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gigatron.families.gpt import gpt_loss
+from gigatron.models import build_model
+from gigatron.models.lora import LoRASpec, add_lora_adapters, is_adapter_name, merge_adapters
+from gigatron.parallel.context import ParallelContext, run_distributed
+from gigatron.parallel.grad_sync import finalize_model_grads
+from gigatron.parallel.tensor_parallel import parameter_seed, slice_for_rank
+from parallel_helpers import gather_tensor_parallel, tiny_tp_config
+
+pytestmark = pytest.mark.distributed
+
+SEQ, BATCH, VOCAB = 16, 2, 100
+SPEC = LoRASpec(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), rank=4, alpha=8.0)
+
+
+def _adapted_model(tp: int, sequence_parallel: bool, pctx: ParallelContext):
+    cfg = tiny_tp_config(SEQ, tp, sequence_parallel)
+    m = cfg.model
+    m.num_attention_heads, m.group_query_attention, m.num_query_groups = 4, True, 2
+    m.swiglu, m.normalization, m.position_embedding_type = True, "RMSNorm", "rope"
+    (model,) = build_model(cfg, pctx)
+    add_lora_adapters([model], SPEC, pctx, seed=5)
+    # B starts at zero; give every adapter weight a full random value (the same on any layout).
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_adapter_name(name):
+                shape = list(param.shape)
+                if param.tensor_model_parallel:
+                    shape[param.partition_dim] *= pctx.tp_size
+                gen = torch.Generator().manual_seed(parameter_seed(1, name))
+                full = torch.randn(shape, generator=gen) * 0.1
+                if param.tensor_model_parallel:
+                    full = slice_for_rank(
+                        full, param.partition_dim, param.partition_stride, pctx.tp_rank, tp
+                    )
+                param.copy_(full)
+    return model
+
+
+def _gather_logits(logits: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    parts = [torch.empty_like(logits.contiguous()) for _ in range(pctx.tp_size)]
+    dist.all_gather(parts, logits.contiguous(), group=pctx.group("tp"))
+    return torch.cat(parts, -1)
+
+
+def _compare(rank: int, world_size: int) -> None:
+    pctx = ParallelContext.from_sizes(tp=world_size)
+    single = ParallelContext.single()
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    mask = torch.ones(BATCH, SEQ)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    reference = _adapted_model(1, False, single)
+    ref_logits = reference(tokens, positions)
+    ref_loss, _, _ = gpt_loss(labels, mask, single, 0.0, ref_logits)
+    ref_loss.backward()
+    ref_params = dict(reference.named_parameters())
+    trainable = [n for n, p in reference.named_parameters() if p.requires_grad]
+    assert trainable and all(is_adapter_name(n) for n in trainable)
+    assert len(trainable) == 2 * 4 * 2  # A and B of 4 layers in each of 2 layers
+    for sequence_parallel in (False, True):
+        model = _adapted_model(world_size, sequence_parallel, pctx)
+        logits = model(tokens, positions)
+        torch.testing.assert_close(_gather_logits(logits, pctx), ref_logits.detach())
+        loss, _, _ = gpt_loss(labels, mask, pctx, 0.0, logits)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        loss.backward()
+        finalize_model_grads([model], pctx)
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                assert param.grad is None, name
+                continue
+            grad = gather_tensor_parallel(param.grad, param, pctx)
+            expected = ref_params[name].grad
+            assert expected.abs().sum() > 0, name
+            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6, msg=name)
+    # An adapted chunk's state is its adapters; a state of adapters alone loads.
+    state = model.state_dict()
+    assert sorted(state) == sorted(n for n in dict(model.named_parameters()) if is_adapter_name(n))
+    model.load_state_dict({k: torch.zeros_like(v) for k, v in state.items()})
+    assert all(p.abs().sum() == 0 for n, p in model.named_parameters() if is_adapter_name(n))
+    # Merged weights compute the adapted model.
+    model = _adapted_model(world_size, False, pctx)
+    with torch.no_grad():
+        adapted = _gather_logits(model(tokens, positions), pctx)
+        merge_adapters([model])
+        assert not any(is_adapter_name(n) for n in model.state_dict())
+        merged = _gather_logits(model(tokens, positions), pctx)
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)
+    assert (merged - ref_logits.detach()).abs().max() < 1e-4
+
+
+def test_lora_at_tp2_matches_single_process() -> None:
+    run_distributed(_compare, 2)
