@@ -10,7 +10,7 @@ gather) run around it, outside the graph, and the state dict keeps its names.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ def transformer_layers(chunks: Iterable[nn.Module]) -> list[nn.Module]:
     ]
 
 
-def compile_layers(chunks: Iterable[nn.Module], backend: str = "inductor") -> int:
+def compile_layers(chunks: Iterable[nn.Module], backend: str | Callable = "inductor") -> int:
     """Compile the forward of every transformer layer of the chunks in place; the number of
     layers compiled. `backend` is torch.compile's (tests use cheaper ones where they say why)."""
     layers = transformer_layers(chunks)

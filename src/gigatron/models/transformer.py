@@ -187,7 +187,6 @@ class CoreAttention(nn.Module):
         self.causal = config.causal_attention
         self.dropout = config.attention_dropout
         self.rng = rng
-        self.heads_split = pctx.tp_size > 1
         self.window = config.window_size if config.is_window_layer(layer_number) else None
         offset = _softmax_offset(config, pctx)
         if offset is None or isinstance(offset, nn.Parameter):
@@ -250,10 +249,11 @@ class CoreAttention(nn.Module):
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
 
     def _dropout_stream(self, dropout_p: float) -> contextlib.AbstractContextManager:
-        """The model-parallel stream while dropout draws: heads are split over tp, so masks must
-        differ between tp ranks. None when nothing is drawn, nor inside a compiled layer at tp = 1
-        (dynamo cannot swap generator states; one rank needs no separate stream)."""
-        if dropout_p == 0 or (torch.compiler.is_compiling() and not self.heads_split):
+        """The model-parallel stream while dropout draws: heads are split over tp, so masks
+        differ between tp ranks. None when nothing is drawn, nor inside a compiled layer
+        (--torch-compile: dynamo cannot swap generator states, so every tp rank draws its heads'
+        masks from the same stream there; docs/performance.md)."""
+        if dropout_p == 0 or torch.compiler.is_compiling():
             return contextlib.nullcontext()
         return self.rng.fork()
 
@@ -530,7 +530,8 @@ class ResidualLayer(nn.Module):
         self.rng = rng
 
     def residual_add(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-        draws = self.training and self.hidden_dropout > 0
+        # Inside a compiled layer every tp rank draws from the same stream (see _dropout_stream).
+        draws = self.training and self.hidden_dropout > 0 and not torch.compiler.is_compiling()
         fork = self.rng.fork() if self.sequence_parallel and draws else contextlib.nullcontext()
         with fork:
             return residual + F.dropout(branch, self.hidden_dropout, self.training)
