@@ -19,8 +19,16 @@ of each are dropped; prints the median tokens/s (wall) and CPU seconds (process 
 of each and their ratios. `--profile` instead profiles --repeats alternating steps of each
 (after warm-up) and prints, per operator, the smallest self CPU time of each side by side.
 
+`--torch-compile` builds gigatron's side with `--torch-compile` (each layer compiled by inductor in
+the first, dropped, step); Megatron-Core's side is its own default in both cases.
+
+Megatron-Core is not a dependency of gigatron: install it beside it with
+`pip install --no-deps megatron-core==0.16.1` (its pure-PyTorch parts need nothing else), or put
+an unpacked wheel first on PYTHONPATH (`PYTHONPATH=/path/to/mcore-site:src`).
+
     python benchmarks/bench_megatron_core_cpu.py [--steps 8 --warmup 2] [--clip-grad 1.0]
-        [--threads 2] [--profile [--shapes]] [--reference-cross-entropy] [--unfused-adam]
+        [--threads 2] [--torch-compile] [--profile [--shapes]] [--reference-cross-entropy]
+        [--unfused-adam]
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ def gigatron_flags(args: argparse.Namespace) -> list[str]:
         "--clip-grad", str(args.clip_grad), "--train-iters", str(args.steps + 1),
         "--eval-iters", "0", "--num-workers", "0", "--log-interval", "1000",
         "--metrics-file", os.path.join(tempfile.gettempdir(), "bench_megatron_core_cpu.jsonl"),
+        *(["--torch-compile"] if args.torch_compile else []),
     ]  # fmt: skip
 
 
@@ -63,7 +72,7 @@ def gigatron_step(run: Any) -> Callable[[], float]:
     def step() -> float:
         result = loop.train_step(run, run.batch_calculator.get())
         run.scheduler.step(increment=run.batch_calculator.get_current_global_batch_size())
-        return result["losses"]["lm_loss"]
+        return result.losses["lm_loss"]
 
     return step
 
@@ -191,7 +200,8 @@ def report(times: dict[str, list], args: argparse.Namespace) -> None:
     print(
         f"shape: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
         f"micro-batch {args.batch}, vocab {args.vocab}, fp32, dropout {args.dropout}; gigatron "
-        f"--clip-grad {args.clip_grad}; {args.threads} threads; steps alternate in one process; "
+        f"--clip-grad {args.clip_grad}{' --torch-compile' if args.torch_compile else ''}; "
+        f"{args.threads} threads; steps alternate in one process; "
         f"median of steps {args.warmup + 1}..{args.steps}; {time.strftime('%Y-%m-%d')}"
     )
     print()
@@ -248,6 +258,9 @@ def main() -> int:
     )
     parser.add_argument("--unfused-adam", action="store_true", help="ablation: for-loop AdamW")
     parser.add_argument("--shapes", action="store_true", help="profile rows per input shape")
+    parser.add_argument(
+        "--torch-compile", action="store_true", help="gigatron's layers compiled (inductor)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
