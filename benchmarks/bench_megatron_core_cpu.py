@@ -13,14 +13,15 @@ Megatron-Core needs a process group and model-parallel state even at size 1 (Glo
 CUDA-only spots are bypassed for the CPU: its attention score buffer is allocated on the CPU and
 its RNG tracker is the no-op one (dropout then draws from torch's default generator).
 
-Both live in one process and their steps alternate (gigatron first on even steps, Megatron first
-on odd ones), so that a machine shared with other jobs slows both alike. The first --warmup steps
+All live in one process and their steps alternate (in order on even steps, in reverse order on
+odd ones), so that a machine shared with other jobs slows all alike. The first --warmup steps
 of each are dropped; prints the median tokens/s (wall) and CPU seconds (process time) per step
 of each and their ratios. `--profile` instead profiles --repeats alternating steps of each
 (after warm-up) and prints, per operator, the smallest self CPU time of each side by side.
 
-`--torch-compile` builds gigatron's side with `--torch-compile` (each layer compiled by inductor in
-the first, dropped, step); Megatron-Core's side is its own default in both cases.
+`--torch-compile` adds a third side, gigatron built with `--torch-compile` (each layer compiled by
+inductor in its first step, dropped with the warm-up), stepped in turn with the other two;
+Megatron-Core's side is its own default in every case.
 
 Megatron-Core is not a dependency of gigatron: install it beside it with
 `pip install --no-deps megatron-core==0.16.1` (its pure-PyTorch parts need nothing else), or put
@@ -61,7 +62,6 @@ def gigatron_flags(args: argparse.Namespace) -> list[str]:
         "--clip-grad", str(args.clip_grad), "--train-iters", str(args.steps + 1),
         "--eval-iters", "0", "--num-workers", "0", "--log-interval", "1000",
         "--metrics-file", os.path.join(tempfile.gettempdir(), "bench_megatron_core_cpu.jsonl"),
-        *(["--torch-compile"] if args.torch_compile else []),
     ]  # fmt: skip
 
 
@@ -175,19 +175,19 @@ def profile(steps: dict[str, Callable[[], float]], args: argparse.Namespace) -> 
                 if key not in best[name] or ms < best[name][key][0]:
                     best[name][key] = (ms, event.count)
     keys = sorted(
-        set(best["gigatron"]) | set(best["megatron"]),
+        set().union(*(best[n] for n in steps)),
         key=lambda k: -max(best[n].get(k, (0.0, 0))[0] for n in steps),
     )
     print(f"self CPU ms per step, the smallest of {args.repeats} alternating profiled steps")
     print()
-    print("| operator | gigatron ms (calls) | Megatron-Core ms (calls) |")
-    print("|---|---|---|")
+    print("| operator | " + " | ".join(f"{n} ms (calls)" for n in steps) + " |")
+    print("|---" * (len(steps) + 1) + "|")
     for key in keys[: args.rows]:
         cells = []
         for name in steps:
             ms, count = best[name].get(key, (0.0, 0))
             cells.append(f"{ms:.0f} ({count})" if count else "-")
-        print(f"| {key[:90]} | {cells[0]} | {cells[1]} |")
+        print(f"| {key[:90]} | " + " | ".join(cells) + " |")
     each = " | ".join(f"{min(totals[n]):.0f}" for n in steps)
     print(f"| total self CPU (smallest round) | {each} |")
 
@@ -213,10 +213,17 @@ def report(times: dict[str, list], args: argparse.Namespace) -> None:
             f"| {name} | {tokens / wall[name]:.0f} | {wall[name]:.2f} ({each}) | {cpu[name]:.2f} |"
         )
     print()
-    print(
-        f"gigatron / Megatron-Core tokens/s: wall **{wall['megatron'] / wall['gigatron']:.3f}**, "
-        f"by CPU time **{cpu['megatron'] / cpu['gigatron']:.3f}**"
-    )
+    for name in (n for n in kept if n != "megatron"):
+        print(
+            f"{name} / Megatron-Core tokens/s: wall **{wall['megatron'] / wall[name]:.3f}**, "
+            f"by CPU time **{cpu['megatron'] / cpu[name]:.3f}**"
+        )
+    if "gigatron-compiled" in kept:
+        print(
+            "gigatron-compiled / gigatron tokens/s: wall "
+            f"**{wall['gigatron'] / wall['gigatron-compiled']:.3f}**, by CPU time "
+            f"**{cpu['gigatron'] / cpu['gigatron-compiled']:.3f}**"
+        )
 
 
 def ablate(args: argparse.Namespace) -> None:
@@ -266,20 +273,23 @@ def main() -> int:
 
     from gigatron.training import pretrain as pretrain_module
 
-    def benchmark(run: Any) -> Any:
-        # Called by pretrain() in place of the training loop, with the run it built.
-        steps = {"gigatron": gigatron_step(run), "megatron": megatron_step(args)}
-        if args.profile:
-            profile(steps, args)
-        else:
-            report(measure(steps, args), args)
-        dist.destroy_process_group()
-        return None
-
     ablate(args)
-    pretrain_module.train = benchmark
-    cfg = pretrain_module.parse_pretrain_config(gigatron_flags(args))
-    pretrain_module.pretrain(cfg, family="gpt")
+    runs: dict[str, Any] = {}
+    variants = {"gigatron": []}
+    if args.torch_compile:
+        variants["gigatron-compiled"] = ["--torch-compile"]
+    for name, extra in variants.items():
+        # pretrain() calls this in place of the training loop, with the run it built.
+        pretrain_module.train = functools.partial(runs.__setitem__, name)
+        cfg = pretrain_module.parse_pretrain_config(gigatron_flags(args) + extra)
+        pretrain_module.pretrain(cfg, family="gpt")
+    steps = {name: gigatron_step(run) for name, run in runs.items()}
+    steps["megatron"] = megatron_step(args)
+    if args.profile:
+        profile(steps, args)
+    else:
+        report(measure(steps, args), args)
+    dist.destroy_process_group()
     return 0
 
 
