@@ -57,8 +57,9 @@ def _count_reads(monkeypatch) -> Counter:
 @pytest.mark.parametrize(
     "extra", [[], ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce"]]
 )
-def test_reads_happen_only_in_iterations_that_log(monkeypatch, extra):
-    cfg = parse_pretrain_config([*FLAGS, *extra], world_size=1)
+def test_reads_happen_only_in_iterations_that_log(monkeypatch, tmp_path, extra):
+    metrics = ["--metrics-file", str(tmp_path / "metrics.jsonl")]
+    cfg = parse_pretrain_config([*FLAGS, *extra, *metrics], world_size=1)
     reads = _count_reads(monkeypatch)
     result, _ = pretrain(cfg, stream=io.StringIO(), progress_bar=False)
     assert sorted(result.train_losses) == list(range(1, 9))
