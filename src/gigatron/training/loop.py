@@ -212,17 +212,34 @@ def train_step(run: Run, num_microbatches: int) -> StepResult:
 
 
 def check_step(run: Run, iteration: int, step: StepResult) -> None:
-    """A GigatronError for a non-finite loss or gradient norm (unless
-    --no-check-for-nan-in-loss-and-grad); every rank takes the same decision."""
-    if not run.cfg.training.check_for_nan_in_loss_and_grad:
+    """`check_steps` of one iteration."""
+    check_steps(run, [(iteration, step)])
+
+
+def check_steps(run: Run, steps: Sequence[tuple[int, StepResult]]) -> None:
+    """A GigatronError for the first iteration with a non-finite loss (not under fp16: its
+    overflows are skipped steps) or gradient norm, unless --no-check-for-nan-in-loss-and-grad.
+    Every rank takes the same decision, in one collective for all the steps."""
+    if not run.cfg.training.check_for_nan_in_loss_and_grad or not steps:
         return
-    bad = [name for name, value in step.losses.items() if not math.isfinite(value)]
+    problem = _first_non_finite(steps, run.cfg.training.fp16)
     # Only some stages see a loss; every rank must take the same decision.
-    if _any_rank(bool(bad), run.pctx) and not run.cfg.training.fp16:
-        name = bad[0] if bad else run.loss_names[0]
-        raise _non_finite_error(run, iteration, name.replace("_", " "), step.losses.get(name))
-    if step.success and step.grad_norm is not None and not math.isfinite(step.grad_norm):
-        raise _non_finite_error(run, iteration, "gradient norm", step.grad_norm)
+    if _any_rank(problem is not None, run.pctx):
+        iteration, what, value = problem or (steps[-1][0], run.loss_names[0], None)
+        raise _non_finite_error(run, iteration, what.replace("_", " "), value)
+
+
+def _first_non_finite(
+    steps: Sequence[tuple[int, StepResult]], fp16: bool
+) -> tuple[int, str, float | None] | None:
+    for iteration, step in steps:
+        bad = [name for name, value in step.losses.items() if not math.isfinite(value)]
+        if bad and not fp16:
+            return iteration, bad[0], step.losses[bad[0]]
+        norm = step.grad_norm
+        if step.success and norm is not None and not math.isfinite(norm):
+            return iteration, "gradient norm", norm
+    return None
 
 
 def step_on_device(run: Run, num_microbatches: int) -> DeviceStep:
@@ -456,12 +473,12 @@ def _saves_now(run: Run) -> bool:
 
 
 def _read_pending(run: Run, result: TrainResult, window: LogWindow) -> StepResult | None:
-    """The pending iterations' numbers in one host synchronisation: checked (`check_step`),
+    """The pending iterations' numbers in one host synchronisation: checked (`check_steps`),
     recorded in `result` and summed in `window`; the last iteration's StepResult."""
     pending, window.pending = window.pending, []
     steps = read_steps([step for _, step, _, _, _ in pending], run.loss_names)
+    check_steps(run, [(entry[0], step) for entry, step in zip(pending, steps)])
     for (iteration, _, seconds, samples, flops), step in zip(pending, steps):
-        check_step(run, iteration, step)
         # Skipped (fp16 overflow) iterations count too: their losses are still real ones.
         if step.losses:
             result.train_reports[iteration] = step.losses
