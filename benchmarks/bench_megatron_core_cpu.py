@@ -13,14 +13,23 @@ Megatron-Core needs a process group and model-parallel state even at size 1 (Glo
 CUDA-only spots are bypassed for the CPU: its attention score buffer is allocated on the CPU and
 its RNG tracker is the no-op one (dropout then draws from torch's default generator).
 
-Both live in one process and their steps alternate (gigatron first on even steps, Megatron first
-on odd ones), so that a machine shared with other jobs slows both alike. The first --warmup steps
+All live in one process and their steps alternate (in order on even steps, in reverse order on
+odd ones), so that a machine shared with other jobs slows all alike. The first --warmup steps
 of each are dropped; prints the median tokens/s (wall) and CPU seconds (process time) per step
 of each and their ratios. `--profile` instead profiles --repeats alternating steps of each
 (after warm-up) and prints, per operator, the smallest self CPU time of each side by side.
 
+`--torch-compile` adds a third side, gigatron built with `--torch-compile` (each layer compiled by
+inductor in its first step, dropped with the warm-up), stepped in turn with the other two;
+Megatron-Core's side is its own default in every case.
+
+Megatron-Core is not a dependency of gigatron: install it beside it with
+`pip install --no-deps megatron-core==0.16.1` (its pure-PyTorch parts need nothing else), or put
+an unpacked wheel first on PYTHONPATH (`PYTHONPATH=/path/to/mcore-site:src`).
+
     python benchmarks/bench_megatron_core_cpu.py [--steps 8 --warmup 2] [--clip-grad 1.0]
-        [--threads 2] [--profile [--shapes]] [--reference-cross-entropy] [--unfused-adam]
+        [--threads 2] [--torch-compile] [--profile [--shapes]] [--reference-cross-entropy]
+        [--unfused-adam]
 """
 
 from __future__ import annotations
@@ -63,7 +72,7 @@ def gigatron_step(run: Any) -> Callable[[], float]:
     def step() -> float:
         result = loop.train_step(run, run.batch_calculator.get())
         run.scheduler.step(increment=run.batch_calculator.get_current_global_batch_size())
-        return result["losses"]["lm_loss"]
+        return result.losses["lm_loss"]
 
     return step
 
@@ -166,19 +175,19 @@ def profile(steps: dict[str, Callable[[], float]], args: argparse.Namespace) -> 
                 if key not in best[name] or ms < best[name][key][0]:
                     best[name][key] = (ms, event.count)
     keys = sorted(
-        set(best["gigatron"]) | set(best["megatron"]),
+        set().union(*(best[n] for n in steps)),
         key=lambda k: -max(best[n].get(k, (0.0, 0))[0] for n in steps),
     )
     print(f"self CPU ms per step, the smallest of {args.repeats} alternating profiled steps")
     print()
-    print("| operator | gigatron ms (calls) | Megatron-Core ms (calls) |")
-    print("|---|---|---|")
+    print("| operator | " + " | ".join(f"{n} ms (calls)" for n in steps) + " |")
+    print("|---" * (len(steps) + 1) + "|")
     for key in keys[: args.rows]:
         cells = []
         for name in steps:
             ms, count = best[name].get(key, (0.0, 0))
             cells.append(f"{ms:.0f} ({count})" if count else "-")
-        print(f"| {key[:90]} | {cells[0]} | {cells[1]} |")
+        print(f"| {key[:90]} | " + " | ".join(cells) + " |")
     each = " | ".join(f"{min(totals[n]):.0f}" for n in steps)
     print(f"| total self CPU (smallest round) | {each} |")
 
@@ -191,7 +200,8 @@ def report(times: dict[str, list], args: argparse.Namespace) -> None:
     print(
         f"shape: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
         f"micro-batch {args.batch}, vocab {args.vocab}, fp32, dropout {args.dropout}; gigatron "
-        f"--clip-grad {args.clip_grad}; {args.threads} threads; steps alternate in one process; "
+        f"--clip-grad {args.clip_grad}{' --torch-compile' if args.torch_compile else ''}; "
+        f"{args.threads} threads; steps alternate in one process; "
         f"median of steps {args.warmup + 1}..{args.steps}; {time.strftime('%Y-%m-%d')}"
     )
     print()
@@ -203,10 +213,17 @@ def report(times: dict[str, list], args: argparse.Namespace) -> None:
             f"| {name} | {tokens / wall[name]:.0f} | {wall[name]:.2f} ({each}) | {cpu[name]:.2f} |"
         )
     print()
-    print(
-        f"gigatron / Megatron-Core tokens/s: wall **{wall['megatron'] / wall['gigatron']:.3f}**, "
-        f"by CPU time **{cpu['megatron'] / cpu['gigatron']:.3f}**"
-    )
+    for name in (n for n in kept if n != "megatron"):
+        print(
+            f"{name} / Megatron-Core tokens/s: wall **{wall['megatron'] / wall[name]:.3f}**, "
+            f"by CPU time **{cpu['megatron'] / cpu[name]:.3f}**"
+        )
+    if "gigatron-compiled" in kept:
+        print(
+            "gigatron-compiled / gigatron tokens/s: wall "
+            f"**{wall['gigatron'] / wall['gigatron-compiled']:.3f}**, by CPU time "
+            f"**{cpu['gigatron'] / cpu['gigatron-compiled']:.3f}**"
+        )
 
 
 def ablate(args: argparse.Namespace) -> None:
@@ -248,25 +265,31 @@ def main() -> int:
     )
     parser.add_argument("--unfused-adam", action="store_true", help="ablation: for-loop AdamW")
     parser.add_argument("--shapes", action="store_true", help="profile rows per input shape")
+    parser.add_argument(
+        "--torch-compile", action="store_true", help="gigatron's layers compiled (inductor)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from gigatron.training import pretrain as pretrain_module
 
-    def benchmark(run: Any) -> Any:
-        # Called by pretrain() in place of the training loop, with the run it built.
-        steps = {"gigatron": gigatron_step(run), "megatron": megatron_step(args)}
-        if args.profile:
-            profile(steps, args)
-        else:
-            report(measure(steps, args), args)
-        dist.destroy_process_group()
-        return None
-
     ablate(args)
-    pretrain_module.train = benchmark
-    cfg = pretrain_module.parse_pretrain_config(gigatron_flags(args))
-    pretrain_module.pretrain(cfg, family="gpt")
+    runs: dict[str, Any] = {}
+    variants = {"gigatron": []}
+    if args.torch_compile:
+        variants["gigatron-compiled"] = ["--torch-compile"]
+    for name, extra in variants.items():
+        # pretrain() calls this in place of the training loop, with the run it built.
+        pretrain_module.train = functools.partial(runs.__setitem__, name)
+        cfg = pretrain_module.parse_pretrain_config(gigatron_flags(args) + extra)
+        pretrain_module.pretrain(cfg, family="gpt")
+    steps = {name: gigatron_step(run) for name, run in runs.items()}
+    steps["megatron"] = megatron_step(args)
+    if args.profile:
+        profile(steps, args)
+    else:
+        report(measure(steps, args), args)
+    dist.destroy_process_group()
     return 0
 
 

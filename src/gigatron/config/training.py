@@ -65,6 +65,11 @@ class TrainingConfig(Section):
     min_loss_scale: float = flag_field(1.0, "smallest dynamic loss scale")
     loss_scale_window: int = flag_field(1000, "iterations without overflow before the scale grows")
     hysteresis: int = flag_field(2, "overflows tolerated before the scale shrinks")
+    torch_compile: bool = flag_field(
+        False,
+        "torch.compile each transformer layer (inductor) for training; the model's other parts "
+        "stay eager (gigatron extra; docs/performance.md)",
+    )
 
     def problems(self) -> list[str]:
         """Batch sizes, training length and precision."""

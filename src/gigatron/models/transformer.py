@@ -229,8 +229,7 @@ class CoreAttention(nn.Module):
         seq, batch, heads, _ = q.shape
         dropout_p = self.dropout if self.training else 0.0
         plain = self.window is None and self.softmax_offset is None
-        # Heads are split over tp, so dropout here must differ between tp ranks.
-        with self.rng.fork():
+        with self._dropout_stream(dropout_p):
             if self.use_flash and attention_mask is None and self.causal and plain:
                 out = _flash_attn_func()(
                     q.transpose(0, 1),
@@ -258,6 +257,15 @@ class CoreAttention(nn.Module):
                     enable_gqa=kb.shape[1] != qb.shape[1],
                 )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _dropout_stream(self, dropout_p: float) -> contextlib.AbstractContextManager:
+        """The model-parallel stream while dropout draws: heads are split over tp, so masks
+        differ between tp ranks. None when nothing is drawn, nor inside a compiled layer
+        (--torch-compile: dynamo cannot swap generator states, so every tp rank draws its heads'
+        masks from the same stream there; docs/performance.md)."""
+        if dropout_p == 0 or torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        return self.rng.fork()
 
     def _windowed(
         self, mask: torch.Tensor | None, s_q: int, s_k: int, device: torch.device
@@ -532,7 +540,9 @@ class ResidualLayer(nn.Module):
         self.rng = rng
 
     def residual_add(self, residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-        fork = self.rng.fork() if self.sequence_parallel else contextlib.nullcontext()
+        # Inside a compiled layer every tp rank draws from the same stream (see _dropout_stream).
+        draws = self.training and self.hidden_dropout > 0 and not torch.compiler.is_compiling()
+        fork = self.rng.fork() if self.sequence_parallel and draws else contextlib.nullcontext()
         with fork:
             return residual + F.dropout(branch, self.hidden_dropout, self.training)
 

@@ -122,6 +122,27 @@ def _local_norm(grads: list[torch.Tensor], norm_type: float, device) -> torch.Te
     return powered
 
 
+def grad_norm_tensor(
+    grads: list[torch.Tensor],
+    pctx: ParallelContext,
+    norm_type: float = 2.0,
+    sharded_group: str | None = None,
+    expert_grads: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Norm of the gradients of the whole model (all ranks), accumulated in fp32, as a tensor on
+    the run's device (no host synchronisation). `grads` are dense gradients, `expert_grads`
+    those of expert weights (see the module docstring)."""
+    expert_grads = expert_grads or []
+    first = (grads or expert_grads)[:1]
+    device = first[0].device if first else pctx.device
+    dense = _local_norm(grads, norm_type, device).to(pctx.device)
+    expert = _local_norm(expert_grads, norm_type, device).to(pctx.device)
+    if norm_type == float("inf"):
+        return reduce_model_statistic(dense, expert, pctx, sharded_group, dist.ReduceOp.MAX)[0]
+    total = reduce_model_statistic(dense, expert, pctx, sharded_group)
+    return total.double().pow(1.0 / norm_type)[0]
+
+
 def get_grad_norm(
     grads: list[torch.Tensor],
     pctx: ParallelContext,
@@ -129,19 +150,8 @@ def get_grad_norm(
     sharded_group: str | None = None,
     expert_grads: list[torch.Tensor] | None = None,
 ) -> float:
-    """Norm of the gradients of the whole model (all ranks), accumulated in fp32. `grads` are
-    dense gradients, `expert_grads` those of expert weights (see the module docstring)."""
-    expert_grads = expert_grads or []
-    first = (grads or expert_grads)[:1]
-    device = first[0].device if first else pctx.device
-    dense = _local_norm(grads, norm_type, device).to(pctx.device)
-    expert = _local_norm(expert_grads, norm_type, device).to(pctx.device)
-    if norm_type == float("inf"):
-        return float(
-            reduce_model_statistic(dense, expert, pctx, sharded_group, dist.ReduceOp.MAX).item()
-        )
-    total = reduce_model_statistic(dense, expert, pctx, sharded_group)
-    return float(total.item() ** (1.0 / norm_type))
+    """`grad_norm_tensor` as a number."""
+    return float(grad_norm_tensor(grads, pctx, norm_type, sharded_group, expert_grads).item())
 
 
 def clip_grads_by_norm(params: Iterable[torch.Tensor], max_norm: float, total_norm: float) -> float:
@@ -152,6 +162,41 @@ def clip_grads_by_norm(params: Iterable[torch.Tensor], max_norm: float, total_no
         if grads:
             torch._foreach_mul_(grads, coeff)
     return min(coeff, 1.0)
+
+
+def clip_grads_by_norm_tensor(
+    params: Iterable[torch.Tensor], max_norm: float, total_norm: torch.Tensor
+) -> None:
+    """`clip_grads_by_norm` with the norm left on the device: every gradient is multiplied by
+    the clamped coefficient (by 1 when under `max_norm`), so nothing waits for the norm."""
+    grads = [local_grad(p) for p in params if p.grad is not None]
+    if grads:
+        coeff = (max_norm / (total_norm.double() + 1.0e-6)).clamp(max=1.0)
+        for group in _by_device_dtype(grads).values():
+            torch._foreach_mul_(group, coeff.to(device=group[0].device, dtype=group[0].dtype))
+
+
+def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def clip_grad_norm_tensor(
+    params: Iterable[torch.Tensor],
+    max_norm: float,
+    pctx: ParallelContext,
+    sharded_group: str | None = None,
+) -> torch.Tensor:
+    """`clip_grad_norm` (2-norm) without a host synchronisation: the norm stays a device
+    tensor (the training step's path; the loop reads it at log intervals)."""
+    params = list(params)
+    dense, expert = split_grads_for_norm(params, pctx)
+    total = grad_norm_tensor(dense, pctx, 2.0, sharded_group, expert_grads=expert)
+    if max_norm > 0.0:
+        clip_grads_by_norm_tensor(params, max_norm, total)
+    return total
 
 
 def clip_grad_norm(
@@ -195,10 +240,7 @@ def unscale_and_check_overflow(
     device = grads[0].device if grads else pctx.device
     found_inf = torch.zeros(1, dtype=torch.float32, device=device)
     if grads:
-        by_device_dtype: dict[tuple, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device_dtype.setdefault((g.device, g.dtype), []).append(g)
-        for group in by_device_dtype.values():
+        for group in _by_device_dtype(grads).values():
             # The fused kernel does both in one pass and exists on CPU and CUDA.
             torch._amp_foreach_non_finite_check_and_unscale_(
                 group, found_inf, inv_scale.to(device=group[0].device, dtype=torch.float32)

@@ -202,10 +202,19 @@ class GigatronOptimizer:
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, int | None]:
         """One update: (False, None, None) when fp16 overflowed and the step was skipped."""
+        success, grad_norm, num_zeros = self.step_on_device()
+        return success, None if grad_norm is None else float(grad_norm.item()), num_zeros
+
+    @torch.no_grad()
+    def step_on_device(self) -> tuple[bool, torch.Tensor | None, int | None]:
+        """`step` with the gradient norm left a device tensor: no host synchronisation unless
+        fp16's overflow check (the step is skipped or not) or --log-num-zeros-in-grad asks."""
         found_inf = self.prepare_grads()
         if found_inf:
             return False, None, None
-        grad_norm = self.clip_grad_norm(self.clip_grad)
+        grad_norm = clip_grads.clip_grad_norm_tensor(
+            self.get_main_params(), self.clip_grad, self.pctx, sharded_group=self.sharded_group
+        )
         num_zeros = self.count_zeros() if self.log_num_zeros_in_grad else None
         success = self.step_with_ready_grads()
         return success, grad_norm, num_zeros

@@ -103,6 +103,10 @@ def recompute(fn: Callable[..., Any], *args: Any, rng: ModelParallelRNG | None =
     torch.utils.checkpoint restores the default generators before the re-run; the model-parallel
     stream is restored here, so dropout draws the same masks both times.
     """
+    if torch.compiler.is_compiling():
+        # Inside a compiled layer (--torch-compile) nothing swaps the model-parallel stream in, so
+        # the default generator, which the checkpoint replays, is the only one drawn from.
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     saved_state = rng.get_state() if rng is not None else None
     calls = 0
 

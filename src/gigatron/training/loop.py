@@ -136,6 +136,15 @@ def reduce_loss_reports(
 
     Every rank calls this with the same `names` (the family's) so the collectives match.
     """
+    total = reduce_loss_totals(reports, pctx, names)
+    return {name: tuple(total[i].tolist()) for i, name in enumerate(names)}
+
+
+def reduce_loss_totals(
+    reports: list[dict[str, Any]], pctx: ParallelContext, names: Sequence[str]
+) -> torch.Tensor:
+    """`reduce_loss_reports` as a [names, 2] float64 tensor of (sum, count) rows on the run's
+    device: collectives but no host synchronisation."""
     index = {name: i for i, name in enumerate(names)}
     total = torch.zeros(len(names), 2, dtype=torch.float64, device=pctx.device)
     for report in reports:
@@ -148,7 +157,7 @@ def reduce_loss_reports(
     for group in ("dp", "pp"):
         if pctx.size(group) > 1:
             dist.all_reduce(total, group=pctx.group(group))
-    return {name: tuple(total[i].tolist()) for name, i in index.items()}
+    return total
 
 
 def mean_losses(totals: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -166,8 +175,77 @@ class StepResult:
     num_zeros: Any  # zeros in the gradients (--log-num-zeros-in-grad), else None
 
 
+@dataclass
+class DeviceStep:
+    """One iteration's numbers still on the device; `read_steps` brings those of many
+    iterations to the host in one synchronisation (the loop does it at log intervals)."""
+
+    totals: torch.Tensor  # [loss names, 2]: (sum, count) over the iteration, float64
+    success: bool  # False: the optimizer skipped the step (fp16 overflow)
+    grad_norm: torch.Tensor | None
+    num_zeros: Any
+
+
+def read_steps(steps: Sequence[DeviceStep], names: Sequence[str]) -> list[StepResult]:
+    """The steps' losses and gradient norms as numbers, in one host synchronisation."""
+    if not steps:
+        return []
+    rows = [torch.cat([s.totals.reshape(-1), _norm_cell(s.grad_norm, s.totals)]) for s in steps]
+    values = torch.stack(rows).tolist()
+    results = []
+    for step, row in zip(steps, values):
+        totals = {name: (row[2 * i], row[2 * i + 1]) for i, name in enumerate(names)}
+        norm = row[-1] if step.grad_norm is not None else None
+        results.append(StepResult(mean_losses(totals), step.success, norm, step.num_zeros))
+    return results
+
+
+def _norm_cell(norm: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_zeros(1) if norm is None else norm.reshape(1).to(like)
+
+
 def train_step(run: Run, num_microbatches: int) -> StepResult:
-    """One iteration: forward-backward over the micro-batches, gradient sync, optimizer step."""
+    """One iteration (`step_on_device`), its numbers read and checked at once."""
+    (step,) = read_steps([step_on_device(run, num_microbatches)], run.loss_names)
+    check_step(run, run.state.iteration + 1, step)
+    return step
+
+
+def check_step(run: Run, iteration: int, step: StepResult) -> None:
+    """`check_steps` of one iteration."""
+    check_steps(run, [(iteration, step)])
+
+
+def check_steps(run: Run, steps: Sequence[tuple[int, StepResult]]) -> None:
+    """A GigatronError for the first iteration with a non-finite loss (not under fp16: its
+    overflows are skipped steps) or gradient norm, unless --no-check-for-nan-in-loss-and-grad.
+    Every rank takes the same decision, in one collective for all the steps."""
+    if not run.cfg.training.check_for_nan_in_loss_and_grad or not steps:
+        return
+    problem = _first_non_finite(steps, run.cfg.training.fp16)
+    # Only some stages see a loss; every rank must take the same decision.
+    if _any_rank(problem is not None, run.pctx):
+        iteration, what, value = problem or (steps[-1][0], run.loss_names[0], None)
+        raise _non_finite_error(run, iteration, what.replace("_", " "), value)
+
+
+def _first_non_finite(
+    steps: Sequence[tuple[int, StepResult]], fp16: bool
+) -> tuple[int, str, float | None] | None:
+    for iteration, step in steps:
+        bad = [name for name, value in step.losses.items() if not math.isfinite(value)]
+        if bad and not fp16:
+            return iteration, bad[0], step.losses[bad[0]]
+        norm = step.grad_norm
+        if step.success and norm is not None and not math.isfinite(norm):
+            return iteration, "gradient norm", norm
+    return None
+
+
+def step_on_device(run: Run, num_microbatches: int) -> DeviceStep:
+    """One iteration: forward-backward over the micro-batches, gradient sync, optimizer step;
+    no host synchronisation (but fp16's overflow check, per-token loss scaling, MoE's token
+    counts and the flags that ask for a number: --log-num-zeros-in-grad)."""
     pctx = run.pctx
     run.optimizer.zero_grad()  # also zeroes the DDP gradient buffers
     run.timers("forward-backward").start()
@@ -189,26 +267,15 @@ def train_step(run: Run, num_microbatches: int) -> StepResult:
     finalize_model_grads(run.model, pctx, num_tokens)
     if run.iteration_reports is not None:
         reports = [*reports, run.iteration_reports(run.model)]
-    losses = mean_losses(reduce_loss_reports(reports, pctx, run.loss_names))
-    # Only some stages see a loss; every rank must take the same decision.
-    bad = [name for name, value in losses.items() if not math.isfinite(value)]
-    # --no-check-for-nan-in-loss-and-grad: keep going (fp16 overflows are skipped steps anyway).
-    check = run.cfg.training.check_for_nan_in_loss_and_grad
-    bad_loss = _any_rank(bool(bad), pctx) if check else False
-    if bad_loss and not run.cfg.training.fp16:
-        name = bad[0] if bad else run.loss_names[0]
-        raise _non_finite_error(run, name.replace("_", " "), losses.get(name))
+    totals = reduce_loss_totals(reports, pctx, run.loss_names)
     run.timers("optimizer").start()
-    success, grad_norm, num_zeros = run.optimizer.step()
+    success, grad_norm, num_zeros = run.optimizer.step_on_device()
     run.timers("optimizer").stop()
     empty_unused_memory(level, 1, pctx.device)
-    if check and success and grad_norm is not None and not math.isfinite(grad_norm):
-        raise _non_finite_error(run, "gradient norm", grad_norm)
-    return StepResult(losses, bool(success), grad_norm, num_zeros)
+    return DeviceStep(totals, bool(success), grad_norm, num_zeros)
 
 
-def _non_finite_error(run: Run, what: str, value: float | None) -> GigatronError:
-    iteration = run.state.iteration + 1
+def _non_finite_error(run: Run, iteration: int, what: str, value: float | None) -> GigatronError:
     saved = run.cfg.checkpoint.save
     kept = (
         f"the last good checkpoint in {saved} is kept (this state was not saved)"
@@ -305,6 +372,9 @@ class LogWindow:
     time: float = 0.0
     samples: int = 0
     flops: float = 0.0
+    # Iterations whose numbers are still on the device: (iteration, step, seconds, samples,
+    # flops), read by `_read_pending` when a log line, a save or the end needs them.
+    pending: list[tuple[int, DeviceStep, float, int, float]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, names: Sequence[str]) -> LogWindow:
@@ -376,7 +446,7 @@ def _train_iterations(
             and state.iteration < run.train_iters
             and run.train_iterator is not None
         ):
-            step, global_batch = _run_iteration(run, result, window, profiler, collector)
+            global_batch = _run_iteration(run, window, profiler, collector)
             if not startup_logged:
                 # After the first step, so that lazily created optimizer state is measured.
                 startup_logged = True
@@ -384,30 +454,50 @@ def _train_iterations(
                     run.metrics.log_startup(run.startup_record())
             log_interval = run.cfg.logging.log_interval
             if state.iteration % log_interval == 0 or state.iteration == run.train_iters:
-                _log_window(run, window, step, global_batch)
+                _log_window(run, window, _read_pending(run, result, window), global_batch)
                 window = LogWindow.empty(run.loss_names)
+            elif _saves_now(run):
+                _read_pending(run, result, window)  # never save a state that failed its check
             _after_iteration(run, result, collector)
             reason = _exit_reason(run, exit_signal, start_time)
             if reason is not None:
+                _read_pending(run, result, window)
                 return _exit_early(run, result, collector, reason)
+    _read_pending(run, result, window)
     return _finish(run, result, collector)
 
 
-def _run_iteration(
-    run: Run,
-    result: TrainResult,
-    window: LogWindow,
-    profiler: StepProfiler,
-    collector: ManualGC,
-) -> tuple[StepResult, int]:
-    """One training iteration and its bookkeeping; returns the step and its global batch."""
+def _saves_now(run: Run) -> bool:
+    ckpt = run.cfg.checkpoint
+    return bool(ckpt.save and ckpt.save_interval and run.state.iteration % ckpt.save_interval == 0)
+
+
+def _read_pending(run: Run, result: TrainResult, window: LogWindow) -> StepResult | None:
+    """The pending iterations' numbers in one host synchronisation: checked (`check_steps`),
+    recorded in `result` and summed in `window`; the last iteration's StepResult."""
+    pending, window.pending = window.pending, []
+    steps = read_steps([step for _, step, _, _, _ in pending], run.loss_names)
+    check_steps(run, [(entry[0], step) for entry, step in zip(pending, steps)])
+    for (iteration, _, seconds, samples, flops), step in zip(pending, steps):
+        # Skipped (fp16 overflow) iterations count too: their losses are still real ones.
+        if step.losses:
+            result.train_reports[iteration] = step.losses
+        if run.loss_names[0] in step.losses:
+            result.train_losses[iteration] = step.losses[run.loss_names[0]]
+        window.add(step, seconds, samples, flops)
+    return steps[-1] if steps else None
+
+
+def _run_iteration(run: Run, window: LogWindow, profiler: StepProfiler, collector: ManualGC) -> int:
+    """One training iteration and its bookkeeping (its numbers left pending in `window`);
+    returns its global batch."""
     state, calc = run.state, run.batch_calculator
     calc.update(state.consumed_train_samples)
     global_batch = calc.get_current_global_batch_size()
     run.metrics.iteration_started(state.iteration + 1)  # a notice if it is slow
     profiler.before_iteration(state.iteration)
     iteration_start = time.perf_counter()
-    step = train_step(run, calc.get())
+    step = step_on_device(run, calc.get())
     iteration_time = time.perf_counter() - iteration_start
     state.iteration += 1
     profiler.after_iteration(state.iteration)
@@ -419,16 +509,11 @@ def _run_iteration(
         state.skipped_iterations += 1
     flops = run.flops_per_iteration(global_batch)
     state.floating_point_operations_so_far += flops
-    # Skipped (fp16 overflow) iterations count too: their losses are still real ones.
-    if step.losses:
-        result.train_reports[state.iteration] = step.losses
-    if run.loss_names[0] in step.losses:
-        result.train_losses[state.iteration] = step.losses[run.loss_names[0]]
-    window.add(step, iteration_time, global_batch, flops)
-    return step, global_batch
+    window.pending.append((state.iteration, step, iteration_time, global_batch, flops))
+    return global_batch
 
 
-def _log_window(run: Run, window: LogWindow, step: StepResult, global_batch: int) -> None:
+def _log_window(run: Run, window: LogWindow, step: StepResult | None, global_batch: int) -> None:
     """The train record (log line or bar, metrics.jsonl, TensorBoard) of the window."""
     state = run.state
     tokens_per_s = window.samples * run.cfg.model.seq_length / window.time
@@ -440,14 +525,14 @@ def _log_window(run: Run, window: LogWindow, step: StepResult, global_batch: int
             "consumed_samples": state.consumed_train_samples,
             **window.mean_losses(),
             "lr": _current_lr(run),
-            "grad_norm": step.grad_norm,
+            "grad_norm": step.grad_norm if step else None,
             "loss_scale": float(run.optimizer.get_loss_scale()),
             "iteration_time_s": window.time / window.iterations,
             "tokens_per_s": tokens_per_s,
             "mfu": utilisation,
             "tflops_per_s": window.flops / window.time / 1e12,
             "skipped_iterations": state.skipped_iterations,
-            "num_zeros": step.num_zeros,
+            "num_zeros": step.num_zeros if step else None,
             "global_batch_size": global_batch,
             **{f"time_{k}_ms": v for k, v in run.timers.elapsed_ms().items()},
             **_optional_figures(run),
@@ -470,7 +555,8 @@ def _after_iteration(run: Run, result: TrainResult, collector: ManualGC) -> None
 def _exit_reason(run: Run, exit_signal: ExitSignal, start_time: float) -> str | None:
     """Exit conditions, decided together by all ranks."""
     t, pctx = run.cfg.training, run.pctx
-    if _any_rank(exit_signal.received, pctx):
+    # Asked only with --exit-signal-handler: the question is a collective and a host sync.
+    if exit_signal.enabled and _any_rank(exit_signal.received, pctx):
         return "signal"
     if t.exit_duration_in_mins is not None and _any_rank(
         (time.perf_counter() - start_time) / 60.0 > t.exit_duration_in_mins, pctx

@@ -30,6 +30,7 @@ from gigatron.config.validate import params_dtype
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily
+from gigatron.models.compile import compile_layers
 from gigatron.models.lora import LoRASpec, add_lora_adapters
 from gigatron.optim import build_optimizer
 from gigatron.optim.batch_schedule import build_num_microbatches_calculator
@@ -129,7 +130,10 @@ def wrap_for_data_parallel(cfg: GigatronConfig, pctx: ParallelContext, chunk: An
 def build_model_and_optimizer(
     cfg: GigatronConfig, pctx: ParallelContext, chunks: list[nn.Module]
 ) -> tuple[list[Any], Any, Any]:
-    """(wrapped model chunks, optimizer, learning-rate schedule) for the given chunks."""
+    """(wrapped model chunks, optimizer, learning-rate schedule) for the given chunks; with
+    --torch-compile each transformer layer is compiled first (models/compile.py)."""
+    if cfg.training.torch_compile:
+        compile_layers(chunks)
     model = [wrap_for_data_parallel(cfg, pctx, chunk) for chunk in chunks]
     optimizer = build_optimizer(cfg, model, pctx)
     return model, optimizer, build_lr_scheduler(cfg, optimizer)

@@ -136,7 +136,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         b1, b2 = self.linear_fc1.bias, self.linear_fc2.bias
-        if self.grouped_gemm_used and x.shape[0] > 0:
+        if self.grouped_gemm_used and x.shape[0] > 0 and _grouped_mm_traceable(x):
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             h = _ContiguousGrad.apply(torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets))
             if b1 is not None:
@@ -159,6 +159,12 @@ class GroupedExperts(nn.Module):
             return x.new_zeros((0, w2.shape[1]))
         # Experts without tokens still join the graph, so their weights get zero gradients.
         return torch.cat(outputs)
+
+
+def _grouped_mm_traceable(x: torch.Tensor) -> bool:
+    """torch.compile's shape rule for `_grouped_mm` takes bf16 only (the CPU kernel takes fp32
+    too): other dtypes use the loop inside a compiled layer (--torch-compile)."""
+    return x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
 
 
 def _rows_of_experts(
