@@ -1,0 +1,236 @@
+"""Megatron-LM's own `torch_dist` checkpoints (its default `--ckpt-format`), loaded at any layout.
+
+Megatron-LM writes PyTorch Distributed Checkpoint files whose tensors have its sharded-state-dict
+keys: no `model.` prefix; the transformer layers stacked into one tensor with a leading layer
+dimension (`decoder.layers.mlp.linear_fc1.weight` [layers, ...]); the norm before a linear under
+Transformer Engine's fused name even for the local spec (`linear_qkv.layer_norm_weight`);
+Adam's moments under `optimizer.state.exp_avg.<key>`. Its `common.pt` holds the run's `args`
+Namespace, the iteration, the learning-rate schedule and the optimizer's step, and is read by
+the allow-list unpickler (torch_files.py): nothing executes.
+
+Loading asks for gigatron's own pieces (dist_format.model_pieces / optimizer_pieces: this rank's
+boxes of the full tensors) under Megatron's keys: a piece of layer i becomes the box at i of the
+stacked tensor. The distributed optimizer's `dp_reshardable` state (flattened grad-buffer
+buckets) is read whole and cut into parameters by megatron_buffers.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from gigatron.checkpoint.dcp_io import (
+    PieceLoadPlanner,
+    SafeFileSystemReader,
+    quiet_single_process,
+    read_metadata,
+)
+from gigatron.checkpoint.dist_format import (
+    COMMON_FILENAME,
+    FORMAT_MARKER,
+    is_dist_checkpoint,
+    model_pieces,
+    optimizer_pieces,
+    optimizer_state_keys,
+)
+from gigatron.checkpoint.global_view import Piece
+from gigatron.checkpoint.megatron_format import is_megatron_state, megatron_te_name
+from gigatron.checkpoint.state import LoadFlags, Located, TrainingState, empty_result
+from gigatron.checkpoint.torch_format import safe_load
+from gigatron.errors import GigatronError
+from gigatron.parallel.context import ParallelContext
+
+_LAYER = re.compile(r"^(?P<block>(?:.*\.)?decoder\.layers)\.(?P<i>\d+)\.(?P<rest>.*)$")
+# Sharded keys that are not tensors of the model or its optimizer (read elsewhere or not needed).
+_NOT_WEIGHTS = re.compile(r"(_extra_state(/.*)?$|^rng_state|^rerun_state|^optimizer\.)")
+
+
+def is_megatron_dist(iteration_dir: Path) -> bool:
+    """A torch_dist checkpoint Megatron-LM wrote (gigatron's own records its format version)."""
+    if not is_dist_checkpoint(iteration_dir):
+        return False
+    marker = json.loads((iteration_dir / FORMAT_MARKER).read_text())
+    return "gigatron_format_version" not in marker
+
+
+def read_common(iteration_dir: Path) -> dict[str, Any]:
+    """Megatron's common.pt (args Namespace, iteration, scheduler, optimizer step)."""
+    path = iteration_dir / COMMON_FILENAME
+    if not path.is_file():
+        raise GigatronError(
+            f"{iteration_dir}: {COMMON_FILENAME} is missing; the checkpoint is incomplete"
+        )
+    common = safe_load(path)
+    if not is_megatron_state(common):
+        raise GigatronError(f"{path}: its args are not Megatron-LM's Namespace")
+    return common
+
+
+def stored_args(iteration_dir: Path) -> dict[str, Any] | None:
+    """The saved Megatron args of a torch_dist iteration directory (None: not Megatron's)."""
+    if not is_megatron_dist(iteration_dir):
+        return None
+    return vars(read_common(iteration_dir)["args"])
+
+
+# ---- names --------------------------------------------------------------------------------------
+def megatron_key(name: str, stored: dict[str, Any]) -> tuple[str, int | None]:
+    """Megatron's sharded key of gigatron tensor `name` and its layer index in the stacked
+    tensor (None: not a layer tensor). TE's fused norm name when the checkpoint has it."""
+    match = _LAYER.match(name)
+    if match is None:
+        return name, None
+    local = f"{match.group('block')}.{match.group('rest')}"
+    te = megatron_te_name(local)
+    # the experts' stacked weights: [layers, experts, ...] under `mlp.experts.experts.`
+    experts = local.replace(".mlp.experts.linear_fc", ".mlp.experts.experts.linear_fc")
+    found = next((k for k in (te, experts) if k in stored), local)
+    return found, int(match.group("i"))
+
+
+def _translate(piece: Piece, key: str, layer: int | None, stored: dict[str, Any]) -> Piece:
+    if layer is None:
+        return Piece(key, piece.tensor, piece.offsets, piece.global_shape)
+    saved = stored.get(key)
+    layers = tuple(saved.size)[0] if isinstance(saved, TensorStorageMetadata) else layer + 1
+    return Piece(
+        key, piece.tensor.unsqueeze(0), (layer, *piece.offsets), (layers, *piece.global_shape)
+    )
+
+
+def megatron_pieces(pieces: list[Piece], prefix: str, target: str, stored: dict) -> list[Piece]:
+    """gigatron's pieces `<prefix><name>` as the pieces of Megatron's `<target><key>`."""
+    out = []
+    for piece in pieces:
+        name = piece.key[len(prefix) :]
+        mine = {k[len(target) :]: v for k, v in stored.items() if k.startswith(target)}
+        key, layer = megatron_key(name, mine)
+        out.append(_translate(piece, target + key, layer, stored))
+    return out
+
+
+def check_pieces(pieces: list[Piece], metadata: Metadata, iteration_dir: Path, hint: str) -> None:
+    """Every piece names a stored tensor of its full shape; else an error naming the key."""
+    stored = metadata.state_dict_metadata
+    for piece in pieces:
+        saved = stored.get(piece.key)
+        if not isinstance(saved, TensorStorageMetadata):
+            raise GigatronError(
+                f"{iteration_dir}: Megatron's checkpoint has no tensor {piece.key}; {hint}"
+            )
+        if tuple(saved.size) != tuple(piece.global_shape):
+            raise GigatronError(
+                f"{iteration_dir}: {piece.key} has the shape {tuple(saved.size)} in the checkpoint "
+                f"but {tuple(piece.global_shape)} in this model; {hint}"
+            )
+
+
+def unknown_keys(pieces: list[Piece], metadata: Metadata) -> list[str]:
+    """The checkpoint's model tensors that no piece of this model reads."""
+    read = {piece.key for piece in pieces}
+    return sorted(
+        key
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+        and not _NOT_WEIGHTS.search(key)
+        and key not in read
+    )
+
+
+def load_pieces(pieces: list[Piece], iteration_dir: Path, pctx: ParallelContext) -> None:
+    with torch.no_grad(), quiet_single_process():
+        dcp.load(
+            {},
+            storage_reader=SafeFileSystemReader(iteration_dir),
+            planner=PieceLoadPlanner(pieces),
+            no_dist=pctx.world_size == 1,
+        )
+
+
+# ---- load ---------------------------------------------------------------------------------------
+def _load_model(target: TrainingState, metadata: Metadata, iteration_dir: Path, pctx) -> None:
+    stored = metadata.state_dict_metadata
+    pieces = megatron_pieces(model_pieces(target.model_chunks, pctx, True), "model.", "", stored)
+    unknown = unknown_keys(pieces, metadata)
+    if unknown:
+        raise GigatronError(
+            f"{iteration_dir}: Megatron's checkpoint holds tensors this model does not have: "
+            f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}; check the model "
+            "flags (an architecture gigatron lacks cannot be loaded)"
+        )
+    check_pieces(pieces, metadata, iteration_dir, "check the model flags")
+    load_pieces(pieces, iteration_dir, pctx)
+
+
+def _optimizer_step(common: dict[str, Any]) -> float:
+    """Adam's step count: common.pt's `common_step`, else the iteration (no skipped steps)."""
+    state = (common.get("optimizer") or {}).get("state") or {}
+    step = state.get("common_step")
+    return float(step) if step is not None else float(common.get("iteration", 0))
+
+
+def _set_step(optimizer: Any, step: float) -> None:
+    inner = optimizer.optimizer
+    for group in inner.param_groups:
+        for main in group["params"]:
+            inner.state.setdefault(main, {})["step"] = torch.tensor(step, dtype=torch.float32)
+
+
+def _load_optimizer(target: TrainingState, common: dict, metadata: Metadata, where: Path, pctx):
+    from gigatron.checkpoint.megatron_buffers import load_flat_moments  # (sibling, no cycle)
+
+    optimizer = target.optimizer
+    keys = optimizer_state_keys(optimizer)
+    stored = metadata.state_dict_metadata
+    pieces = optimizer_pieces(optimizer, target.model_chunks, pctx, keys, for_load=True)
+    pieces = [p for p in pieces if not p.key.startswith("optimizer.fp32_param.")]
+    if any(k.startswith("optimizer.distributed.") for k in stored):
+        load_flat_moments(pieces, target.model_chunks, common, where, metadata)
+    else:
+        translated = []
+        for key in keys:
+            prefix = f"optimizer.{key}."
+            mine = [p for p in pieces if p.key.startswith(prefix)]
+            translated += megatron_pieces(mine, prefix, f"optimizer.state.{key}.", stored)
+        check_pieces(translated, metadata, where, "pass --no-load-optim")
+        load_pieces(translated, where, pctx)
+    optimizer.reload_model_params()  # fp32 main parameters are the loaded weights
+    _set_step(optimizer, _optimizer_step(common))
+    if target.scheduler is not None:
+        target.scheduler.load_state_dict(common["opt_param_scheduler"])
+
+
+def _result(common: dict[str, Any], located: Located, full_state: bool) -> dict[str, Any]:
+    args = vars(common["args"])
+    result = empty_result()
+    result.update(
+        loaded=True, args=common["args"], path=str(located.iteration_dir),
+        release=located.release, format="torch_dist",
+        num_floating_point_operations_so_far=common.get("num_floating_point_operations_so_far", 0),
+    )  # fmt: skip
+    if full_state:
+        result["iteration"] = int(common.get("iteration", 0))
+        for key in ("consumed_train_samples", "consumed_valid_samples"):
+            result[key] = int(args.get(key) or 0)
+    return result
+
+
+def load_located(
+    located: Located, target: TrainingState, pctx: ParallelContext, cfg: Any
+) -> dict[str, Any]:
+    """Load Megatron's torch_dist iteration `located` into this rank's part of `target`."""
+    flags, where = LoadFlags.of(cfg), located.iteration_dir
+    common = read_common(where)
+    metadata = read_metadata(where)
+    _load_model(target, metadata, where, pctx)
+    if flags.optim(located.release) and target.optimizer is not None:
+        _load_optimizer(target, common, metadata, where, pctx)
+    elif target.optimizer is not None:
+        target.optimizer.reload_model_params()
+    return _result(common, located, flags.full_state(located.release))
