@@ -6,13 +6,17 @@ recorded, so weights, Adam moments, step count and learning-rate schedule all ca
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
+from gigatron.checkpoint.dcp_io import read_tensors
+from gigatron.errors import GigatronError
 from helpers import TIMEOUT_S, env, launcher
-from megatron_fixtures import record, resume
+from megatron_fixtures import FIXTURES, record, resume
 
 TOLERANCE = 1e-5
 
@@ -68,3 +72,55 @@ def test_resume_at_tp2_gives_megatrons_next_losses(tmp_path, spec):
     ((name, losses),) = json.loads(out.read_text()).items()
     assert name == spec.partition(":")[0]
     assert_megatron_losses(name, {int(k): v for k, v in losses.items()})
+
+
+def _llama_model(*flags: str):
+    """gigatron's model of the Llama-style fixtures' shape (flags may change it)."""
+    from gigatron.config import parse_config
+    from gigatron.families import get_family
+    from gigatron.parallel.context import ParallelContext
+
+    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "32", "--max-position-embeddings", "32", "--normalization",
+             "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--position-embedding-type",
+             "rope", "--group-query-attention", "--num-query-groups", "2",
+             "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+             "--micro-batch-size", "2", "--train-iters", "1", "--padded-vocab-size", "64"]  # fmt: skip
+    cfg = parse_config([*shape, *flags])
+    (chunk,) = get_family("gpt").build_model(cfg, ParallelContext.single(), vocab_size=64)
+    return cfg, chunk
+
+
+def _load(directory: Path, chunk, cfg) -> None:
+    from gigatron.checkpoint.megatron_dist import load_located
+    from gigatron.checkpoint.state import Located, TrainingState
+    from gigatron.parallel.context import ParallelContext
+
+    located = Located(directory, directory / "iter_0000003", 3, False)
+    load_located(located, TrainingState([chunk]), ParallelContext.single(), cfg)
+
+
+def test_tensors_of_an_architecture_the_model_lacks_are_named():
+    cfg, dense = _llama_model()
+    with pytest.raises(GigatronError) as error:
+        _load(FIXTURES / "moe_tp1_torch_dist", dense, cfg)
+    message = str(error.value)
+    assert "tensors this model does not have" in message
+    assert "decoder.layers.mlp.router.weight" in message
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in message
+
+
+def test_a_missing_shard_file_is_named(tmp_path):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "llama_tp2_torch_dist", copy)
+    (copy / "iter_0000003" / "__1_0.distcp").unlink()
+    cfg, model = _llama_model()
+    with pytest.raises(GigatronError, match=r"shard file\(s\) __1_0\.distcp are missing"):
+        _load(copy, model, cfg)
+    (copy / "iter_0000003" / "__1_0.distcp").write_bytes(b"")
+    shutil.copy(FIXTURES / "llama_tp2_torch_dist" / "iter_0000003" / "__1_0.distcp",
+                copy / "iter_0000003" / "__1_0.distcp")  # fmt: skip
+    _load(copy, model, cfg)  # whole again: loads
+    saved = read_tensors(copy / "iter_0000003", ["decoder.layers.mlp.linear_fc2.weight"])
+    stacked = saved["decoder.layers.mlp.linear_fc2.weight"]
+    assert torch.equal(model.state_dict()["decoder.layers.1.mlp.linear_fc2.weight"], stacked[1])

@@ -143,6 +143,18 @@ def unknown_keys(pieces: list[Piece], metadata: Metadata) -> list[str]:
     )
 
 
+def check_shard_files(metadata: Metadata, iteration_dir: Path) -> None:
+    """Every file the index names is there; else an error naming the missing shards."""
+    files = {getattr(info, "relative_path", None) for info in metadata.storage_data.values()}
+    missing = sorted(f for f in files if f and not (iteration_dir / f).is_file())
+    if missing:
+        raise GigatronError(
+            f"{iteration_dir}: the checkpoint's shard file(s) {', '.join(missing)} are missing "
+            "(a copy that did not finish, or a file removed); copy them from where the "
+            "checkpoint was written, or load another iteration with --ckpt-step"
+        )
+
+
 def load_pieces(pieces: list[Piece], iteration_dir: Path, pctx: ParallelContext) -> None:
     with torch.no_grad(), quiet_single_process():
         dcp.load(
@@ -228,6 +240,7 @@ def load_located(
     flags, where = LoadFlags.of(cfg), located.iteration_dir
     common = read_common(where)
     metadata = read_metadata(where)
+    check_shard_files(metadata, where)
     _load_model(target, metadata, where, pctx)
     if flags.optim(located.release) and target.optimizer is not None:
         _load_optimizer(target, common, metadata, where, pctx)
