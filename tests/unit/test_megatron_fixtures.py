@@ -124,3 +124,18 @@ def test_a_missing_shard_file_is_named(tmp_path):
     saved = read_tensors(copy / "iter_0000003", ["decoder.layers.mlp.linear_fc2.weight"])
     stacked = saved["decoder.layers.mlp.linear_fc2.weight"]
     assert torch.equal(model.state_dict()["decoder.layers.1.mlp.linear_fc2.weight"], stacked[1])
+
+
+def test_convert_from_megatron_torch_dist_gives_the_loaded_weights(tmp_path):
+    from gigatron.checkpoint.hf_convert import main
+    from gigatron.checkpoint.torch_format import safe_load
+
+    main(["--from", "megatron", "--to", "gigatron", "--load",
+          str(FIXTURES / "llama_tp2_torch_dist"), "--save", str(tmp_path / "out")])  # fmt: skip
+    converted = safe_load(tmp_path / "out" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")
+    cfg, model = _llama_model()
+    _load(FIXTURES / "llama_tp2_torch_dist", model, cfg)
+    loaded = model.state_dict()
+    assert converted["model"].keys() == loaded.keys()
+    assert all(torch.equal(converted["model"][k], loaded[k]) for k in loaded)
+    assert converted["args"]["model"]["num_query_groups"] == 2

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from gigatron.checkpoint.megatron_dist import full_model, is_megatron_dist, read_common
 from gigatron.checkpoint.megatron_format import megatron_te_name, model_to_gigatron
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -143,6 +144,8 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
     same layout (gigatron's names and configuration; tensors memory-mapped). Returns `staged`."""
     iteration_dir, iteration, release = located
     files = sorted(iteration_dir.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}"))
+    if not files and is_megatron_dist(iteration_dir):
+        return _stage_megatron_dist(located, staged, family)
     if not files:
         raise GigatronError(f"{iteration_dir}: holds no mp_rank_*/{CHECKPOINT_FILENAME}")
     for path in files:
@@ -167,5 +170,23 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
         target = staged / iteration_dir.name / path.parent.name / CHECKPOINT_FILENAME
         target.parent.mkdir(parents=True, exist_ok=True)
         torch.save(out, target)
+    (staged / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
+    return staged
+
+
+def _stage_megatron_dist(located: tuple[Path, int, bool], staged: Path, family: str | None):
+    """Megatron's torch_dist iteration as one tp = pp = 1 gigatron file (whole tensors)."""
+    iteration_dir, iteration, release = located
+    args = _gigatron_config_dict(read_common(iteration_dir)["args"])
+    for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        args["parallel"][size] = 1  # the tensors are read whole
+    args["parallel"]["expert_model_parallel_size"] = 1
+    out = {"args": args, "iteration": iteration, "checkpoint_version": 3.0}
+    if family is not None:
+        out["gigatron_family"] = family
+    out["model"] = full_model(iteration_dir)
+    target = staged / iteration_dir.name / "mp_rank_00" / CHECKPOINT_FILENAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, target)
     (staged / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
     return staged

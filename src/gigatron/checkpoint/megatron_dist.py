@@ -30,6 +30,7 @@ from gigatron.checkpoint.dcp_io import (
     SafeFileSystemReader,
     quiet_single_process,
     read_metadata,
+    read_tensors,
 )
 from gigatron.checkpoint.dist_format import (
     COMMON_FILENAME,
@@ -40,7 +41,7 @@ from gigatron.checkpoint.dist_format import (
     optimizer_state_keys,
 )
 from gigatron.checkpoint.global_view import Piece
-from gigatron.checkpoint.megatron_format import is_megatron_state, megatron_te_name
+from gigatron.checkpoint.megatron_format import gigatron_name, is_megatron_state, megatron_te_name
 from gigatron.checkpoint.state import LoadFlags, Located, TrainingState, empty_result
 from gigatron.checkpoint.torch_format import safe_load
 from gigatron.errors import GigatronError
@@ -247,3 +248,33 @@ def load_located(
     elif target.optimizer is not None:
         target.optimizer.reload_model_params()
     return _result(common, located, flags.full_state(located.release))
+
+
+# ---- whole model (conversion) -------------------------------------------------------------------
+def _gigatron_names(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """gigatron's (name, tensor) entries of one Megatron model tensor (layers unstacked)."""
+    if not key.startswith("decoder.layers.") and ".decoder.layers." not in key:
+        return [(key, tensor)]
+    block, rest = key.split("decoder.layers.", 1)
+    rest = rest.replace("mlp.experts.experts.linear_fc", "mlp.experts.linear_fc")
+    out = []
+    for layer in range(tensor.shape[0]):
+        name = gigatron_name(f"{block}decoder.layers.{layer}.{rest}")
+        if name is not None:
+            out.append((name, tensor[layer].clone()))
+    return out
+
+
+def full_model(iteration_dir: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of Megatron's torch_dist iteration, whole, in gigatron's names."""
+    metadata = read_metadata(iteration_dir)
+    check_shard_files(metadata, iteration_dir)
+    keys = [
+        key
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata) and not _NOT_WEIGHTS.search(key)
+    ]
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in read_tensors(iteration_dir, keys).items():
+        out.update(_gigatron_names(key, tensor))
+    return out
