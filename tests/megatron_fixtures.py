@@ -38,9 +38,10 @@ def record(name: str) -> dict[str, Any]:
 class NextBatches:
     """A dataset whose samples at the consumed position are Megatron's next two batches."""
 
-    def __init__(self, fixture: dict[str, Any], total: int) -> None:
+    def __init__(self, fixture: dict[str, Any], total: int, at_start: bool = False) -> None:
         rows = [*fixture["batch_step4"], *fixture["batch_step5"]]
-        self.start = fixture["iteration"] * len(fixture["batch_step4"])
+        # at_start (--finetune: a new run): the batches come first
+        self.start = 0 if at_start else fixture["iteration"] * len(fixture["batch_step4"])
         self.rows = [np.asarray(row, dtype=np.int64) for row in rows]
         self.total = total
 
@@ -63,7 +64,7 @@ def fixture_family(fixture: dict[str, Any]):
     """The gpt family with Megatron's next batches as its training data."""
 
     def datasets(cfg, tokenizer, num_samples, pctx=None):
-        return NextBatches(fixture, num_samples[0]), None, None
+        return NextBatches(fixture, num_samples[0], cfg.checkpoint.finetune), None, None
 
     return dataclasses.replace(get_family("gpt"), build_datasets=datasets)
 

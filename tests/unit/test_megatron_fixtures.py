@@ -45,6 +45,20 @@ def test_resume_at_tp1_gives_megatrons_next_losses(tmp_path, name):
     assert_megatron_losses(name, resume(name, tmp_path, *flags))
 
 
+def test_torch_dist_resumes_into_the_distributed_optimizer(tmp_path):
+    name = "gpt2_dp2_distopt_torch_dist"
+    flags = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
+    assert_megatron_losses(name, resume(name, tmp_path, *flags))
+    with pytest.raises(GigatronError, match="non-distributed optimizer only"):
+        resume("gpt2_dp2_distopt_torch", tmp_path, "--use-distributed-optimizer")
+
+
+def test_finetune_starts_from_the_weights(tmp_path):
+    losses = resume("llama_tp2_torch_dist", tmp_path, "--ckpt-format", "torch_dist", "--finetune")
+    assert sorted(losses) == [1, 2, 3, 4, 5]  # a new run: iteration 1 on Megatron's next batch
+    assert losses[1] == pytest.approx(record("llama_tp2_torch_dist")["next_loss"], abs=TOLERANCE)
+
+
 def test_moments_matter(tmp_path):
     """Without the saved moments the step after the next one differs: the check above reads them."""
     losses = resume(

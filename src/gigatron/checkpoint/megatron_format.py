@@ -249,6 +249,12 @@ def optimizer_to_gigatron(
                 )
         new_state[position] = entry
     template = optimizer.state_dict()
+    if "optimizer" not in template:  # gigatron's distributed optimizer: its own sharded files
+        raise GigatronError(
+            f"{where}: Megatron-LM's torch-format optimizer state loads into gigatron's "
+            "non-distributed optimizer only; resume without --use-distributed-optimizer (or "
+            "from Megatron's torch_dist format, which loads into either), or pass --no-load-optim"
+        )
     result: dict[str, Any] = {
         "optimizer": {"state": new_state, "param_groups": template["optimizer"]["param_groups"]}
     }
