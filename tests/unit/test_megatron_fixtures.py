@@ -6,10 +6,12 @@ recorded, so weights, Adam moments, step count and learning-rate schedule all ca
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -153,3 +155,29 @@ def test_convert_from_megatron_torch_dist_gives_the_loaded_weights(tmp_path):
     assert converted["model"].keys() == loaded.keys()
     assert all(torch.equal(converted["model"][k], loaded[k]) for k in loaded)
     assert converted["args"]["model"]["num_query_groups"] == 2
+
+
+def test_random_states_are_restored_at_the_saved_layout():
+    from gigatron.checkpoint.megatron_dist import read_bytes
+    from gigatron.config import parse_config
+    from gigatron.families import get_family
+    from gigatron.parallel.context import ParallelContext
+    from gigatron.torch_files import load_megatron_object
+
+    gpt2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--ffn-hidden-size", "128",
+            "--micro-batch-size", "2", "--train-iters", "1", "--padded-vocab-size", "64"]  # fmt: skip
+    cfg = parse_config(gpt2)
+    (model,) = get_family("gpt").build_model(cfg, ParallelContext.single(), vocab_size=64)
+    directory = FIXTURES / "gpt2_tp1_torch_dist"
+    torch.manual_seed(0)
+    _load(directory, model, cfg)
+    ((saved,),) = load_megatron_object(
+        read_bytes(directory / "iter_0000003", "rng_state/shard_0.0_1.1")
+    )  # [[the states of dp rank 0]]
+    assert torch.equal(torch.get_rng_state(), saved["torch_rng_state"])
+    assert np.random.get_state()[2] == saved["np_rng_state"][2]
+    assert random.getstate() == saved["random_rng_state"]
+    cfg, llama = _llama_model()  # saved at tp 2, loaded at tp 1: other random streams
+    with pytest.warns(UserWarning, match="random states are not restored"):
+        _load(FIXTURES / "llama_tp2_torch_dist", llama, cfg)

@@ -16,13 +16,16 @@ buckets) is read whole and cut into parameters by megatron_buffers.py.
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from gigatron.checkpoint.dcp_io import (
@@ -41,11 +44,17 @@ from gigatron.checkpoint.dist_format import (
     optimizer_state_keys,
 )
 from gigatron.checkpoint.global_view import Piece
-from gigatron.checkpoint.megatron_format import gigatron_name, is_megatron_state, megatron_te_name
+from gigatron.checkpoint.megatron_format import (
+    gigatron_name,
+    is_megatron_state,
+    megatron_te_name,
+    rng_to_gigatron,
+)
 from gigatron.checkpoint.state import LoadFlags, Located, TrainingState, empty_result
-from gigatron.checkpoint.torch_format import safe_load
+from gigatron.checkpoint.torch_format import safe_load, set_rng_state
 from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
+from gigatron.torch_files import load_megatron_object
 
 _LAYER = re.compile(r"^(?P<block>(?:.*\.)?decoder\.layers)\.(?P<i>\d+)\.(?P<rest>.*)$")
 # Sharded keys that are not tensors of the model or its optimizer (read elsewhere or not needed).
@@ -247,7 +256,45 @@ def load_located(
         _load_optimizer(target, common, metadata, where, pctx)
     elif target.optimizer is not None:
         target.optimizer.reload_model_params()
+    if flags.rng(located.release):
+        _load_rng(where, metadata, common["args"], pctx, target.rng_tracker)
     return _result(common, located, flags.full_state(located.release))
+
+
+# ---- random states ------------------------------------------------------------------------------
+class _BytesPlanner(DefaultLoadPlanner):
+    """Reads byte entries (ShardedObjects) as raw bytes; nothing is unpickled here."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        self.state_dict[read_item.dest_index.fqn] = value.read()
+
+
+def read_bytes(iteration_dir: Path, key: str) -> bytes:
+    """The raw bytes of one byte entry of a torch_dist checkpoint (one process)."""
+    planner = _BytesPlanner()
+    with quiet_single_process():
+        dcp.load({key: io.BytesIO()}, storage_reader=SafeFileSystemReader(iteration_dir),
+                 planner=planner, no_dist=True)  # fmt: skip
+    return planner.state_dict[key]
+
+
+def _load_rng(where: Path, metadata: Metadata, args: Any, pctx: ParallelContext, tracker) -> None:
+    """This rank's random states (ShardedObject `rng_state/shard_<pp>.<tp>_<pp size>.<tp size>`),
+    when the layout is the saved one (other layouts keep their own, with a warning)."""
+    saved = (args.pipeline_model_parallel_size, args.tensor_model_parallel_size)
+    key = f"rng_state/shard_{pctx.pp_rank}.{pctx.tp_rank}_{saved[0]}.{saved[1]}"
+    if (pctx.pp_size, pctx.tp_size) != saved or key not in metadata.state_dict_metadata:
+        warnings.warn(
+            f"{where}: random states are not restored (saved at pp x tp {saved}, this run "
+            f"{(pctx.pp_size, pctx.tp_size)}); pass --no-load-rng to silence this",
+            stacklevel=3,
+        )
+        return
+    states = load_megatron_object(read_bytes(where, key))
+    while isinstance(states, list) and len(states) == 1 and isinstance(states[0], list):
+        states = states[0]  # the ShardedObject's list around the per-dp-rank list
+    state = rng_to_gigatron(states, tracker)
+    set_rng_state(state[pctx.dp_rank % len(state)] if isinstance(state, list) else state, tracker)
 
 
 # ---- whole model (conversion) -------------------------------------------------------------------
