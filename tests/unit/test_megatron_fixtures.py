@@ -181,3 +181,34 @@ def test_random_states_are_restored_at_the_saved_layout():
     cfg, llama = _llama_model()  # saved at tp 2, loaded at tp 1: other random streams
     with pytest.warns(UserWarning, match="random states are not restored"):
         _load(FIXTURES / "llama_tp2_torch_dist", llama, cfg)
+
+
+@pytest.mark.parametrize("name", ["llama_tp2_torch_dist", "moe_tp1_torch_dist"])
+def test_convert_to_megatron_torch_dist_writes_megatrons_own_files(tmp_path, name):
+    """Megatron's files -> gigatron at tp 2 -> `--to megatron --ckpt-format torch_dist`: the
+    model entries Megatron's save_checkpoint wrote, the same keys, shapes and values."""
+    from gigatron.checkpoint.dcp_io import read_metadata
+    from gigatron.checkpoint.hf_convert import main
+    from gigatron.checkpoint.torch_format import safe_load
+
+    main(["--from", "megatron", "--to", "gigatron", "--load", str(FIXTURES / name),
+          "--save", str(tmp_path / "g"), "--target-tensor-parallel-size", "2"])  # fmt: skip
+    main(["--from", "gigatron", "--to", "megatron", "--ckpt-format", "torch_dist",
+          "--load", str(tmp_path / "g"), "--save", str(tmp_path / "m")])  # fmt: skip
+    original = read_metadata(FIXTURES / name / "iter_0000003").state_dict_metadata
+    written = read_metadata(tmp_path / "m" / "iter_0000003").state_dict_metadata
+    model_keys = {k for k in original if not k.startswith(("optimizer.", "rng_state"))}
+    assert set(written) == model_keys
+    tensors = [k for k in model_keys if hasattr(original[k], "size")]
+    assert all(written[k].size == original[k].size for k in tensors)
+    saved = read_tensors(FIXTURES / name / "iter_0000003", tensors)
+    again = read_tensors(tmp_path / "m" / "iter_0000003", tensors)
+    assert all(torch.equal(saved[k], again[k]) for k in tensors)
+    common = safe_load(tmp_path / "m" / "iter_0000003" / "common.pt")
+    assert (common["args"].num_layers, common["iteration"]) == (2, 3)
+    assert (
+        json.loads((tmp_path / "m" / "iter_0000003" / "metadata.json").read_text())[
+            "sharded_backend"
+        ]
+        == "torch_dist"
+    )

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -325,3 +326,67 @@ def full_model(iteration_dir: Path) -> dict[str, torch.Tensor]:
     for key, tensor in read_tensors(iteration_dir, keys).items():
         out.update(_gigatron_names(key, tensor))
     return out
+
+
+# ---- write (gigatron -> Megatron) -----------------------------------------------------------------
+_EXTRA_MODULES = (
+    "self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
+)  # fmt: skip
+MEGATRON_MARKER = {
+    "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+    "common_backend": "torch", "common_backend_version": 1,
+}  # fmt: skip
+
+
+def _empty_extra_state() -> io.BytesIO:
+    """What Megatron's local-spec linears store as `_extra_state`: torch.save([None])."""
+    stream = io.BytesIO()
+    torch.save([None], stream)
+    stream.seek(0)
+    return stream
+
+
+def megatron_dist_state(model: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A whole gigatron model (tp = pp = 1 names) as Megatron's torch_dist state: layers
+    stacked under its keys, Transformer Engine's norm names, the experts' layout, and the empty
+    `_extra_state` entries Megatron writes for the local spec."""
+    out: dict[str, Any] = {}
+    layers: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in model.items():
+        match = _LAYER.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        key = megatron_te_name(f"{match.group('block')}.{match.group('rest')}")
+        key = key.replace(".mlp.experts.linear_fc", ".mlp.experts.experts.linear_fc")
+        layers.setdefault(key, {})[int(match.group("i"))] = tensor
+    for key, parts in layers.items():
+        out[key] = torch.stack([parts[i] for i in sorted(parts)])
+    count = max((len(parts) for parts in layers.values()), default=0)
+    for module in _EXTRA_MODULES:
+        if f"decoder.layers.{module}.weight" in out:
+            for i in range(count):
+                out[f"decoder.layers.{module}._extra_state/shard_{i}_{count}"] = (
+                    _empty_extra_state()
+                )
+    for fc in ("linear_fc1", "linear_fc2"):
+        experts = out.get(f"decoder.layers.mlp.experts.experts.{fc}.weight")
+        for i in range(count if experts is not None else 0):
+            for e in range(experts.shape[1]):
+                key = f"decoder.layers.mlp.experts.experts.{fc}._extra_state/shard_{i}.{e}_{count}.{experts.shape[1]}"
+                out[key] = _empty_extra_state()
+    return out
+
+
+def save_megatron_dist(
+    model: dict[str, torch.Tensor], common: dict[str, Any], iteration_dir: Path
+) -> None:
+    """Write Megatron's torch_dist files of a whole model into `iteration_dir` (one process;
+    `common` is common.pt: args Namespace, iteration, ...)."""
+    iteration_dir.mkdir(parents=True)
+    with quiet_single_process():
+        dcp.save(megatron_dist_state(model),
+                 storage_writer=FileSystemWriter(iteration_dir, single_file_per_rank=True,
+                                                 thread_count=1), no_dist=True)  # fmt: skip
+    torch.save(common, iteration_dir / COMMON_FILENAME)
+    (iteration_dir / FORMAT_MARKER).write_text(json.dumps(MEGATRON_MARKER))
