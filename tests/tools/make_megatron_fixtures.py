@@ -265,9 +265,46 @@ def run_fixture(out: Path, argv: list[str]) -> None:
     torch.distributed.barrier()
 
 
+def verify_load(directory: Path, argv: list[str], expected: float) -> None:
+    """Megatron's own load_checkpoint (strict; weights only) of `directory` (e.g. written by
+    `gigatron convert --to megatron`): its loss on batch 4 must be `expected` within 1e-5."""
+    flags = [*argv, "--load", str(directory), "--finetune", "--no-load-optim", "--no-load-rng"]
+    args, model, optimizer, scheduler = _setup(flags)
+    from megatron.training.checkpointing import load_checkpoint
+
+    load_checkpoint(model, optimizer, scheduler, strict=True)
+    loss = _eval_loss(model, 4, args)
+    assert abs(loss - expected) < 1e-5, f"Megatron's loss {loss}, expected {expected}"
+    if torch.distributed.get_rank() == 0:
+        print(f"verified: Megatron loaded {directory} strictly; loss {loss} (expected {expected})")
+
+
+def _launch(procs: int, env: dict[str, str], port: int) -> None:
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}",
+           "--master-port", str(port), __file__]  # fmt: skip
+    subprocess.run(cmd, env=env, check=True)
+
+
+def verify(fixtures: Path, name: str, directory: Path) -> None:
+    """`--verify NAME DIR`: DIR (a conversion of fixture NAME) loads in Megatron with its loss."""
+    record = json.loads((fixtures / name / "fixture.json").read_text())
+    fmt = "torch_dist" if (next(directory.glob("iter_*")) / "metadata.json").is_file() else "torch"
+    env = dict(os.environ, FIXTURE_VERIFY=str(directory), FIXTURE_EXPECTED=str(record["next_loss"]))
+    env["FIXTURE_ARGV"] = json.dumps([*record["megatron_flags"], "--ckpt-format", fmt])
+    _launch(FIXTURES[name][0], env, 29700)
+
+
 def main() -> None:
+    if os.environ.get("FIXTURE_VERIFY"):
+        argv = json.loads(os.environ["FIXTURE_ARGV"])
+        verify_load(Path(os.environ["FIXTURE_VERIFY"]), argv, float(os.environ["FIXTURE_EXPECTED"]))
+        return
     if os.environ.get("FIXTURE_ARGV"):
         run_fixture(Path(os.environ["FIXTURE_OUT"]), json.loads(os.environ["FIXTURE_ARGV"]))
+        return
+    if sys.argv[1:2] == ["--verify"]:
+        verify(Path("tests/data/megatron-fixtures"), sys.argv[2], Path(sys.argv[3]))
         return
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/data/megatron-fixtures")
     names = sys.argv[2:] or list(FIXTURES)
@@ -280,11 +317,8 @@ def main() -> None:
             str(MICRO * (procs if "dp2" in name else 1)),
         ]
         env = dict(os.environ, FIXTURE_ARGV=json.dumps(argv), FIXTURE_OUT=str(root / name))
-        env["OMP_NUM_THREADS"] = "1"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={procs}",
-               "--master-port", str(29600 + len(name)), __file__]  # fmt: skip
         print("==", name, flush=True)
-        subprocess.run(cmd, env=env, check=True)
+        _launch(procs, env, 29600 + len(name))
 
 
 if __name__ == "__main__":

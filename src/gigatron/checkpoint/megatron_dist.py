@@ -338,12 +338,10 @@ MEGATRON_MARKER = {
 }  # fmt: skip
 
 
-def _empty_extra_state() -> io.BytesIO:
-    """What Megatron's local-spec linears store as `_extra_state`: torch.save([None])."""
-    stream = io.BytesIO()
-    torch.save([None], stream)
-    stream.seek(0)
-    return stream
+def _empty_extra_state() -> list[None]:
+    """What Megatron stores as a local-spec linear's `_extra_state` ShardedObject: the list of
+    its objects' data, [None] (DCP pickles a non-tensor entry with torch.save)."""
+    return [None]
 
 
 def megatron_dist_state(model: dict[str, torch.Tensor]) -> dict[str, Any]:
