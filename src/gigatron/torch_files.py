@@ -116,6 +116,14 @@ def load_megatron_file(path: Path, mmap: bool = False) -> dict[str, Any]:
     return state
 
 
+def load_megatron_object(data: bytes) -> Any:
+    """An object Megatron-LM saved with torch.save inside a checkpoint (a torch_dist
+    ShardedObject such as its random states), read with the allow-list above."""
+    return torch.load(
+        io.BytesIO(data), map_location="cpu", weights_only=False, pickle_module=_pickle_module()
+    )
+
+
 def safe_load(path: Path, mmap: bool = False) -> dict[str, Any]:
     """torch.load with weights_only=True; anything needing arbitrary unpickling is refused.
     `mmap`: tensors stay in the file until read (for converting one tensor at a time)."""

@@ -128,6 +128,11 @@ _METADATA_GLOBALS = {
     ("pathlib", "WindowsPath"),
     ("pathlib", "PureWindowsPath"),
     ("collections", "OrderedDict"),
+    # Megatron-LM's metadata also keeps its save plans: plain dataclasses and an enum
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
 }
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 

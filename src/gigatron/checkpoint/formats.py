@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gigatron.checkpoint import dist_format, torch_format
+from gigatron.checkpoint import dist_format, megatron_dist, torch_format
 from gigatron.checkpoint.gigatron_io import CheckpointSource
 from gigatron.checkpoint.state import (
     Located,
@@ -58,9 +58,16 @@ def _is_torch_checkpoint(iteration_dir: Path) -> bool:
     return iteration_dir.is_dir() and torch_format.saved_layout(iteration_dir) is not None
 
 
+def _load_dist(located: Located, state: TrainingState, pctx: ParallelContext, cfg: Any):
+    """gigatron's torch_dist, or the one Megatron-LM wrote (its keys, common.pt)."""
+    if megatron_dist.is_megatron_dist(located.iteration_dir):
+        return megatron_dist.load_located(located, state, pctx, cfg)
+    return dist_format.load_located(located, state, pctx, cfg)
+
+
 register_format(
     CheckpointFormat("torch_dist", dist_format.is_dist_checkpoint, dist_format.save_state,
-                     dist_format.load_located)
+                     _load_dist)
 )  # fmt: skip
 register_format(
     CheckpointFormat("torch", _is_torch_checkpoint, torch_format.save_state,

@@ -41,7 +41,7 @@ from gigatron.checkpoint.layout import (
     true_vocab_size,
 )
 from gigatron.checkpoint.lora_convert import export_peft, merge_lora
-from gigatron.checkpoint.megatron_convert import gigatron_to_megatron
+from gigatron.checkpoint.megatron_convert import gigatron_to_megatron, whole_to_megatron_dist
 from gigatron.checkpoint.pipeline import Target, convert
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
 from gigatron.checkpoint.torch_format import (
@@ -308,6 +308,12 @@ def _parser() -> argparse.ArgumentParser:
         "--ckpt-step", type=int, default=None, help="iteration to export (default: the latest)"
     )
     parser.add_argument(
+        "--ckpt-format",
+        choices=("torch", "torch_dist"),
+        default="torch",
+        help="--to megatron: Megatron-LM's checkpoint format to write",
+    )
+    parser.add_argument(
         "--megatron-te-names",
         action="store_true",
         help="--to megatron: Transformer Engine layer names (norms fused into the next linear) "
@@ -365,6 +371,8 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
         unused.append("family")
     if args.target != "megatron" and args.megatron_te_names:
         unused.append("megatron_te_names")
+    if args.target != "megatron" and args.ckpt_format != "torch":
+        unused.append("ckpt_format")
     if args.target != "hf" and args.max_shard_size is not None:
         unused.append("max_shard_size")
     if args.source == "hf" and args.ckpt_step is not None:
@@ -430,6 +438,11 @@ def _convert(
             {f: getattr(args, f) for f in TOKENIZER_FLAGS},
             "none" if args.no_tokenizer else "required",
         )
+    elif pair == ("gigatron", "megatron") and args.ckpt_format == "torch_dist":
+        with tempfile.TemporaryDirectory(prefix="gigatron-whole-") as tmp:
+            whole = Path(tmp) / "whole"  # one tp = pp = 1 file: Megatron reshards on load
+            convert("gigatron", load, "gigatron", whole, Target(1, 1, None, 1), log, args.ckpt_step)
+            whole_to_megatron_dist(whole, save, log)
     elif pair == ("gigatron", "megatron"):
         gigatron_to_megatron(load, save, args.ckpt_step, args.megatron_te_names, log)
     elif pair == ("megatron", "gigatron"):

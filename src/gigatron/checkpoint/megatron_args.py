@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gigatron.checkpoint.megatron_dist import stored_args
 from gigatron.checkpoint.megatron_format import is_megatron_state
 from gigatron.checkpoint.torch_format import CHECKPOINT_FILENAME, locate_iteration, safe_load
 from gigatron.config import GigatronConfig
@@ -75,7 +76,7 @@ def stored_megatron_args(load_dir: str | Path, iteration: int | None) -> dict[st
         return None
     files = sorted(located[0].glob(f"mp_rank_*/{CHECKPOINT_FILENAME}"))
     if not files:
-        return None
+        return stored_args(located[0])  # Megatron's torch_dist: common.pt
     state = safe_load(files[0], mmap=True)
     return vars(state["args"]) if is_megatron_state(state) else None
 

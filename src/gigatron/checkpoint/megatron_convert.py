@@ -22,6 +22,12 @@ from typing import Any
 
 import torch
 
+from gigatron.checkpoint.megatron_dist import (
+    full_model,
+    is_megatron_dist,
+    read_common,
+    save_megatron_dist,
+)
 from gigatron.checkpoint.megatron_format import megatron_te_name, model_to_gigatron
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -143,6 +149,8 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
     same layout (gigatron's names and configuration; tensors memory-mapped). Returns `staged`."""
     iteration_dir, iteration, release = located
     files = sorted(iteration_dir.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}"))
+    if not files and is_megatron_dist(iteration_dir):
+        return _stage_megatron_dist(located, staged, family)
     if not files:
         raise GigatronError(f"{iteration_dir}: holds no mp_rank_*/{CHECKPOINT_FILENAME}")
     for path in files:
@@ -169,3 +177,48 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
         torch.save(out, target)
     (staged / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
     return staged
+
+
+def _stage_megatron_dist(located: tuple[Path, int, bool], staged: Path, family: str | None):
+    """Megatron's torch_dist iteration as one tp = pp = 1 gigatron file (whole tensors)."""
+    iteration_dir, iteration, release = located
+    args = _gigatron_config_dict(read_common(iteration_dir)["args"])
+    for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        args["parallel"][size] = 1  # the tensors are read whole
+    args["parallel"]["expert_model_parallel_size"] = 1
+    out = {"args": args, "iteration": iteration, "checkpoint_version": 3.0}
+    if family is not None:
+        out["gigatron_family"] = family
+    out["model"] = full_model(iteration_dir)
+    target = staged / iteration_dir.name / "mp_rank_00" / CHECKPOINT_FILENAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(out, target)
+    (staged / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
+    return staged
+
+
+def whole_to_megatron_dist(whole: Path, save: Path, log: Any = print) -> Path:
+    """A tp = pp = 1 gigatron checkpoint `whole` as Megatron-LM's torch_dist (model weights;
+    Megatron reshards it to any layout on load)."""
+    iteration_dir, iteration, release = locate_iteration(whole, None)
+    state = safe_load(iteration_dir / "mp_rank_00" / CHECKPOINT_FILENAME)
+    args = megatron_args(state["args"], state)
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    model = dict(state["model"])
+    if not getattr(args, "untie_embeddings_and_output_weights", False):
+        model.pop("output_layer.weight", None)  # tied: Megatron stores the embedding only
+    common = {
+        "args": args, "checkpoint_version": 3.0, "iteration": iteration,
+        "num_floating_point_operations_so_far": 0,
+        "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
+    }  # fmt: skip
+    final = save / iteration_dir.name
+    if final.exists():
+        raise GigatronError(f"--save {save}: already holds {final.name}; give a new directory")
+    tmp = save / (final.name + TMP_SUFFIX)
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_megatron_dist(model, common, tmp)
+    os.replace(tmp, final)
+    (save / TRACKER_FILENAME).write_text("release\n" if release else f"{iteration}\n")
+    log(f"wrote Megatron-LM's torch_dist checkpoint to {final} (model weights only)")
+    return final

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gigatron.checkpoint.megatron_buffers import distributed_entries
 from gigatron.errors import GigatronError
 
 _TE_NORMS = {
@@ -156,49 +157,90 @@ def _group_positions(order: list[str], model: dict[str, torch.Tensor], groups: l
     return names
 
 
+def _merged_model(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    model = model_to_gigatron(state.get("model") or {})
+    for key in sorted(k for k in state if re.fullmatch(r"model\d+", k)):
+        model.update(model_to_gigatron(state[key]))
+    return model
+
+
+def _entries_by_name(inner: dict, state: dict, order: list[str], model: dict) -> dict[str, dict]:
+    """Megatron's torch optimizer state (positions in its groups) keyed by parameter name."""
+    positions = _group_positions(order, model, inner["param_groups"])
+    saved_state = dict(inner["state"])
+    common_step = saved_state.pop("common_step", None)
+    flat = [i for group in inner["param_groups"] for i in group["params"]]
+    steps = {i: g.get("step") for g in inner["param_groups"] for i in g["params"]}
+    out = {}
+    for position, index in enumerate(flat):
+        entry = dict(saved_state.get(index, {}))
+        if entry:
+            step = entry.get("step", common_step)
+            entry["step"] = steps.get(index) if step is None else step
+        out[positions[position]] = entry
+    return out
+
+
+def _stack_experts(entries: dict[str, dict]) -> dict[str, dict]:
+    """Per-expert optimizer entries (`local_experts.{e}.linear_fc1.weight`) stacked into
+    gigatron's [local experts, ...] parameters; other entries as they are."""
+    out, stacked = {}, {}
+    for name, entry in entries.items():
+        expert = _expert_entry(name)
+        if expert is None:
+            out[name] = entry
+        else:
+            stacked.setdefault(expert[0], {})[expert[1]] = entry
+    for target, parts in stacked.items():
+        first = parts[min(parts)]
+        out[target] = {
+            key: value if key == "step" else torch.stack([parts[e][key] for e in sorted(parts)])
+            for key, value in first.items()
+        }
+    return out
+
+
+def saved_entries(saved: Any, state: dict[str, Any], where: Path) -> dict[str, dict]:
+    """Megatron's optimizer state of one rank file keyed by gigatron parameter name: torch's
+    own, the distributed optimizer's (distrib_optim.pt beside `where`) or a MoE chained
+    optimizer (a list: the dense parameters' optimizer, then the experts')."""
+    order = megatron_parameter_order(state)
+    dense = [n for n in order if _expert_entry(n) is None]
+    model = _merged_model(state)
+    raw = {n: t for key in state if key == "model" or re.fullmatch(r"model\d+", key)
+           for n, t in state[key].items()}  # fmt: skip
+    shapes = {**model, **{n: raw[n] for n in order if _expert_entry(n) is not None}}
+    parts = saved if isinstance(saved, list) else [saved]
+    entries: dict[str, dict] = {}
+    for number, part in enumerate(parts):
+        inner = part["optimizer"] if "param_groups" not in part else part
+        if "param_state_sharding_type" in part or "state" not in inner:
+            entries.update(distributed_entries(inner, dense, model, state["args"], where))
+            continue
+        names = order if len(parts) == 1 else [n for n in order if (n in dense) == (number == 0)]
+        entries.update(_stack_experts(_entries_by_name(inner, state, names, shapes)))
+    return entries
+
+
 def optimizer_to_gigatron(
     saved: Any, state: dict[str, Any], model_chunks: list[Any], optimizer: Any, where: Path
 ) -> dict[str, Any]:
     """A Megatron optimizer state dict in gigatron's layout for `optimizer` (mapped by name)."""
-    if isinstance(saved, list):
-        raise GigatronError(
-            f"{where}: holds several chained optimizers (MoE expert optimizer); only the "
-            "weights can be loaded: pass --no-load-optim or --finetune"
-        )
-    inner = saved["optimizer"] if "param_groups" not in saved else saved
-    if "param_state_sharding_type" in saved or "state" not in inner:
-        raise GigatronError(
-            f"{where}: the optimizer state was written by Megatron's distributed optimizer "
-            "(distrib_optim.pt), which gigatron does not read; pass --no-load-optim or --finetune"
-        )
-    model = model_to_gigatron(state.get("model") or {})
-    for key in sorted(k for k in state if re.fullmatch(r"model\d+", k)):
-        model.update(model_to_gigatron(state[key]))
-    positions = _group_positions(megatron_parameter_order(state), model, inner["param_groups"])
-    saved_state = dict(inner["state"])
-    common_step = saved_state.pop("common_step", None)
-    index_of = {}
-    flat = [i for group in inner["param_groups"] for i in group["params"]]
-    for position, index in enumerate(flat):
-        index_of[positions[position]] = index
+    entries = saved_entries(saved, state, where)
     names, params = _gigatron_parameter_order(model_chunks)
-    missing = [n for n in names if n not in index_of]
+    missing = [n for n in names if n not in entries]
     if missing:
         raise GigatronError(
             f"{where}: the Megatron optimizer state has no entry for {', '.join(missing[:3])}; "
             "load with --no-load-optim or --finetune"
         )
     new_state: dict[int, dict[str, Any]] = {}
-    steps = {i: g.get("step") for g in inner["param_groups"] for i in g["params"]}
     for position, (name, param) in enumerate(zip(names, params)):
-        entry = dict(saved_state.get(index_of[name], {}))
+        entry = dict(entries.get(name, {}))
         if not entry:
             continue
-        step = entry.get("step", common_step)
-        if step is None:
-            step = steps.get(index_of[name])
-        if step is not None:
-            entry["step"] = torch.as_tensor(float(step), dtype=torch.float32)
+        if entry.get("step") is not None:
+            entry["step"] = torch.as_tensor(float(entry["step"]), dtype=torch.float32)
         for moment in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
             if moment in entry and tuple(entry[moment].shape) != tuple(param.shape):
                 raise GigatronError(
@@ -207,15 +249,24 @@ def optimizer_to_gigatron(
                 )
         new_state[position] = entry
     template = optimizer.state_dict()
-    inner_template = template["optimizer"]
+    if "optimizer" not in template:  # gigatron's distributed optimizer: its own sharded files
+        raise GigatronError(
+            f"{where}: Megatron-LM's torch-format optimizer state loads into gigatron's "
+            "non-distributed optimizer only; resume without --use-distributed-optimizer (or "
+            "from Megatron's torch_dist format, which loads into either), or pass --no-load-optim"
+        )
     result: dict[str, Any] = {
-        "optimizer": {"state": new_state, "param_groups": inner_template["param_groups"]}
+        "optimizer": {"state": new_state, "param_groups": template["optimizer"]["param_groups"]}
     }
-    if "grad_scaler" in saved and saved["grad_scaler"] is not None:
-        result["grad_scaler"] = saved["grad_scaler"]
-    if "fp32_from_fp16_params" in saved and "fp32_from_fp16_params" in template:
+    first = saved[0] if isinstance(saved, list) else saved
+    if "grad_scaler" in first and first["grad_scaler"] is not None:
+        result["grad_scaler"] = first["grad_scaler"]
+    if "fp32_from_fp16_params" in first and "fp32_from_fp16_params" in template:
+        inner = first["optimizer"] if "param_groups" not in first else first
+        order = [n for n in megatron_parameter_order(state) if _expert_entry(n) is None]
+        positions = _group_positions(order, _merged_model(state), inner["param_groups"])
         mains = {}
-        for group_names, group in zip(_split(positions, inner), saved["fp32_from_fp16_params"]):
+        for group_names, group in zip(_split(positions, inner), first["fp32_from_fp16_params"]):
             mains.update(zip(group_names, group))
         half = [n for n, p in zip(names, params) if p.dtype in (torch.float16, torch.bfloat16)]
         result["fp32_from_fp16_params"] = [mains[n] for n in half]
