@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -41,15 +40,30 @@ def corpus(count: int, seed: int = 0) -> tuple[list[str], int]:
     return docs, planted
 
 
+# Runs the command and reports the peak memory of its main process and of its largest worker
+# (measured inside it: a child's high-water mark would otherwise include this process's pages).
+MEASURED = (
+    "import resource, sys\n"
+    "from gigatron.cli import main\n"
+    "status = main(sys.argv[1:])\n"
+    "usage = [resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, "
+    "resource.RUSAGE_CHILDREN)]\n"
+    "print('peak_kib', *usage, file=sys.stderr)\n"
+    "sys.exit(status)\n"
+)
+
+
 def run_cli(path: Path, workers: int) -> dict:
     output = path.with_suffix(".out.jsonl")
-    command = [sys.executable, "-m", "gigatron.cli", "data", "dedup", "--input", str(path),
+    command = [sys.executable, "-c", MEASURED, "data", "dedup", "--input", str(path),
                "--output", str(output), "--workers", str(workers)]  # fmt: skip
     start = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return {"seconds": seconds, "peak_mib": peak, "log": result.stderr.strip()}
+    lines = result.stderr.strip().splitlines()
+    main_kib, worker_kib = (int(v) for v in lines[-1].split()[1:])
+    return {"seconds": seconds, "peak_mib_main": main_kib / 1024,
+            "peak_mib_worker": worker_kib / 1024, "log": lines[-2]}  # fmt: skip
 
 
 def gigatron_core(docs: list[str]) -> tuple[float, int]:
@@ -83,20 +97,31 @@ def datasketch_core(docs: list[str]) -> tuple[float, int]:
     return time.perf_counter() - start, removed
 
 
+def write_corpus(path: Path, count: int) -> int:
+    docs, planted = corpus(count)
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return planted
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--docs", type=int, default=100_000)
     parser.add_argument("--compare-docs", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--write-corpus", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    docs, planted = corpus(args.docs)
-    rows = {"docs": args.docs, "planted": planted}
+    if args.write_corpus:  # in a child: the command below then starts from a small process
+        print(write_corpus(args.write_corpus, args.docs))
+        return
+    rows: dict = {"docs": args.docs}
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "docs.jsonl"
-        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        made = subprocess.run([sys.executable, __file__, "--write-corpus", str(path), "--docs",
+                               str(args.docs)], capture_output=True, text=True, check=True)  # fmt: skip
+        rows["planted"] = int(made.stdout)
         rows["cli"] = run_cli(path, args.workers)
     rows["cli"]["docs_per_s"] = args.docs / rows["cli"]["seconds"]
-    subset = docs[: args.compare_docs]
+    subset = corpus(args.compare_docs)[0]
     ours, ours_removed = gigatron_core(subset)
     theirs, theirs_removed = datasketch_core(subset)
     rows["core"] = {
