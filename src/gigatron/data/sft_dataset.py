@@ -6,8 +6,11 @@ Each line is `{"prompt": ..., "response": ...}` or `{"messages": [{"role": ..., 
 template (put any role markers in the text); the response (the `assistant` messages) and the
 end-of-document token that closes the conversation are the targets. One line is one sample of
 `--seq-length` tokens: a longer conversation is cut on the right, a shorter one is padded (the
-padding is never a target). Items are GPTDataset's: `tokens`, `labels`, `loss_mask`,
-`position_ids`. A dataset class of `data.builder` (its `open_low_level` reads the file)."""
+padding is never a target). With `--sft-pack-sequences` one sample holds several conversations
+instead (data/packing.py: first-fit-decreasing over the split's conversations, position ids
+restarting and attention kept inside each conversation; the fill ratio is printed). Items are
+GPTDataset's: `tokens`, `labels`, `loss_mask`, `position_ids` (and `attention_mask` when packed). A
+dataset class of `data.builder` (its `open_low_level` reads the file)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import numpy as np
 
 from gigatron.data.builder import Bookend, build_datasets
 from gigatron.data.json_lines import json_lines
+from gigatron.data.packing import first_fit_decreasing, packed_sample, packing_stats
 from gigatron.errors import GigatronError
 
 
@@ -83,6 +87,7 @@ class SFTDatasetOptions:
     seq_length: int
     seed: int
     pad: int
+    pack: bool = False
     split: str | None = None
     split_matrix: list[Bookend] = field(default_factory=list)
     tokenizer_identifiers: dict[str, Any] = field(default_factory=dict)
@@ -106,7 +111,14 @@ class SFTDataset:
     ) -> None:
         self.dataset, self.path, self.indices = low_level, dataset_path, indices
         self.options = options
-        self.num_samples = len(indices) if num_samples is None else num_samples
+        # Packed: a sample is a bin of conversations (positions into `indices`), else one.
+        self.bins = None
+        if options.pack:
+            lengths = [len(low_level.conversations[i].tokens) for i in indices]
+            self.bins = first_fit_decreasing(lengths, options.seq_length)
+            self.packing = packing_stats(lengths, self.bins, options.seq_length)
+        units = len(indices) if self.bins is None else len(self.bins)
+        self.num_samples = units if num_samples is None else num_samples
         if self.num_samples and not len(indices):
             raise GigatronError(
                 f"--data-path {dataset_path}: the {index_split} split holds no conversations; "
@@ -117,6 +129,7 @@ class SFTDataset:
             "class": self.cache_name, "path": dataset_path, "split": index_split,
             "num_samples": self.num_samples, "seed": options.seed,
             "seq_length": options.seq_length, "tokenizer": digest.hexdigest(),
+            "pack": options.pack,
         }  # fmt: skip
         self._orders: dict[int, np.ndarray] = {}
 
@@ -130,17 +143,22 @@ class SFTDataset:
             raise GigatronError("--sft: the tokenizer has no end-of-document token")
         if cfg.data.mock_data:
             raise GigatronError("--sft with --mock-data: give JSON-lines files as --data-path")
-        # One conversation per sample: the document-boundary options have nothing to act on.
+        # Conversations are whole samples, or packed with positions and attention kept to each:
+        # the document-boundary options have nothing to act on.
         for name in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
             if getattr(cfg.data, name):
                 flag = "--" + name.replace("_", "-")
-                raise GigatronError(f"{flag}: not used with --sft (one conversation per sample)")
+                raise GigatronError(
+                    f"{flag}: not used with --sft (one conversation per sample; "
+                    "--sft-pack-sequences packs them, each with its own positions and attention)"
+                )
         identifiers = getattr(tokenizer, "unique_identifiers", {})
         pad = tokenizer.pad if getattr(tokenizer, "pad", None) is not None else tokenizer.eod
         return SFTDatasetOptions(
             seq_length=cfg.model.seq_length,
             seed=cfg.training.seed,
             pad=pad,
+            pack=cfg.data.sft_pack_sequences,
             tokenizer_identifiers=dict(identifiers() if callable(identifiers) else identifiers),
         )
 
@@ -159,16 +177,28 @@ class SFTDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    def conversation_index(self, index: int) -> int:
-        epoch, position = divmod(index, len(self.indices))
+    def unit_index(self, index: int) -> int:
+        """The conversation (or bin, when packed) of sample `index`: a new order each pass."""
+        units = len(self.indices) if self.bins is None else len(self.bins)
+        epoch, position = divmod(index, units)
         if epoch not in self._orders:
             rng = np.random.RandomState((self.options.seed + epoch) % 2**32)
-            self._orders[epoch] = rng.permutation(len(self.indices))
-        return int(self.indices[self._orders[epoch][position]])
+            self._orders[epoch] = rng.permutation(units)
+        return int(self._orders[epoch][position])
+
+    def conversation_index(self, index: int) -> int:
+        return int(self.indices[self.unit_index(index)])
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        conversation = self.dataset.conversations[self.conversation_index(index)]
-        return sft_sample(conversation, self.options.seq_length, self.options.pad)
+        options = self.options
+        if self.bins is None:
+            conversation = self.dataset.conversations[self.conversation_index(index)]
+            return sft_sample(conversation, options.seq_length, options.pad)
+        chosen = [
+            self.dataset.conversations[self.indices[i]] for i in self.bins[self.unit_index(index)]
+        ]
+        documents = [(c.tokens, c.targets) for c in chosen]
+        return packed_sample(documents, options.seq_length, options.pad)
 
 
 def sft_sample(conversation: Conversation, seq_length: int, pad: int) -> dict[str, np.ndarray]:
@@ -188,5 +218,11 @@ def sft_sample(conversation: Conversation, seq_length: int, pad: int) -> dict[st
 
 
 def build_sft_datasets(cfg: Any, tokenizer: Any, num_samples, pctx: Any = None):
-    """(train, valid, test) SFT datasets of the configuration (`--data-path` JSON-lines files)."""
-    return build_datasets(SFTDataset, cfg, tokenizer, num_samples, pctx)
+    """(train, valid, test) SFT datasets of the configuration (`--data-path` JSON-lines files);
+    when packed, rank 0 prints each split's fill ratio."""
+    splits = build_datasets(SFTDataset, cfg, tokenizer, num_samples, pctx)
+    if cfg.data.sft_pack_sequences and (pctx is None or pctx.rank == 0):
+        for name, dataset in zip(("train", "valid", "test"), splits):
+            if isinstance(dataset, SFTDataset):
+                print(dataset.packing.line(name), flush=True)
+    return splits

@@ -161,6 +161,7 @@ ACCEPTED_FIELDS = frozenset(
         "mtp_num_layers",
         "mtp_loss_scaling_factor",
         "sft",
+        "sft_pack_sequences",
         "calculate_per_token_loss",
     }
 )
