@@ -162,6 +162,7 @@ ACCEPTED_FIELDS = frozenset(
         "mtp_loss_scaling_factor",
         "sft",
         "sft_pack_sequences",
+        "sft_tokenizer_prompt_format",
         "calculate_per_token_loss",
     }
 )
