@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import helpers
+from gigatron.data.gpt_dataset import GPTDatasetOptions, make_sample
 from gigatron.data.packing import first_fit_decreasing, packed_sample, packing_stats
 from gigatron.data.sft_dataset import Conversation, sft_sample
 from gigatron.errors import GigatronError
@@ -122,6 +123,32 @@ def test_packed_gradients_equal_the_unpacked_ones(tmp_path):
     for gp, gu in zip(grads_p, grads_u):
         assert torch.allclose(gp, gu, rtol=0, atol=1e-6 * float(gu.abs().max()) + 1e-9)
     assert sum(float(g.abs().sum()) for g in grads_u) > 0
+
+
+def test_pretraining_documents_with_reset_flags_equal_one_per_sample(tmp_path):
+    """GPTDataset's packing (--reset-attention-mask --reset-position-ids --eod-mask-loss):
+    documents joined by eod train as each alone would (the eod's label, the next document's
+    first token, is masked)."""
+    cfg = parse_pretrain_config(flags(tmp_path / "x.jsonl", tmp_path, True), world_size=1)
+    (model,) = build_model(cfg, ParallelContext.single(), vocab_size=VOCAB)
+    eod, rng = VOCAB - 1, np.random.default_rng(1)
+    docs = [np.append(rng.integers(0, eod, n - 1), eod) for n in (9, 13, 10)]
+    options = GPTDatasetOptions(
+        seq_length=SEQ, eod=eod, eod_mask_loss=True, reset_position_ids=True,
+        reset_attention_mask=True,
+    )  # fmt: skip
+    text = np.concatenate([*docs, [3]])  # seq + 1 tokens: the last is only a label
+    packed = {k: torch.from_numpy(v)[None] for k, v in make_sample(text, SEQ + 1, options).items()}
+    one = GPTDatasetOptions(seq_length=SEQ, eod=eod, eod_mask_loss=True)
+    padded = [np.append(d, np.zeros(SEQ + 1 - len(d), np.int64)) for d in docs]
+    alone = [make_sample(p, len(d), one) for p, d in zip(padded, docs)]
+    unpacked = {k: torch.from_numpy(np.stack([a[k] for a in alone])) for k in alone[0]}
+    loss_p, tokens_p, grads_p = _loss_and_grads(model, packed)
+    loss_u, tokens_u, grads_u = _loss_and_grads(model, unpacked)
+    assert tokens_p == tokens_u == sum(len(d) - 1 for d in docs)
+    assert loss_p == pytest.approx(loss_u, rel=1e-6)
+    for gp, gu in zip(grads_p, grads_u):
+        assert torch.allclose(gp, gu, rtol=0, atol=1e-6 * float(gu.abs().max()) + 1e-9)
 
 
 def test_packing_flags_are_checked(tmp_path):
