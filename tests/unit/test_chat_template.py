@@ -212,5 +212,11 @@ def test_serve_renders_chats_with_the_same_template(tokenizer_dir, hf_tokenizer)
         messages, chat_template=TAGGED, tokenize=False, add_generation_prompt=True
     )
     assert prompt.startswith("<s><|im_start|>system\n") and prompt.endswith("assistant\n")
+    # A model fine-tuned with --sft-tokenizer-prompt-format is served with that format.
+    nemotron = chat_template_of(tokenizer, "nemotron-h-aligned")
+    assert (
+        render_chat([("user", "hi")], tokenizer, nemotron)
+        == "<SPECIAL_11>User\nhi\n<SPECIAL_11>Assistant\n"
+    )
     with pytest.raises(RequestError, match="the chat template failed \\(no tools\\)"):
         render_chat([("user", "x")], tokenizer, "{{ raise_exception('no tools') }}")

@@ -19,6 +19,7 @@ from gigatron.data.chat_template import (
     ChatTemplate,
     TemplateFailure,
     special_token_strings,
+    template_source,
     tokenizer_template,
 )
 from gigatron.errors import GigatronError
@@ -202,8 +203,11 @@ def _message_text(message: Any, index: int) -> tuple[str, str]:
     return role, content
 
 
-def chat_template_of(tokenizer) -> str | None:
-    """The Jinja chat template of a Hugging Face tokenizer (tokenizer_config.json), if any."""
+def chat_template_of(tokenizer, prompt_format: str | None = None) -> str | None:
+    """The Jinja chat template a model was fine-tuned with (its --sft-tokenizer-prompt-format),
+    else its Hugging Face tokenizer's (tokenizer_config.json), if any."""
+    if prompt_format is not None:
+        return template_source(prompt_format, tokenizer)
     return tokenizer_template(tokenizer) if tokenizer else None
 
 
