@@ -200,3 +200,22 @@ def test_packed_training_equals_unpacked(runs, name):
         assert norm == pytest.approx(ref_norm, rel=1e-6)
     if name != "unpacked":
         assert "8 documents in 4 sequences of 32 tokens, fill ratio 97.7%" in outputs[name]
+
+
+def test_fill_ratio_of_each_blended_file(tmp_path, capsys):
+    from gigatron.data.sft_dataset import build_sft_datasets
+    from gigatron.data.tokenizers import build_tokenizer
+
+    rows = conversations()
+    first = helpers.write_jsonl(tmp_path / "a.jsonl", rows[:4])
+    second = helpers.write_jsonl(tmp_path / "b.jsonl", rows[4:])
+    base = flags(first, tmp_path, True)
+    at = base.index("--data-path")
+    argv = [*base[:at], "--data-path", "1", str(first), "1", str(second), *base[at + 2 :]]
+    cfg = parse_pretrain_config(argv, world_size=1)
+    train, _, _ = build_sft_datasets(cfg, build_tokenizer(cfg.tokenizer), (6, None, None))
+    assert len(train) == 6
+    lines = capsys.readouterr().out.splitlines()
+    # a: 12, 25, 16, 5 -> [25, 5], [16, 12]; b: 18, 14, 20, 15 -> [20], [18, 14], [15].
+    assert f"sequence packing (train, {first}): 4 documents in 2 sequences" in lines[0]
+    assert f"sequence packing (train, {second}): 4 documents in 3 sequences" in lines[1]

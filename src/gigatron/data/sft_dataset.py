@@ -258,6 +258,9 @@ def build_sft_datasets(cfg: Any, tokenizer: Any, num_samples, pctx: Any = None):
     splits = build_datasets(SFTDataset, cfg, tokenizer, num_samples, pctx)
     if cfg.data.sft_pack_sequences and (pctx is None or pctx.rank == 0):
         for name, dataset in zip(("train", "valid", "test"), splits):
-            if isinstance(dataset, SFTDataset):
-                print(dataset.packing.line(name), flush=True)
+            # A blend of several files: each member's packing.
+            for member in getattr(dataset, "datasets", [dataset]):
+                if isinstance(member, SFTDataset):
+                    where = name if member is dataset else f"{name}, {member.path}"
+                    print(member.packing.line(where), flush=True)
     return splits
