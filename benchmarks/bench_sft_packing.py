@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -113,6 +114,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for packed in (False, True):
                 best[packed] = min(best[packed], epoch_seconds(model, runs[packed][1]))
+                print(f"{'packed' if packed else 'padded'}: {best[packed]:.1f} s", file=sys.stderr)
     report(rows, runs, best, args.seq_length)
 
 
