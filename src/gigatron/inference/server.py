@@ -195,12 +195,9 @@ async def read_json(request: Any) -> Any:
         raise RequestError("the request body is not valid JSON", None) from None
 
 
-def create_app(
-    engine: InferenceEngine, tokenizer, model_name: str = "gigatron", prompt_format=None
-):
-    """The FastAPI application (the engine thread starts and stops with it); chats are rendered
-    with the template of `prompt_format` (the checkpoint's --sft-tokenizer-prompt-format) or
-    the tokenizer's."""
+def create_app(engine: InferenceEngine, tokenizer, model_name="gigatron", prompt_format=None):
+    """The FastAPI application (the engine thread starts and stops with it); chats use the
+    template of `prompt_format` (--sft-tokenizer-prompt-format) or the tokenizer's."""
 
     # why: fastapi is the optional `serve` extra
     from fastapi import FastAPI, Request
