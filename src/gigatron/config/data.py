@@ -27,6 +27,18 @@ class DataConfig(Section):
         "supervised fine-tuning (GPT): --data-path names JSON-lines files of prompt/response "
         "pairs or messages; the loss counts the response tokens only",
     )
+    sft_pack_sequences: bool = flag_field(
+        False,
+        "with --sft: several conversations per sample (first-fit-decreasing), each with its own "
+        "position ids and attention (docs/sft.md)",
+    )
+    sft_tokenizer_prompt_format: Optional[str] = flag_field(
+        None,
+        "with --sft: the chat template conversations are rendered with: nemotron-h-aligned, "
+        "nemotron-nano-v2, tokenizer (the tokenizer_config.json's chat_template), or a file (a "
+        "tokenizer_config.json or a Jinja template); loss on assistant turns (docs/sft.md)",
+        default_help="none: the messages' texts joined, no template",
+    )
     data_cache_path: Optional[str] = flag_field(None, "where dataset indices are cached")
     mid_level_dataset_surplus: float = flag_field(0.005, "extra samples asked of blended members")
     mask_prob: float = flag_field(0.15, "BERT: share of the tokens masked for the masked-LM loss")
@@ -57,6 +69,18 @@ class DataConfig(Section):
                 parse_split(self.split)
             except GigatronError as error:
                 found.append(str(error))
+        if self.sft_pack_sequences and not self.sft:
+            found.append("--sft-pack-sequences: packs --sft conversations; add --sft")
+        if self.sft_tokenizer_prompt_format is not None and not self.sft:
+            found.append(
+                f"--sft-tokenizer-prompt-format {self.sft_tokenizer_prompt_format}: formats "
+                "--sft conversations; add --sft"
+            )
+        if self.sft_pack_sequences and not self.create_attention_mask_in_dataloader:
+            found.append(
+                "--sft-pack-sequences needs the mask the data loader builds (it keeps each "
+                "conversation to itself); drop --no-create-attention-mask-in-dataloader"
+            )
         if self.reset_attention_mask and not self.create_attention_mask_in_dataloader:
             found.append(
                 "--reset-attention-mask needs the mask the data loader builds; drop "

@@ -26,6 +26,7 @@ from gigatron.data.builder import (  # noqa: F401  (the split/blend parsers, imp
 )
 from gigatron.data.index_cache import IndexCache
 from gigatron.data.indexed import DocumentTable
+from gigatron.data.packing import document_attention_mask
 from gigatron.data.sample_index import build_all_indices
 from gigatron.errors import GigatronError
 
@@ -222,9 +223,7 @@ def make_sample(text: np.ndarray, real: int, options: GPTDatasetOptions) -> dict
         if options.reset_position_ids:
             sample["position_ids"] = positions - segment_start
         if options.reset_attention_mask and options.create_attention_mask:
-            keys = positions[None, :]
-            allowed = (keys <= positions[:, None]) & (keys >= segment_start[:, None])
-            sample["attention_mask"] = ~allowed[None]
+            sample["attention_mask"] = document_attention_mask(segment_start)
     elif options.reset_attention_mask and options.create_attention_mask:
         sample["attention_mask"] = ~np.tri(seq, dtype=bool)[None]
     # Padding is masked by position, not by value, so a pad id that also occurs in the text

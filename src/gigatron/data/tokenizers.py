@@ -395,6 +395,12 @@ class HuggingFaceTokenizer(Tokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(_ids(ids), skip_special_tokens=False)
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of `text` without the tokenizer's own special tokens (a chat template writes
+        them) and each one's [start, end) characters."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
 
 def _special_token_names(directory: str) -> dict[str, str]:
     """Special token strings from tokenizer_config.json / special_tokens_map.json, if present."""

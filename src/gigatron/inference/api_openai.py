@@ -10,13 +10,19 @@ suffix, best_of other than n) are refused with a 400 unless left at their neutra
 
 from __future__ import annotations
 
-import json
-import os
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from gigatron.data.chat_template import (
+    ChatTemplate,
+    TemplateFailure,
+    special_token_strings,
+    template_source,
+    tokenizer_template,
+)
+from gigatron.errors import GigatronError
 from gigatron.inference.api_megatron import RequestError
 from gigatron.inference.engine import Completion, SamplingParams
 
@@ -197,52 +203,25 @@ def _message_text(message: Any, index: int) -> tuple[str, str]:
     return role, content
 
 
-def chat_template_of(tokenizer) -> str | None:
-    """The Jinja chat template of a Hugging Face tokenizer (tokenizer_config.json), if any."""
-    path = tokenizer.unique_identifiers.get("tokenizer_model") if tokenizer else None
-    if not isinstance(path, str):
-        return None
-    config_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
-    if not os.path.isfile(config_path):
-        return None
-    try:
-        with open(config_path, encoding="utf-8") as handle:
-            template = json.load(handle).get("chat_template")
-    except (OSError, ValueError):
-        return None
-    return template if isinstance(template, str) else None
+def chat_template_of(tokenizer, prompt_format: str | None = None) -> str | None:
+    """The Jinja chat template a model was fine-tuned with (its --sft-tokenizer-prompt-format),
+    else its Hugging Face tokenizer's (tokenizer_config.json), if any."""
+    if prompt_format is not None:
+        return template_source(prompt_format, tokenizer)
+    return tokenizer_template(tokenizer) if tokenizer else None
 
 
 def render_chat(messages: list[tuple[str, str]], tokenizer, template: str | None) -> str:
-    """The prompt text: the tokenizer's chat template when it has one, else one
-    `role: content` line per message and an open `assistant:` line."""
+    """The prompt text: the tokenizer's chat template when it has one (rendered as --sft
+    renders it for training, data/chat_template.py), else one `role: content` line per message
+    and an open `assistant:` line."""
     if template is None:
         lines = [f"{role}: {content}" for role, content in messages]
         return "\n".join(lines) + "\nassistant:"
-    # why: jinja2 (chat templates) loads only for the chat endpoint
-    import jinja2.sandbox
-
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message):
-        raise RequestError(f"messages: {message}", "messages")
-
-    names = {}
-    for attribute in ("bos", "eos"):
-        token_id = getattr(tokenizer, attribute, None)
-        names[f"{attribute}_token"] = (
-            tokenizer.detokenize([token_id]) if token_id is not None else ""
-        )
     try:
-        return environment.from_string(template).render(
-            messages=[{"role": r, "content": c} for r, c in messages],
-            add_generation_prompt=True,
-            raise_exception=raise_exception,
-            **names,
-        )
-    except RequestError:
-        raise
-    except jinja2.TemplateError as error:
+        compiled = ChatTemplate(template, special_token_strings(tokenizer))
+        return compiled.text([{"role": r, "content": c} for r, c in messages], True)
+    except (TemplateFailure, GigatronError) as error:
         raise RequestError(f"messages: the chat template failed ({error})", "messages") from None
 
 

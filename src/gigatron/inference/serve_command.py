@@ -54,7 +54,8 @@ def main(argv: Sequence[str]) -> int:
             return 0
         from gigatron.inference.server import create_app
 
-        app = create_app(engine, loaded.tokenizer, args.model_name)
+        prompt_format = loaded.cfg.data.sft_tokenizer_prompt_format  # the fine-tuning's
+        app = create_app(engine, loaded.tokenizer, args.model_name, prompt_format)
         print(
             f"gigatron serve: {args.load} (iteration {loaded.iteration}) on "
             f"http://{args.host}:{args.port}  (PUT /api, POST /v1/completions, "

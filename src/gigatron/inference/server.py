@@ -195,15 +195,16 @@ async def read_json(request: Any) -> Any:
         raise RequestError("the request body is not valid JSON", None) from None
 
 
-def create_app(engine: InferenceEngine, tokenizer, model_name: str = "gigatron"):
-    """The FastAPI application (the engine thread starts and stops with it)."""
+def create_app(engine: InferenceEngine, tokenizer, model_name="gigatron", prompt_format=None):
+    """The FastAPI application (the engine thread starts and stops with it); chats use the
+    template of `prompt_format` (--sft-tokenizer-prompt-format) or the tokenizer's."""
 
     # why: fastapi is the optional `serve` extra
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
 
     bridge = EngineBridge(engine)
-    template = oai.chat_template_of(tokenizer)
+    template = oai.chat_template_of(tokenizer, prompt_format)
     eod = getattr(tokenizer, "eod", None)
 
     @asynccontextmanager

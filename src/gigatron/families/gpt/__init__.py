@@ -183,6 +183,8 @@ ACCEPTED_FIELDS = frozenset(
         "mtp_num_layers",
         "mtp_loss_scaling_factor",
         "sft",
+        "sft_pack_sequences",
+        "sft_tokenizer_prompt_format",
         "calculate_per_token_loss",
     }
 )
