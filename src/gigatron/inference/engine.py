@@ -7,6 +7,10 @@ sequence decodes one token. A sequence stops on its own (end-of-document / stop 
 string, end of line, `max_tokens`, the cache's length) and frees its slot at once, so a queued
 request joins at the next step boundary. `submit` and `cancel` are thread-safe: a server thread
 submits while another thread runs `step()` in a loop (`serve_forever`).
+
+With a `BlockScheduler` (the dynamic engine, over a runner with a paged KV cache) the scheduler
+builds each step instead: decode tokens, prefill chunks and newcomers together under a token
+budget, KV memory admitted by blocks, preemption when blocks run out (inference/scheduler.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from gigatron.errors import GigatronError
 from gigatron.inference.runner import ModelRunner, StepPlan, StepResult
 from gigatron.inference.sampling import RowSampling
+from gigatron.inference.scheduler import BlockScheduler
 
 
 @dataclass
@@ -96,6 +101,18 @@ class _Sequence:
     top_p: float = 0.0
     cancelled: bool = False
     cut_text: str | None = None  # the text up to a stop string, when one ended it
+    blocks: list[int] = field(default_factory=list)  # paged cache: the KV block table
+    order: int = 0  # paged cache: admission order (the newest is preempted first)
+
+    def tokens(self) -> list[int]:
+        """Prompt and generated tokens: what the cache must hold (a preempted request is
+        recomputed from them)."""
+        return self.completion.prompt_ids + self.completion.output_ids
+
+    @property
+    def wants_whole_prompt(self) -> bool:
+        """Prompt log-probs still to compute: the prompt is fed whole, from position 0."""
+        return self.params.prompt_logprobs and self.completion.prompt_log_probs is None
 
 
 class InferenceEngine:
@@ -108,8 +125,10 @@ class InferenceEngine:
         tokenizer=None,
         default_stop_token_ids: Sequence[int] = (),
         seed: int = 0,
+        scheduler: BlockScheduler | None = None,
     ) -> None:
         self.runner = runner
+        self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.default_stop_token_ids = tuple(default_stop_token_ids)
         self.max_batch_size = runner.max_batch_size
@@ -138,6 +157,8 @@ class InferenceEngine:
         params.validate()
         prompt = [int(t) for t in prompt_ids]
         self.check_length(len(prompt), params.max_tokens)
+        if self.scheduler is not None:
+            self.scheduler.check_fits(len(prompt) + params.max_tokens)
         if any(t < 0 or t >= self.runner.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
         if (params.stop or params.stop_on_eol or params.stop_on_double_eol) and not self.tokenizer:
@@ -208,14 +229,23 @@ class InferenceEngine:
             self._running.clear()
             for sequence in failed:
                 self._by_id.pop(sequence.completion.request_id, None)
+                self._release(sequence)
         for sequence in failed:
             sequence.completion.finish_reason = "error"
             self._notify(sequence)
 
     def stats(self) -> dict[str, int]:
-        """Sequences generating now and waiting for a slot."""
+        """Sequences generating now and waiting for a slot (with a paged cache also the KV
+        blocks in use and free, prefix-cache hits, evictions and preemptions)."""
         with self._lock:
-            return {"running": len(self._running), "waiting": len(self._waiting)}
+            numbers = {"running": len(self._running), "waiting": len(self._waiting)}
+            if self.scheduler is not None:
+                pool = self.scheduler.pool
+                numbers.update(
+                    blocks_in_use=pool.in_use(), blocks_available=pool.available(),
+                    **vars(pool.counters),
+                )  # fmt: skip
+            return numbers
 
     def close(self) -> None:
         with self._work:
@@ -223,8 +253,11 @@ class InferenceEngine:
             self._work.notify_all()
 
     def step(self) -> bool:
-        """One forward step (prefill of newcomers, else one decode step). False when idle."""
+        """One forward step (prefill of newcomers, else one decode step; the dynamic engine:
+        the scheduler's mix). False when idle."""
         self._drop_cancelled()
+        if self.scheduler is not None:
+            return self._dynamic_step()
         with self._lock:
             free = [s for s in range(self.max_batch_size) if s not in self._running]
             joining = []
@@ -256,6 +289,7 @@ class InferenceEngine:
                     finished.append(sequence)
             for sequence in finished:
                 self._by_id.pop(sequence.completion.request_id, None)
+                self._release(sequence)
         for sequence in finished:
             sequence.completion.finish_reason = "cancelled"
             self._notify(sequence)
@@ -364,7 +398,46 @@ class InferenceEngine:
         with self._lock:
             self._running.pop(sequence.slot, None)
             self._by_id.pop(completion.request_id, None)
+            self._release(sequence)
         self._notify(sequence)
+
+    def _release(self, sequence: _Sequence) -> None:
+        """Give a sequence's KV blocks back (the dynamic engine; the lock is held)."""
+        if self.scheduler is not None:
+            self.scheduler.release(sequence)
+
+    # ---- the dynamic engine ---------------------------------------------------------------
+    def _dynamic_step(self) -> bool:
+        with self._lock:
+            rows = self.scheduler.schedule(self._running, self._waiting)
+        if not rows:
+            return False
+        whole = any(q.wants_whole_prompt for q, _ in rows)
+        plan = StepPlan(
+            slots=[q.slot for q, _ in rows],
+            tokens=[q.tokens()[q.cached : q.cached + n] for q, n in rows],
+            starts=[q.cached for q, _ in rows],
+            sampling=[self._row(q) for q, _ in rows],
+            prompt_log_probs=whole,
+            top_n=max(q.params.top_logprobs for q, _ in rows),
+            block_tables=[list(q.blocks) for q, _ in rows],
+            packed=self.runner.cache.packs and not whole,
+        )
+        result = self.runner.execute(plan)
+        for sequence, count in rows:
+            sequence.cached += count
+        with self._lock:
+            self.scheduler.after_step(rows)
+        for row, (sequence, _) in enumerate(rows):
+            if sequence.cached < len(sequence.tokens()):
+                continue  # a prefill chunk: its token comes with the prompt's last chunk
+            if sequence.wants_whole_prompt:
+                sequence.completion.prompt_log_probs = result.prompt_log_probs[row]
+            if sequence.params.max_tokens == 0:
+                self._finish(sequence, "length")
+            else:
+                self._accept(sequence, row, result)
+        return True
 
     def _notify(self, sequence: _Sequence) -> None:
         if sequence.on_update is not None:
