@@ -230,3 +230,16 @@ def test_block_pool_reference_counts_and_evicts_least_recently_used():
     assert pool.allocate(1) == a[:1] and pool.cached() == 0
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release([fresh[0], fresh[0]])
+
+
+def test_multi_latent_attention_blocks_hold_latents_not_keys_and_values():
+    model = MODELS["mla"]()
+    engine = dynamic_engine(model, block_size=4)
+    cache = engine.runner.cache
+    latent = TINY_MLA["kv_lora_rank"] + TINY_MLA["qk_pos_emb_head_dim"]  # 16 + 8 per position
+    assert cache.keys[1].shape == (cache.num_blocks * 4, 1, latent)
+    assert cache.values[1].numel() == 0
+    static = static_engine(model).runner.cache
+    heads = 4 * (8 + 8) + 4 * 12  # per position: every head's key and value
+    assert static.keys[1][0, 0].numel() + static.values[1][0, 0].numel() == heads
+    assert cache.bytes() == 2 * cache.num_blocks * 4 * latent * 4

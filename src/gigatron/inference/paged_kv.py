@@ -31,10 +31,14 @@ from gigatron.inference.mamba_state import MambaStateCache, mamba_mixers
 
 
 def _attention_layers(model_chunks: list[nn.Module]) -> dict[int, tuple[nn.Module, tuple]]:
+    """Layer number -> (attention module, (key entry shape, value entry shape)); a latent
+    attention stores one entry per position (its `latent_cache_shape()`) and no value."""
     layers = {}
     for chunk in model_chunks:
         for module in chunk.modules():
             shapes = attention_cache_shapes(module)
+            if shapes is not None and hasattr(module, "latent_cache_shape"):
+                shapes = (module.latent_cache_shape(), (0,))
             if shapes is not None:
                 layers[module.layer_number] = (module, shapes)
     return layers
@@ -98,6 +102,7 @@ class PagedKVCache:
         buffers = self.keys or self.mamba.ssm
         self.device = next(iter(buffers.values())).device
         self.packs = self.mamba is None  # a recurrent state needs one row per request
+        self.stores_latents = True  # multi-latent attention: latents, not keys and values
         self.attention_mask: torch.Tensor | None = None
         self._masks: dict[int, torch.Tensor] = {}
 
@@ -188,6 +193,13 @@ class PagedKVCache:
         k_pool.index_put_((self._write,), key.to(k_pool.dtype))
         v_pool.index_put_((self._write,), value.to(v_pool.dtype))
         return k_pool[self._read], v_pool[self._read]
+
+    def update_latent(self, layer_number: int, entry: torch.Tensor) -> torch.Tensor:
+        """Store this step's latent entries [n, b, c] of a multi-latent attention layer; return
+        every position's entry the step reads, [r, b, c]."""
+        pool = self.keys[layer_number]
+        pool[:, 0].index_put_((self._write,), entry.to(pool.dtype))
+        return pool[self._read][:, :, 0]
 
     def select_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final hidden states [n, b, h] reduced to one per request, [1, requests, h] (all
