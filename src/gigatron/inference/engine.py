@@ -157,8 +157,6 @@ class InferenceEngine:
         params.validate()
         prompt = [int(t) for t in prompt_ids]
         self.check_length(len(prompt), params.max_tokens)
-        if self.scheduler is not None:
-            self.scheduler.check_fits(len(prompt) + params.max_tokens)
         if any(t < 0 or t >= self.runner.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
         if (params.stop or params.stop_on_eol or params.stop_on_double_eol) and not self.tokenizer:
@@ -173,7 +171,8 @@ class InferenceEngine:
         return completion
 
     def check_length(self, prompt_length: int, max_tokens: int) -> None:
-        """ValueError when a prompt does not fit the context with `max_tokens` more tokens."""
+        """ValueError when a prompt does not fit the context with `max_tokens` more tokens (or,
+        the dynamic engine, the KV block pool)."""
         limit = self.max_sequence_length
         if prompt_length < 1:
             raise ValueError("the prompt is empty (it needs at least one token)")
@@ -182,6 +181,8 @@ class InferenceEngine:
                 f"the prompt ({prompt_length} tokens) plus max_tokens ({max_tokens}) exceeds the "
                 f"model's context of {limit} tokens"
             )
+        if self.scheduler is not None:
+            self.scheduler.check_fits(prompt_length + max_tokens)
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (e.g. its client went away); its slot is freed at the next step."""

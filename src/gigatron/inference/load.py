@@ -22,6 +22,7 @@ from gigatron.config.checkpoint_args import apply_checkpoint_flags
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
+from gigatron.inference.arguments import dynamic_settings
 from gigatron.inference.block_pool import BlockPool
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
@@ -222,4 +223,5 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Inference
         max_batch_size=args.max_batch_size,
         max_sequence_length=args.max_sequence_length,
         seed=args.seed,
+        dynamic=dynamic_settings(args),
     )
