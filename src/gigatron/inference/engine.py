@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gigatron.errors import GigatronError
+from gigatron.inference.beam import Beam, beam_search
 from gigatron.inference.runner import ModelRunner, StepPlan, StepResult
 from gigatron.inference.sampling import RowSampling
 from gigatron.inference.scheduler import BlockScheduler
@@ -56,6 +57,9 @@ class SamplingParams:
     logprobs: bool = False
     prompt_logprobs: bool = False
     top_logprobs: int = 0
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def validate(self) -> None:
         if self.max_tokens < 0:
@@ -68,6 +72,16 @@ class SamplingParams:
             raise ValueError("top_p must be in [0, 1]")
         if self.top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
+        if self.beam_width < 1:
+            raise ValueError("beam_width must be >= 1")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError('early_stopping must be true, false or "never"')
+        beam_only = (self.stop or self.logprobs or self.prompt_logprobs or self.top_logprobs
+                     or self.stop_on_eol or self.stop_on_double_eol)  # fmt: skip
+        if self.beam_width > 1 and beam_only:
+            raise ValueError(
+                "beam search does not take stop strings, end-of-line stops or log-probs"
+            )
 
 
 @dataclass
@@ -83,6 +97,7 @@ class Completion:
     log_probs: list[float] = field(default_factory=list)
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_log_probs: list[float] | None = None
+    beams: list[Beam] = field(default_factory=list)  # beam search: every hypothesis, best first
 
     @property
     def finished(self) -> bool:
@@ -161,6 +176,13 @@ class InferenceEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
         if (params.stop or params.stop_on_eol or params.stop_on_double_eol) and not self.tokenizer:
             raise ValueError("stop strings and end-of-line stops need a tokenizer")
+        if params.beam_width > 1 and (self.scheduler is not None or
+                                      params.beam_width > self.max_batch_size):  # fmt: skip
+            raise ValueError(
+                f"beam_width {params.beam_width} needs as many cache slots on the static engine "
+                f"(this one: {self.max_batch_size} slots"
+                f"{', dynamic' if self.scheduler is not None else ''})"
+            )
         with self._lock:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
             completion = Completion(next(self._ids), prompt)
@@ -262,20 +284,43 @@ class InferenceEngine:
         with self._lock:
             free = [s for s in range(self.max_batch_size) if s not in self._running]
             joining = []
-            while free and self._waiting:
+            beam = self._waiting[0] if self._waiting and _is_beam(self._waiting[0]) else None
+            if beam is not None and not self._running:
+                self._waiting.popleft()
+                self._running[0] = beam
+                beam.slot = 0
+            elif beam is not None:
+                free = []  # a beam search runs alone: let the running sequences finish
+            while free and self._waiting and not _is_beam(self._waiting[0]):
                 sequence = self._waiting.popleft()
                 sequence.slot = free.pop(0)
                 self._running[sequence.slot] = sequence
                 joining.append(sequence)
             running = [self._running[s] for s in sorted(self._running) if s not in
                        {q.slot for q in joining}]  # fmt: skip
-        if joining:
+        if beam is not None and beam.slot == 0:
+            self._beam_search(beam)
+        elif joining:
             self._prefill(joining)
         elif running:
             self._decode(running)
         else:
             return False
         return True
+
+    def _beam_search(self, sequence: _Sequence) -> None:
+        params = sequence.params
+        stop_ids = (
+            () if params.ignore_eos else (params.stop_token_ids or self.default_stop_token_ids)
+        )
+        beams = beam_search(
+            self.runner, sequence.completion.prompt_ids, params.beam_width, params.max_tokens,
+            tuple(stop_ids), params.length_penalty, params.early_stopping,
+        )  # fmt: skip
+        completion = sequence.completion
+        completion.beams = beams
+        completion.output_ids = list(beams[0].tokens)
+        self._finish(sequence, "stop" if beams[0].stopped else "length")
 
     def _drop_cancelled(self) -> None:
         finished = []
@@ -452,6 +497,10 @@ class InferenceEngine:
         except Exception:  # noqa: BLE001 - a tokenizer without that text: nothing to ban
             return ()
         return tuple(ids) if len(ids) == 1 else ()
+
+
+def _is_beam(sequence: _Sequence) -> bool:
+    return sequence.params.beam_width > 1
 
 
 def validate_engine_sizes(max_batch_size: int, max_sequence_length: int) -> None:

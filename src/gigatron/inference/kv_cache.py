@@ -84,6 +84,17 @@ class KVCache:
         """Memory held by the buffers."""
         return cache_bytes(self.keys, self.values, self.mamba)
 
+    def copy_slots(self, sources: list[int]) -> None:
+        """Slot i takes what slot `sources[i]` holds (all read before any is written): beam
+        search's reordering of its beams."""
+        index = torch.tensor(sources, dtype=torch.long, device=self.device)
+        count = len(sources)
+        for buffers in (self.keys, self.values):
+            for buffer in buffers.values():
+                buffer[:, :count] = buffer.index_select(1, index)
+        if self.mamba is not None:
+            self.mamba.copy_slots(sources)
+
     def begin_step(
         self,
         slots: list[int],

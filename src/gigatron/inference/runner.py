@@ -32,7 +32,8 @@ class StepPlan:
     the log-prob of every fed token given the ones before (prefill from position 0 only).
     `top_n`: also return the n likeliest tokens of each chosen position. `stop`: followers leave
     their loop. `block_tables` (paged cache): each row's KV blocks; `packed`: the rows' tokens
-    in one row without padding (`inference.paged_kv`)."""
+    in one row without padding (`inference.paged_kv`). `copy_slots` (beam search, static cache):
+    before the step, slot i takes the cache of slot `copy_slots[i]`."""
 
     slots: list[int] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
@@ -43,6 +44,7 @@ class StepPlan:
     stop: bool = False
     block_tables: list[list[int]] | None = None
     packed: bool = False
+    copy_slots: list[int] | None = None
 
 
 @dataclass
@@ -111,6 +113,8 @@ class ModelRunner:
         if plan.stop:
             return None
         lengths = [len(t) for t in plan.tokens]
+        if plan.copy_slots:
+            self.cache.copy_slots(plan.copy_slots)
         tokens, positions = self._inputs(plan, lengths)
         pctx = self.pctx
         hidden_shape = (tokens.shape[1], tokens.shape[0], self.config.hidden_size)
