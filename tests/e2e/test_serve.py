@@ -68,7 +68,6 @@ INVALID = [
     ({}, "prompts argument required"),
     ({"prompts": ["a"], "max_len": 3}, "max_len is no longer used.  Replace with tokens_to_generate"),
     ({"prompts": ["a"], "sentences": ["a"]}, "sentences is no longer used.  Replace with prompts"),
-    ({"prompts": ["a"], "beam_width": 2}, "Beam search is no longer supported."),
     ({"prompts": "a"}, "prompts is not a list of strings"),
     ({"prompts": [1, 2]}, "prompts is not a list of strings"),
     ({"prompts": []}, "prompts is empty"),
@@ -99,6 +98,11 @@ INVALID = [
     ({"prompts": ["a"], "random_seed": "1"}, "random_seed must be integer"),
     ({"prompts": ["a"], "random_seed": -2}, "random_seed must be a positive integer"),
     ({"prompts": ["a"], "no_log": "x"}, "no_log must be a boolean value"),
+    ({"prompts": ["a"], "beam_width": "2"}, "beam_width must be integer"),
+    ({"prompts": ["a"], "beam_width": 0}, "beam_width must be an integer > 1"),
+    ({"prompts": ["a", "b"], "beam_width": 2}, "When doing beam_search, batch size must be 1"),
+    ({"prompts": ["a"], "beam_width": 2, "logprobs": True}, "logprobs is not available with beam_width"),
+    ({"prompts": ["a"], "beam_width": 9, "tokens_to_generate": 4}, "beam_width 9 needs as many cache slots on the static engine (this one: 4 slots)"),
     ({"prompts": ["a"], "stop_token": 1.5}, "stop_token must be an integer"),
     ({"prompts": ["a"], "stop_token": 1000000000}, "stop_token 1000000000 is outside the vocabulary [0, 50257); give a token id of the vocabulary, or -1 for none"),
     ({"prompts": ["a"], "length_penalty": 1}, "length_penalty must be a float"),
@@ -110,6 +114,25 @@ def test_api_validation_rules(server):
         response = put(server, body)
         assert response.status_code == 400, (body, response.text)
         assert response.json() == {"message": message}, body
+
+
+def test_api_beam_search_returns_the_engine_beams(server, checkpoint):
+    engine, tokenizer = engine_from_checkpoint(checkpoint)
+    prompt = "The capital of France"
+    params = SamplingParams(max_tokens=6, beam_width=3, length_penalty=0.5,
+                            stop_token_ids=(tokenizer.eod,))  # fmt: skip
+    (expected,) = engine.generate([tokenizer.tokenize(prompt)], params)
+    body = {"prompts": [prompt], "tokens_to_generate": 6, "beam_width": 3, "length_penalty": 0.5}
+    response = put(server, body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert set(answer) == {"text", "segments", "scores"} and len(answer["text"]) == 3
+    ids = [tokenizer.tokenize(prompt) + beam.tokens for beam in expected.beams]
+    assert answer["text"] == [tokenizer.detokenize(i) for i in ids]
+    assert answer["segments"][0] == [tokenizer.detokenize([t]) for t in ids[0]]
+    torch.testing.assert_close(answer["scores"], [b.score for b in expected.beams], atol=1e-4,
+                               rtol=0)  # fmt: skip
+    assert answer["scores"] == sorted(answer["scores"], reverse=True)
 
 
 def test_api_generates_like_the_engine(server, reference):
@@ -232,6 +255,23 @@ def test_openai_errors_name_the_field(client):
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model="m", messages=[], max_tokens=4)
     assert error.value.body["param"] == "messages"
+
+
+def test_openai_best_of_runs_beam_search(server, checkpoint):
+    engine, tokenizer = engine_from_checkpoint(checkpoint)
+    prompt = "Once upon a time there"
+    params = SamplingParams(max_tokens=6, beam_width=3, stop_token_ids=(tokenizer.eod,))
+    (expected,) = engine.generate([tokenizer.tokenize(prompt)], params)
+    body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2,
+            "best_of": 3}  # fmt: skip
+    response = requests.post(server + "/v1/completions", json=body, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    texts = [choice["text"] for choice in response.json()["choices"]]
+    assert texts == [tokenizer.detokenize(beam.tokens) for beam in expected.beams[:2]]
+    for wrong in ({"temperature": 1}, {"stream": True}, {"best_of": 1}, {"stop": ["x"]}):
+        response = requests.post(server + "/v1/completions", json=body | wrong, timeout=TIMEOUT)
+        assert response.status_code == 400, wrong
+        assert response.json()["error"]["param"] == "best_of", response.text
 
 
 # ---- load and abuse ---------------------------------------------------------------------

@@ -39,7 +39,9 @@ class SamplingParams:
     `top_p_bound`: after each token top_p becomes max(top_p * decay, bound) (Megatron's).
     `prevent_newline_after_colon`: no newline token right after a token ending in ':'.
     `logprobs`: log-probs of the generated tokens; `prompt_logprobs`: of the prompt's tokens
-    after the first; `top_logprobs`: the n likeliest tokens at each generated position."""
+    after the first; `top_logprobs`: the n likeliest tokens at each generated position.
+    `beam_width` >= 1: beam search (inference/beam.py; 0: none) with `length_penalty` and
+    `early_stopping` (True, False or "never", Hugging Face's meanings); the request runs alone."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -57,7 +59,7 @@ class SamplingParams:
     logprobs: bool = False
     prompt_logprobs: bool = False
     top_logprobs: int = 0
-    beam_width: int = 1
+    beam_width: int = 0
     length_penalty: float = 1.0
     early_stopping: bool | str = False
 
@@ -72,13 +74,13 @@ class SamplingParams:
             raise ValueError("top_p must be in [0, 1]")
         if self.top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
-        if self.beam_width < 1:
-            raise ValueError("beam_width must be >= 1")
+        if self.beam_width < 0:
+            raise ValueError("beam_width must be >= 0")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError('early_stopping must be true, false or "never"')
         beam_only = (self.stop or self.logprobs or self.prompt_logprobs or self.top_logprobs
                      or self.stop_on_eol or self.stop_on_double_eol)  # fmt: skip
-        if self.beam_width > 1 and beam_only:
+        if self.beam_width >= 1 and beam_only:
             raise ValueError(
                 "beam search does not take stop strings, end-of-line stops or log-probs"
             )
@@ -176,7 +178,7 @@ class InferenceEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
         if (params.stop or params.stop_on_eol or params.stop_on_double_eol) and not self.tokenizer:
             raise ValueError("stop strings and end-of-line stops need a tokenizer")
-        if params.beam_width > 1 and (self.scheduler is not None or
+        if params.beam_width >= 1 and (self.scheduler is not None or
                                       params.beam_width > self.max_batch_size):  # fmt: skip
             raise ValueError(
                 f"beam_width {params.beam_width} needs as many cache slots on the static engine "
@@ -500,7 +502,7 @@ class InferenceEngine:
 
 
 def _is_beam(sequence: _Sequence) -> bool:
-    return sequence.params.beam_width > 1
+    return sequence.params.beam_width >= 1
 
 
 def validate_engine_sizes(max_batch_size: int, max_sequence_length: int) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from gigatron.inference import api_openai as oai
 from gigatron.inference.api_megatron import (
     RequestError,
+    megatron_beam_response,
     megatron_response,
     parse_megatron_request,
 )
@@ -108,6 +109,36 @@ def _with_seed(params: SamplingParams, index: int) -> SamplingParams:
     if own.seed is not None:
         own.seed += index
     return own
+
+
+def _check_beam_request(engine: InferenceEngine, parsed: Any) -> None:
+    """RequestError (naming best_of) when this request cannot run beam search here."""
+    if parsed.stream:
+        raise RequestError("best_of: more than n (beam search) cannot stream", "best_of")
+    try:
+        parsed.params.validate()
+    except ValueError as error:
+        raise RequestError(f"best_of: {error}", "best_of") from None
+    if engine.scheduler is not None or parsed.params.beam_width > engine.max_batch_size:
+        raise RequestError(
+            f"best_of: beam search of width {parsed.params.beam_width} needs as many cache "
+            f"slots of the static engine; this server has {engine.max_batch_size}"
+            f"{' (dynamic engine)' if engine.scheduler is not None else ''}",
+            "best_of",
+        )
+
+
+def _beam_choices(parsed: Any, results: list[Completion], tokenizer) -> tuple[list, list]:
+    """(jobs, completions) of the n best beams of each prompt, as the n choices."""
+    jobs, completions = [], []
+    for index, (prompt, result) in enumerate(zip(parsed.prompts, results)):
+        for choice, beam in enumerate(result.beams[: parsed.n]):
+            jobs.append((index * parsed.n + choice, prompt, parsed.params))
+            completion = Completion(result.request_id, prompt, list(beam.tokens))
+            completion.text = tokenizer.detokenize(beam.tokens)
+            completion.finish_reason = "stop" if beam.stopped else "length"
+            completions.append(completion)
+    return jobs, completions
 
 
 def _add_error_handlers(app: Any) -> None:
@@ -234,6 +265,12 @@ def create_app(engine: InferenceEngine, tokenizer, model_name: str = "gigatron")
             per_prompt = _prepare(engine, prompts, parsed.params)
         except RequestError as error:
             return JSONResponse({"message": error.message}, status_code=400)
+        if parsed.params.beam_width:
+            try:
+                completion = await bridge.complete(prompts[0], per_prompt[0])
+            except ValueError as error:
+                return JSONResponse({"message": str(error)}, status_code=400)
+            return megatron_beam_response(completion, tokenizer)
         completions = await asyncio.gather(
             *(bridge.complete(p, q) for p, q in zip(prompts, per_prompt))
         )
@@ -248,14 +285,22 @@ def create_app(engine: InferenceEngine, tokenizer, model_name: str = "gigatron")
             else:
                 parsed = oai.parse_completion_request(body, tokenizer)
             per_prompt = _prepare(engine, parsed.prompts, parsed.params)
+            if parsed.params.beam_width:
+                _check_beam_request(engine, parsed)
         except RequestError as error:
             return openai_error(error.message, error.param)
+        model = parsed.model or model_name
+        if parsed.params.beam_width:
+            beams = await asyncio.gather(
+                *(bridge.complete(p, q) for p, q in zip(parsed.prompts, per_prompt))
+            )
+            jobs, completions = _beam_choices(parsed, list(beams), tokenizer)
+            return _openai_response(jobs, completions, parsed, chat, model, tokenizer)
         jobs = [
             (index * parsed.n + choice, prompt, _with_seed(params, choice))
             for index, (prompt, params) in enumerate(zip(parsed.prompts, per_prompt))
             for choice in range(parsed.n)
         ]
-        model = parsed.model or model_name
         if parsed.stream:
             stream = _stream(bridge, tokenizer, jobs, parsed, chat, model)
             return StreamingResponse(stream, media_type="text/event-stream")
