@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import subprocess
 import time
 import urllib.error
@@ -28,6 +29,7 @@ from gigatron.inference import SamplingParams
 from helpers import env, gigatron_command
 
 TIMEOUT = 60
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def reference(checkpoint):
 
 def put(url, body, raw: bytes | None = None):
     data = raw if raw is not None else json.dumps(body)
-    return requests.put(url + "/api", data=data, timeout=TIMEOUT)
+    return requests.put(url + "/api", data=data, timeout=TIMEOUT, headers=JSON)
 
 
 # ---- Megatron's PUT /api ----------------------------------------------------------------
@@ -335,7 +337,8 @@ def test_a_thousand_malformed_requests_then_a_good_one(server):
     statuses = []
     for _ in range(1000):
         method, path, body = _malformed(rng)
-        response = session.request(method, server + path, data=body, timeout=TIMEOUT)
+        response = session.request(method, server + path, data=body, timeout=TIMEOUT,
+                                   headers=JSON)  # fmt: skip
         statuses.append(response.status_code)
         assert response.status_code < 500, (path, body, response.text)
         assert "Traceback" not in response.text
@@ -380,3 +383,49 @@ def test_server_rejects_http_methods_and_paths(server):
     else:
         raise AssertionError("GET /api answered 200")
     assert requests.get(server + "/nothing", timeout=TIMEOUT).status_code == 404
+
+
+# ---- hardening: API keys, body limit, JSON only, unencodable prompts, disconnects -----------
+def test_api_keys_body_limit_json_only_and_openai_context_errors(checkpoint):
+    process, url = start_server(checkpoint, "--api-key", "secret", "--max-request-bytes", "2000")
+    try:
+        body = {"model": "m", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        key = {"Authorization": "Bearer secret"}
+        missing = requests.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        wrong = put(url, {"prompts": ["a"]}, raw=None)
+        assert wrong.status_code == 401 and wrong.json() == {
+            "message": "Incorrect API key provided"
+        }
+        assert requests.get(url + "/health", timeout=TIMEOUT).status_code == 200
+        client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)
+        assert client.completions.create(**body).choices[0].text
+        plain = requests.post(url + "/v1/completions", data=json.dumps(body), timeout=TIMEOUT,
+                              headers={**key, "Content-Type": "text/plain"})  # fmt: skip
+        assert plain.status_code == 415 and "application/json" in plain.text
+        big = requests.post(url + "/v1/completions", json=body | {"user": "x" * 3000},
+                            headers=key, timeout=TIMEOUT)  # fmt: skip
+        assert big.status_code == 413
+        surrogate = b'{"model": "m", "prompt": "\\ud800", "max_tokens": 2}'
+        bad = requests.post(url + "/v1/completions", data=surrogate, timeout=TIMEOUT,
+                            headers={**key, **JSON})  # fmt: skip
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
+        long = requests.post(url + "/v1/completions", json=body | {"max_tokens": 60},
+                             headers=key, timeout=TIMEOUT)  # fmt: skip
+        error = long.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+        assert error["message"].startswith(
+            "This model's maximum context length is 48 tokens, however you requested 61 tokens "
+            "(1 in your prompt; 60 for the completion)."
+        )
+        # a client that sends half a body and hangs up is no error of the server's
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as raw:
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                        b"secret\r\nContent-Type: application/json\r\nContent-Length: 500"
+                        b"\r\n\r\n{\"prompt\": ")  # fmt: skip
+        time.sleep(1.0)
+        assert requests.get(url + "/health", timeout=TIMEOUT).status_code == 200
+    finally:
+        output = stop_server(process)
+    assert "Traceback" not in output and "unexpected error" not in output, output

@@ -26,12 +26,16 @@ MAX_PROMPTS = 128
 
 class RequestError(ValueError):
     """An invalid request: `message` goes back to the client with HTTP 400; `param` names the
-    field (OpenAI's error format)."""
+    field (OpenAI's error format); `status` is the HTTP status (400 unless told), `code` OpenAI's error code."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.status = status
+        self.code = code
 
 
 @dataclass
