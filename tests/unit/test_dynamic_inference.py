@@ -105,25 +105,6 @@ def assert_pool_empty(engine):
     assert stats["blocks_available"] == engine.scheduler.pool.usable
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_dynamic_greedy_equals_static_and_recompute_under_random_arrivals(name):
-    model = MODELS[name]()
-    params = SamplingParams(max_tokens=9, temperature=0.0)
-    expected = [c.output_ids for c in static_engine(model).generate(PROMPTS, params)]
-    for prompt, tokens in zip(PROMPTS, expected):
-        assert tokens == recompute_greedy(model, prompt, 9)
-    assert len({tuple(t) for t in expected}) > 2  # the model does not repeat one answer
-    prefix = "hybrid" not in name
-    engine = dynamic_engine(model, prefix_caching=prefix)
-    for seed in (0, 1):
-        got = run_with_random_arrivals(engine, PROMPTS, params, seed)
-        assert [c.output_ids for c in got] == expected
-        assert all(c.finish_reason == "length" for c in got)
-        assert_pool_empty(engine)
-    if prefix:  # the second run found the first run's prompt blocks
-        assert engine.stats()["prefix_hit_blocks"] > 0
-
-
 class _PlanRecorder:
     """Wraps a runner: keeps every plan it executes."""
 
@@ -138,6 +119,38 @@ class _PlanRecorder:
         return self.runner.execute(plan)
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_dynamic_greedy_equals_static_and_recompute_under_random_arrivals(name):
+    model = MODELS[name]()
+    params = SamplingParams(max_tokens=9, temperature=0.0)
+    expected = [c.output_ids for c in static_engine(model).generate(PROMPTS, params)]
+    for prompt, tokens in zip(PROMPTS, expected):
+        assert tokens == recompute_greedy(model, prompt, 9)
+    assert len({tuple(t) for t in expected}) > 2  # the model does not repeat one answer
+    prefix = "hybrid" not in name
+    engine = dynamic_engine(model, prefix_caching=prefix)
+    engine.runner = recorder = _PlanRecorder(engine.runner)
+    for seed, budget in ((0, 6), (1, 24)):  # the larger budget packs prefills beside decodes
+        engine.scheduler.max_tokens = budget
+        got = run_with_random_arrivals(engine, PROMPTS, params, seed)
+        assert [c.output_ids for c in got] == expected
+        assert all(c.finish_reason == "length" for c in got)
+        assert_pool_empty(engine)
+    if prefix:  # the second run found the first run's prompt blocks
+        assert engine.stats()["prefix_hit_blocks"] > 0
+    # a new 16-token prompt beside two decoding requests: one packed step, without padding
+    first = [engine.submit(p, params) for p in PROMPTS[1:3]]
+    engine.step(), engine.step()
+    fresh = list(range(40, 56))
+    late = engine.submit(fresh, params)
+    while engine.busy:
+        engine.step()
+    assert [c.output_ids for c in first] == expected[1:3]
+    assert late.output_ids == recompute_greedy(model, fresh, 9)
+    assert_pool_empty(engine)
+    assert any(plan.packed for plan in recorder.plans) == ("hybrid" not in name)
+
+
 def test_chunked_prefill_keeps_to_the_token_budget_and_mixes_decode_with_prefill():
     model = MODELS["llama-gqa"]()
     params = SamplingParams(max_tokens=6, temperature=0.0)
@@ -146,7 +159,7 @@ def test_chunked_prefill_keeps_to_the_token_budget_and_mixes_decode_with_prefill
     engine.runner = recorder = _PlanRecorder(engine.runner)
     assert [c.output_ids for c in engine.generate(PROMPTS, params)] == expected
     sizes = [sum(len(t) for t in plan.tokens) for plan in recorder.plans]
-    assert max(sizes) == 5 and all(plan.packed for plan in recorder.plans)
+    assert max(sizes) == 5
     # the 11-token prompt went in chunks, beside other requests' decode tokens
     long_rows = [
         (plan, row) for plan in recorder.plans for row, start in enumerate(plan.starts)
@@ -154,7 +167,11 @@ def test_chunked_prefill_keeps_to_the_token_budget_and_mixes_decode_with_prefill
     ]  # fmt: skip
     assert long_rows and len(long_rows[0][0].tokens[long_rows[0][1]]) < len(PROMPTS[3])
     mixed = [p for p in recorder.plans if min(map(len, p.tokens)) == 1 < max(map(len, p.tokens))]
-    assert mixed  # decode tokens and a prefill chunk in one step
+    assert mixed  # decode tokens beside a prefill chunk
+    # packed (no padding) exactly when padding would more than double the step's tokens
+    for plan in recorder.plans:
+        lengths = [len(t) for t in plan.tokens]
+        assert plan.packed == (len(lengths) * max(lengths) > 2 * sum(lengths))
     # without chunking a prompt longer than the budget still goes whole (alone)
     whole = dynamic_engine(model, slots=4, max_tokens=5, chunked_prefill=False)
     assert [c.output_ids for c in whole.generate(PROMPTS, params)] == expected

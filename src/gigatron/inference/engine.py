@@ -461,6 +461,10 @@ class InferenceEngine:
         if not rows:
             return False
         whole = any(q.wants_whole_prompt for q, _ in rows)
+        # Packed rows compute no padding but attend over every request's keys: worth it when
+        # padding would more than double the step's tokens (a prefill chunk beside decodes).
+        padded = len(rows) * max(n for _, n in rows)
+        packed = self.runner.cache.packs and not whole and padded > 2 * sum(n for _, n in rows)
         plan = StepPlan(
             slots=[q.slot for q, _ in rows],
             tokens=[q.tokens()[q.cached : q.cached + n] for q, n in rows],
@@ -469,7 +473,7 @@ class InferenceEngine:
             prompt_log_probs=whole,
             top_n=max(q.params.top_logprobs for q, _ in rows),
             block_tables=[list(q.blocks) for q, _ in rows],
-            packed=self.runner.cache.packs and not whole,
+            packed=packed,
         )
         result = self.runner.execute(plan)
         for sequence, count in rows:
