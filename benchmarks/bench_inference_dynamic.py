@@ -21,8 +21,8 @@ import statistics
 import time
 
 import torch
-from bench_inference import build_pair, hf_generate
 
+from bench_inference import build_pair, hf_generate
 from gigatron.inference import InferenceEngine, ModelRunner, SamplingParams
 from gigatron.inference.block_pool import blocks_for
 from gigatron.inference.load import build_engine
@@ -89,7 +89,7 @@ def main() -> None:
     model, hf_model = build_pair(args)
     rng = random.Random(0)
     print(
-        f"| streams | contender | tokens/s | ratio to static engine | KV bytes admitted per request |"
+        "| streams | contender | tokens/s | ratio to static engine | KV bytes admitted per request |"
     )
     print("|---|---|---|---|---|")
     for streams in (1, 8, 32):
