@@ -27,7 +27,7 @@ from gigatron.errors import GigatronError
 from gigatron.inference.beam import Beam, beam_search
 from gigatron.inference.runner import ModelRunner, StepPlan, StepResult
 from gigatron.inference.sampling import RowSampling
-from gigatron.inference.scheduler import BlockScheduler
+from gigatron.inference.scheduler import BlockScheduler, packing_pays
 
 
 @dataclass
@@ -461,10 +461,10 @@ class InferenceEngine:
         if not rows:
             return False
         whole = any(q.wants_whole_prompt for q, _ in rows)
-        # Packed rows compute no padding but attend over every request's keys: worth it when
-        # padding would more than double the step's tokens (a prefill chunk beside decodes).
-        padded = len(rows) * max(n for _, n in rows)
-        packed = self.runner.cache.packs and not whole and padded > 2 * sum(n for _, n in rows)
+        lengths = [n for _, n in rows]
+        ends = [q.cached + n for q, n in rows]
+        hidden = self.runner.config.hidden_size
+        packed = self.runner.cache.packs and not whole and packing_pays(lengths, ends, hidden)
         plan = StepPlan(
             slots=[q.slot for q, _ in rows],
             tokens=[q.tokens()[q.cached : q.cached + n] for q, n in rows],

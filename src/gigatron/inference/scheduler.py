@@ -4,8 +4,8 @@ and in which KV blocks (rank 0's bookkeeping over a `BlockPool`).
 A step is built under a token budget (`max_tokens`): first every decoding request (one token
 each, oldest first), then the unfinished prefills of running requests, then newcomers from the
 queue while a request slot is free. With chunked prefill a prompt longer than what is left of
-the budget is fed in chunks over several steps; without it a prompt is fed whole (alone in a
-step when it is longer than the budget).
+the budget is fed in chunks over several steps; without it a prompt is fed whole (the first
+prompt of a step may pass the budget, so that a long prompt never waits for ever).
 
 Memory is admitted by blocks: a newcomer joins only when the pool can hold its whole prompt
 (after reusing the cached blocks of its prefix) with one spare block per running request. A
@@ -40,6 +40,18 @@ class DynamicSettings:
     max_tokens: int = 2048
     chunked_prefill: bool = False
     prefix_caching: bool = False
+
+
+def packing_pays(lengths: list[int], ends: list[int], hidden: int) -> bool:
+    """Whether a step of rows feeding `lengths` tokens (up to positions `ends`) costs less packed
+    than padded. Per layer, a token's linear layers cost about 12 hidden^2 multiply-adds and a
+    (query, key) pair of attention 2 hidden: packed rows compute only real tokens but each query
+    meets every request's keys; padded rows compute padding but only their own keys."""
+    tokens, keys = sum(lengths), sum(ends)
+    padded = len(lengths) * max(lengths)
+    packed_cost = tokens * (6 * hidden + keys)
+    padded_cost = padded * (6 * hidden + max(ends))
+    return packed_cost < padded_cost
 
 
 class BlockScheduler:
@@ -77,11 +89,10 @@ class BlockScheduler:
         rows: list[tuple[object, int]] = []
         budget = self.max_tokens
         decoding = [r for r in self._by_age(running) if len(r.tokens()) - r.cached == 1]
-        for request in decoding:
+        for request in decoding:  # a request preempted by an older one has left `running`
             if request.slot in running and self._grow(request, running, waiting):
                 rows.append((request, 1))
                 budget -= 1
-        rows = [(r, n) for r, n in rows if r.slot in running and running[r.slot] is r]
         for request in self._by_age(running):
             if len(request.tokens()) - request.cached > 1:
                 budget = self._add_prefill(rows, request, budget)
@@ -113,7 +124,10 @@ class BlockScheduler:
     def _add_prefill(self, rows: list, request, budget: int) -> int:
         left = len(request.tokens()) - request.cached
         if request.wants_whole_prompt or not self.chunked_prefill:
-            if left > budget and rows:
+            # Whole prompts: the first of a step may pass the budget (else a long prompt could
+            # wait behind decode tokens for ever); the others wait for a step with room.
+            prefilling = any(len(r.tokens()) - r.cached > 1 for r, _ in rows)
+            if left > budget and prefilling:
                 return budget
             count = left
         else:
