@@ -1,6 +1,8 @@
 """`gigatron generate` from a saved checkpoint: the same tokens as the engine in-process, and the
-same tokens at tensor-parallel 2 and pipeline-parallel 2 (torchrun) as at 1. The generate runs
-go in one launch per process count (`generated`, helpers.gigatron_runs)."""
+same tokens at tensor-parallel 2 and pipeline-parallel 2 (torchrun) as at 1, with the static and
+the dynamic engine (paged KV cache, chunked prefill, prefix caching, a pool small enough to
+preempt). The generate runs go in one launch per process count (`generated`,
+helpers.gigatron_runs)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ SAMPLED = ["--temperature", "0.9", "--top-k", "20", "--sampling-seed", "3", "--m
            "--ignore-eos", "--logprobs"]  # fmt: skip
 
 
+# The dynamic engine: blocks of 4 positions, 6 tokens a step, 8 KB of blocks per rank (6 blocks
+# at tp 1: 2 layers x keys and values x 64 channels x float32 x 4 positions; 12 at tp 2 or pp 2).
+DYNAMIC = ["--inference-dynamic-batching", "--inference-dynamic-batching-block-size", "4",
+           "--inference-dynamic-batching-max-tokens", "6", "--enable-chunked-prefill",
+           "--inference-dynamic-batching-prefix-caching",
+           "--inference-dynamic-batching-buffer-size-gb", str(6 * 4096 / 2**30)]  # fmt: skip
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
 
 
@@ -45,7 +53,8 @@ def generated(checkpoint) -> dict[str, list[dict]]:
     checkpoint at n processes), in one launch per process count."""
     root = checkpoint.parent
     save_tiny_checkpoint(root / "dist", ckpt_format="torch_dist")
-    sampling = {"greedy": GREEDY, "sampled": SAMPLED}
+    sampling = {"greedy": GREEDY, "sampled": SAMPLED, "dynamic-greedy": GREEDY + DYNAMIC,
+                "dynamic-sampled": SAMPLED + DYNAMIC}  # fmt: skip
     runs = {name: (1, generate_command(checkpoint, root / f"{name}.jsonl", *flags))
             for name, flags in sampling.items()}  # fmt: skip
     for layout, (tp, pp) in LAYOUTS.items():
@@ -81,12 +90,19 @@ def test_generate_matches_the_engine_in_process(checkpoint, generated):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tensor_and_pipeline_parallel_give_the_same_tokens(generated, reference, layout):
-    for name in ("greedy", "sampled"):
+    for name in ("greedy", "sampled", "dynamic-greedy", "dynamic-sampled"):
         records = generated[f"{layout}-{name}"]
-        assert [r["tokens"] for r in records] == [r["tokens"] for r in reference[name]]
-        if name == "sampled":
-            for got, want in zip(records, reference[name]):
+        expected = reference[name.removeprefix("dynamic-")]
+        assert [r["tokens"] for r in records] == [r["tokens"] for r in expected]
+        if name.endswith("sampled"):
+            for got, want in zip(records, expected):
                 torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=1e-4, rtol=0)
+
+
+def test_the_dynamic_engine_generates_the_static_engine_tokens(generated, reference):
+    for name in ("greedy", "sampled"):
+        records = generated[f"dynamic-{name}"]
+        assert [r["tokens"] for r in records] == [r["tokens"] for r in reference[name]]
 
 
 def test_torch_dist_checkpoint_generates_the_same_tokens_at_any_tp(generated, reference):
@@ -102,6 +118,10 @@ def test_generate_refuses_a_wrong_process_count_and_bad_flags(checkpoint, tmp_pa
     missing = gigatron("generate", "--load", str(tmp_path), "--prompt", "x", check=False,
                        timeout=60)  # fmt: skip
     assert missing.returncode == 2 and "no checkpoint there" in missing.stderr
+    lone = gigatron("generate", "--load", str(checkpoint), "--prompt", "x",
+                    "--enable-chunked-prefill", check=False, timeout=60)  # fmt: skip
+    assert lone.returncode == 2
+    assert "--enable-chunked-prefill: a flag of the dynamic engine; add " in lone.stderr
 
 
 @pytest.mark.distributed

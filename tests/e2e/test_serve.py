@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import subprocess
 import time
 import urllib.error
@@ -28,6 +29,7 @@ from gigatron.inference import SamplingParams
 from helpers import env, gigatron_command
 
 TIMEOUT = 60
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def reference(checkpoint):
 
 def put(url, body, raw: bytes | None = None):
     data = raw if raw is not None else json.dumps(body)
-    return requests.put(url + "/api", data=data, timeout=TIMEOUT)
+    return requests.put(url + "/api", data=data, timeout=TIMEOUT, headers=JSON)
 
 
 # ---- Megatron's PUT /api ----------------------------------------------------------------
@@ -68,7 +70,6 @@ INVALID = [
     ({}, "prompts argument required"),
     ({"prompts": ["a"], "max_len": 3}, "max_len is no longer used.  Replace with tokens_to_generate"),
     ({"prompts": ["a"], "sentences": ["a"]}, "sentences is no longer used.  Replace with prompts"),
-    ({"prompts": ["a"], "beam_width": 2}, "Beam search is no longer supported."),
     ({"prompts": "a"}, "prompts is not a list of strings"),
     ({"prompts": [1, 2]}, "prompts is not a list of strings"),
     ({"prompts": []}, "prompts is empty"),
@@ -99,6 +100,11 @@ INVALID = [
     ({"prompts": ["a"], "random_seed": "1"}, "random_seed must be integer"),
     ({"prompts": ["a"], "random_seed": -2}, "random_seed must be a positive integer"),
     ({"prompts": ["a"], "no_log": "x"}, "no_log must be a boolean value"),
+    ({"prompts": ["a"], "beam_width": "2"}, "beam_width must be integer"),
+    ({"prompts": ["a"], "beam_width": 0}, "beam_width must be an integer > 1"),
+    ({"prompts": ["a", "b"], "beam_width": 2}, "When doing beam_search, batch size must be 1"),
+    ({"prompts": ["a"], "beam_width": 2, "logprobs": True}, "logprobs is not available with beam_width"),
+    ({"prompts": ["a"], "beam_width": 9, "tokens_to_generate": 4}, "beam_width 9 needs as many cache slots on the static engine (this one: 4 slots)"),
     ({"prompts": ["a"], "stop_token": 1.5}, "stop_token must be an integer"),
     ({"prompts": ["a"], "stop_token": 1000000000}, "stop_token 1000000000 is outside the vocabulary [0, 50257); give a token id of the vocabulary, or -1 for none"),
     ({"prompts": ["a"], "length_penalty": 1}, "length_penalty must be a float"),
@@ -110,6 +116,25 @@ def test_api_validation_rules(server):
         response = put(server, body)
         assert response.status_code == 400, (body, response.text)
         assert response.json() == {"message": message}, body
+
+
+def test_api_beam_search_returns_the_engine_beams(server, checkpoint):
+    engine, tokenizer = engine_from_checkpoint(checkpoint)
+    prompt = "The capital of France"
+    params = SamplingParams(max_tokens=6, beam_width=3, length_penalty=0.5,
+                            stop_token_ids=(tokenizer.eod,))  # fmt: skip
+    (expected,) = engine.generate([tokenizer.tokenize(prompt)], params)
+    body = {"prompts": [prompt], "tokens_to_generate": 6, "beam_width": 3, "length_penalty": 0.5}
+    response = put(server, body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert set(answer) == {"text", "segments", "scores"} and len(answer["text"]) == 3
+    ids = [tokenizer.tokenize(prompt) + beam.tokens for beam in expected.beams]
+    assert answer["text"] == [tokenizer.detokenize(i) for i in ids]
+    assert answer["segments"][0] == [tokenizer.detokenize([t]) for t in ids[0]]
+    torch.testing.assert_close(answer["scores"], [b.score for b in expected.beams], atol=1e-4,
+                               rtol=0)  # fmt: skip
+    assert answer["scores"] == sorted(answer["scores"], reverse=True)
 
 
 def test_api_generates_like_the_engine(server, reference):
@@ -234,6 +259,23 @@ def test_openai_errors_name_the_field(client):
     assert error.value.body["param"] == "messages"
 
 
+def test_openai_best_of_runs_beam_search(server, checkpoint):
+    engine, tokenizer = engine_from_checkpoint(checkpoint)
+    prompt = "Once upon a time there"
+    params = SamplingParams(max_tokens=6, beam_width=3, stop_token_ids=(tokenizer.eod,))
+    (expected,) = engine.generate([tokenizer.tokenize(prompt)], params)
+    body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2,
+            "best_of": 3}  # fmt: skip
+    response = requests.post(server + "/v1/completions", json=body, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    texts = [choice["text"] for choice in response.json()["choices"]]
+    assert texts == [tokenizer.detokenize(beam.tokens) for beam in expected.beams[:2]]
+    for wrong in ({"temperature": 1}, {"stream": True}, {"best_of": 1}, {"stop": ["x"]}):
+        response = requests.post(server + "/v1/completions", json=body | wrong, timeout=TIMEOUT)
+        assert response.status_code == 400, wrong
+        assert response.json()["error"]["param"] == "best_of", response.text
+
+
 # ---- load and abuse ---------------------------------------------------------------------
 def test_twenty_concurrent_clients(server, reference):
     greedy, _ = reference
@@ -295,7 +337,8 @@ def test_a_thousand_malformed_requests_then_a_good_one(server):
     statuses = []
     for _ in range(1000):
         method, path, body = _malformed(rng)
-        response = session.request(method, server + path, data=body, timeout=TIMEOUT)
+        response = session.request(method, server + path, data=body, timeout=TIMEOUT,
+                                   headers=JSON)  # fmt: skip
         statuses.append(response.status_code)
         assert response.status_code < 500, (path, body, response.text)
         assert "Traceback" not in response.text
@@ -340,3 +383,49 @@ def test_server_rejects_http_methods_and_paths(server):
     else:
         raise AssertionError("GET /api answered 200")
     assert requests.get(server + "/nothing", timeout=TIMEOUT).status_code == 404
+
+
+# ---- hardening: API keys, body limit, JSON only, unencodable prompts, disconnects -----------
+def test_api_keys_body_limit_json_only_and_openai_context_errors(checkpoint):
+    process, url = start_server(checkpoint, "--api-key", "secret", "--max-request-bytes", "2000")
+    try:
+        body = {"model": "m", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+        key = {"Authorization": "Bearer secret"}
+        missing = requests.post(url + "/v1/completions", json=body, timeout=TIMEOUT)
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        wrong = put(url, {"prompts": ["a"]}, raw=None)
+        assert wrong.status_code == 401 and wrong.json() == {
+            "message": "Incorrect API key provided"
+        }
+        assert requests.get(url + "/health", timeout=TIMEOUT).status_code == 200
+        client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)
+        assert client.completions.create(**body).choices[0].text
+        plain = requests.post(url + "/v1/completions", data=json.dumps(body), timeout=TIMEOUT,
+                              headers={**key, "Content-Type": "text/plain"})  # fmt: skip
+        assert plain.status_code == 415 and "application/json" in plain.text
+        big = requests.post(url + "/v1/completions", json=body | {"user": "x" * 3000},
+                            headers=key, timeout=TIMEOUT)  # fmt: skip
+        assert big.status_code == 413
+        surrogate = b'{"model": "m", "prompt": "\\ud800", "max_tokens": 2}'
+        bad = requests.post(url + "/v1/completions", data=surrogate, timeout=TIMEOUT,
+                            headers={**key, **JSON})  # fmt: skip
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
+        long = requests.post(url + "/v1/completions", json=body | {"max_tokens": 60},
+                             headers=key, timeout=TIMEOUT)  # fmt: skip
+        error = long.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+        assert error["message"].startswith(
+            "This model's maximum context length is 48 tokens, however you requested 61 tokens "
+            "(1 in your prompt; 60 for the completion)."
+        )
+        # a client that sends half a body and hangs up is no error of the server's
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as raw:
+            raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                        b"secret\r\nContent-Type: application/json\r\nContent-Length: 500"
+                        b"\r\n\r\n{\"prompt\": ")  # fmt: skip
+        time.sleep(1.0)
+        assert requests.get(url + "/health", timeout=TIMEOUT).status_code == 200
+    finally:
+        output = stop_server(process)
+    assert "Traceback" not in output and "unexpected error" not in output, output

@@ -7,8 +7,10 @@ its own `text_generation_cli.py` reads `response.json()["message"]` on errors).
 Fields Megatron's current engine validates but ignores are honoured here as its earlier server
 did: top_p_decay, top_p_bound, add_BOS (prepends the end-of-document token, as Megatron),
 stop_on_eol, stop_on_double_eol, prevent_newline_after_colon, random_seed, stop_token. no_log is
-accepted (request bodies are never logged). length_penalty only ever applied to beam search,
-which Megatron removed (so is `beam_width` here); it is validated and has no other effect.
+accepted (request bodies are never logged). `beam_width` (one prompt) runs beam search as
+Megatron's earlier server did, with `length_penalty` and `stop_token`, and answers
+`{"text", "segments", "scores"}` for every beam, best first; without it length_penalty is
+validated and has no effect.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ MAX_PROMPTS = 128
 
 class RequestError(ValueError):
     """An invalid request: `message` goes back to the client with HTTP 400; `param` names the
-    field (OpenAI's error format)."""
+    field (OpenAI's error format); `status` is the HTTP status (400 unless told), `code` OpenAI's error code."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.status = status
+        self.code = code
 
 
 @dataclass
@@ -75,6 +81,7 @@ def parse_megatron_request(
     if "random_seed" in body and random_seed < 0:
         raise RequestError("random_seed must be a positive integer", "random_seed")
     _bool_field(body, "no_log")
+    beam_width = _beam_width(body, prompts)
     stop_token = body.get("stop_token", default_stop_token)
     if "stop_token" in body and not _is_int(stop_token):
         raise RequestError("stop_token must be an integer", "stop_token")
@@ -103,7 +110,27 @@ def parse_megatron_request(
         logprobs=logprobs,
         prompt_logprobs=logprobs,
     )
+    if beam_width:
+        if logprobs:
+            raise RequestError("logprobs is not available with beam_width", "logprobs")
+        if stop_on_eol or stop_on_double_eol:
+            raise RequestError("stop_on_eol is not available with beam_width", "stop_on_eol")
+        params.beam_width, params.length_penalty = beam_width, float(length_penalty)
     return MegatronRequest(prompts, add_bos, params)
+
+
+def _beam_width(body: dict, prompts: list[str]) -> int:
+    """`beam_width` (0 when absent) with Megatron's checks."""
+    if "beam_width" not in body:
+        return 0
+    beam_width = body["beam_width"]
+    if not _is_int(beam_width):
+        raise RequestError("beam_width must be integer", "beam_width")
+    if beam_width < 1:
+        raise RequestError("beam_width must be an integer > 1", "beam_width")
+    if len(prompts) > 1:
+        raise RequestError("When doing beam_search, batch size must be 1", "prompts")
+    return beam_width
 
 
 def _prompts(body: Any) -> list[str]:
@@ -115,8 +142,6 @@ def _prompts(body: Any) -> list[str]:
         raise RequestError("max_len is no longer used.  Replace with tokens_to_generate", "max_len")
     if "sentences" in body:
         raise RequestError("sentences is no longer used.  Replace with prompts", "sentences")
-    if "beam_width" in body:
-        raise RequestError("Beam search is no longer supported.", "beam_width")
     prompts = body["prompts"]
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise RequestError("prompts is not a list of strings", "prompts")
@@ -200,6 +225,16 @@ def _top_p_option(
         if not in_range(value):
             raise RequestError(f"{name} must be {bounds}", name)
     return value
+
+
+def megatron_beam_response(completion: Completion, tokenizer) -> dict[str, Any]:
+    """Megatron's beam search answer: every beam's prompt + text, segments and score."""
+    tokens = [completion.prompt_ids + beam.tokens for beam in completion.beams]
+    return {
+        "text": [tokenizer.detokenize(ids) for ids in tokens],
+        "segments": [[tokenizer.detokenize([t]) for t in ids] for ids in tokens],
+        "scores": [beam.score for beam in completion.beams],
+    }
 
 
 def megatron_response(completions: list[Completion], tokenizer, logprobs: bool) -> dict[str, Any]:

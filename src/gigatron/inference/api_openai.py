@@ -4,8 +4,9 @@ can serve), validated field by field: a bad field raises `RequestError` naming i
 Supported: prompt (text, texts, token ids, lists of token ids), messages, max_tokens /
 max_completion_tokens, temperature (0 = greedy), top_p, top_k (an extension, as vLLM's), n,
 seed, stop, echo, logprobs / top_logprobs, stream with stream_options.include_usage,
-ignore_eos (extension). Parameters a local model cannot honour (penalties, logit_bias, tools,
-suffix, best_of other than n) are refused with a 400 unless left at their neutral value.
+ignore_eos (extension), best_of (more than n: beam search of width best_of at temperature 0,
+the n best beams are the choices). Parameters a local model cannot honour (penalties,
+logit_bias, tools, suffix) are refused with a 400 unless left at their neutral value.
 """
 
 from __future__ import annotations
@@ -107,8 +108,11 @@ def _common(body: dict, default_max_tokens: int | None) -> dict[str, Any]:
     n = _get(body, "n", (int,), 1)
     _range("n", n, 1, MAX_N)
     best_of = _get(body, "best_of", (int,), n)
-    if best_of != n:
-        raise RequestError("best_of: only best_of equal to n is supported", "best_of")
+    _range("best_of", best_of, n, MAX_N)
+    if best_of > n and temperature != 0:
+        raise RequestError(
+            "best_of: more than n runs beam search here, which needs temperature 0", "best_of"
+        )
     seed = _get(body, "seed", (int,), None)
     stream = _get(body, "stream", (bool,), False)
     options = _get(body, "stream_options", (dict,), {})
@@ -126,6 +130,7 @@ def _common(body: dict, default_max_tokens: int | None) -> dict[str, Any]:
         "top_p": float(top_p) if top_p < 1 else 0.0,
         "top_k": max(top_k, 0),
         "n": n,
+        "best_of": best_of,
         "seed": seed,
         "stream": stream,
         "include_usage": include_usage,
@@ -262,6 +267,7 @@ def _sampling(common: dict, logprobs: bool, top: int, prompt_logprobs: bool) -> 
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         top_logprobs=top,
+        beam_width=common["best_of"] if common["best_of"] > common["n"] else 0,
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 
 from gigatron.config.checkpoint_args import add_checkpoint_arguments
+from gigatron.errors import GigatronError
+from gigatron.inference.scheduler import DynamicSettings
 
 DEFAULT_MAX_BATCH_SIZE = 8
 
@@ -50,14 +52,82 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per sequence, prompt included (default: the model's context)",
     )
     group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    add_dynamic_arguments(parser)
     add_checkpoint_arguments(parser, skip=("log_interval",))
 
 
-def resolve_batch_size(args: argparse.Namespace) -> None:
-    """--max-batch-size from --micro-batch-size (Megatron's flag) when it is not given."""
-    from gigatron.errors import GigatronError
+DYNAMIC_FLAGS = {
+    "inference_dynamic_batching_buffer_size_gb": None,
+    "inference_dynamic_batching_block_size": 256,
+    "inference_dynamic_batching_max_tokens": 2048,
+    "enable_chunked_prefill": False,
+    "inference_dynamic_batching_prefix_caching": False,
+}
 
+
+def add_dynamic_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron's dynamic engine flags: the paged KV cache and its scheduler."""
+    group = parser.add_argument_group("dynamic engine (paged KV cache)")
+    group.add_argument(
+        "--inference-dynamic-batching", action="store_true",
+        help="the dynamic engine: KV memory in blocks admitted per request, chunked prefill, "
+        "prefix caching, preemption (--max-batch-size: requests at once)",
+    )  # fmt: skip
+    group.add_argument(
+        "--inference-dynamic-batching-buffer-size-gb", type=float, default=None,
+        help="GiB of KV blocks per rank (default: as many positions as the static cache)",
+    )  # fmt: skip
+    group.add_argument(
+        "--inference-dynamic-batching-block-size", type=int, default=256,
+        help="token positions per KV block",
+    )  # fmt: skip
+    group.add_argument(
+        "--inference-dynamic-batching-max-tokens", type=int, default=2048,
+        help="tokens fed per step (decode tokens first, then prefill)",
+    )  # fmt: skip
+    group.add_argument(
+        "--enable-chunked-prefill", action="store_true",
+        help="feed prompts longer than what is left of a step's tokens in chunks",
+    )  # fmt: skip
+    group.add_argument(
+        "--inference-dynamic-batching-prefix-caching", action=argparse.BooleanOptionalAction,
+        default=False, help="reuse the KV blocks of prompts' shared leading tokens",
+    )  # fmt: skip
+
+
+def dynamic_settings(args: argparse.Namespace) -> DynamicSettings | None:
+    """The dynamic engine's settings from the flags (None without --inference-dynamic-batching;
+    its other flags need it)."""
+    if not args.inference_dynamic_batching:
+        for name, default in DYNAMIC_FLAGS.items():
+            if getattr(args, name) != default:
+                flag = "--" + name.replace("_", "-")
+                raise GigatronError(
+                    f"{flag}: a flag of the dynamic engine; add --inference-dynamic-batching"
+                )
+        return None
+    size_gb = args.inference_dynamic_batching_buffer_size_gb
+    for flag, value in (
+        ("--inference-dynamic-batching-block-size", args.inference_dynamic_batching_block_size),
+        ("--inference-dynamic-batching-max-tokens", args.inference_dynamic_batching_max_tokens),
+        ("--inference-dynamic-batching-buffer-size-gb", 1 if size_gb is None else size_gb),
+    ):
+        if value <= 0:
+            raise GigatronError(f"{flag} {value}: must be positive")
+    return DynamicSettings(
+        block_size=args.inference_dynamic_batching_block_size,
+        buffer_bytes=None if size_gb is None else int(size_gb * 2**30),
+        max_tokens=args.inference_dynamic_batching_max_tokens,
+        chunked_prefill=args.enable_chunked_prefill,
+        prefix_caching=args.inference_dynamic_batching_prefix_caching,
+    )
+
+
+def resolve_batch_size(args: argparse.Namespace) -> None:
+    """--max-batch-size from --micro-batch-size (Megatron's flag) when it is not given; the
+    dynamic engine's flags checked."""
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         raise GigatronError(f"--micro-batch-size {args.micro_batch_size}: must be at least 1")
     if args.max_batch_size is None:
         args.max_batch_size = args.micro_batch_size or DEFAULT_MAX_BATCH_SIZE
+    dynamic_settings(args)  # the dynamic engine's flags fail before the model loads

@@ -7,6 +7,10 @@ sequence decodes one token. A sequence stops on its own (end-of-document / stop 
 string, end of line, `max_tokens`, the cache's length) and frees its slot at once, so a queued
 request joins at the next step boundary. `submit` and `cancel` are thread-safe: a server thread
 submits while another thread runs `step()` in a loop (`serve_forever`).
+
+With a `BlockScheduler` (the dynamic engine, over a runner with a paged KV cache) the scheduler
+builds each step instead: decode tokens, prefill chunks and newcomers together under a token
+budget, KV memory admitted by blocks, preemption when blocks run out (inference/scheduler.py).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gigatron.errors import GigatronError
+from gigatron.inference.beam import Beam, beam_search
 from gigatron.inference.runner import ModelRunner, StepPlan, StepResult
 from gigatron.inference.sampling import RowSampling
+from gigatron.inference.scheduler import BlockScheduler, packing_pays
 
 
 @dataclass
@@ -33,7 +39,9 @@ class SamplingParams:
     `top_p_bound`: after each token top_p becomes max(top_p * decay, bound) (Megatron's).
     `prevent_newline_after_colon`: no newline token right after a token ending in ':'.
     `logprobs`: log-probs of the generated tokens; `prompt_logprobs`: of the prompt's tokens
-    after the first; `top_logprobs`: the n likeliest tokens at each generated position."""
+    after the first; `top_logprobs`: the n likeliest tokens at each generated position.
+    `beam_width` >= 1: beam search (inference/beam.py; 0: none) with `length_penalty` and
+    `early_stopping` (True, False or "never", Hugging Face's meanings); the request runs alone."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -51,6 +59,9 @@ class SamplingParams:
     logprobs: bool = False
     prompt_logprobs: bool = False
     top_logprobs: int = 0
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def validate(self) -> None:
         if self.max_tokens < 0:
@@ -63,6 +74,16 @@ class SamplingParams:
             raise ValueError("top_p must be in [0, 1]")
         if self.top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
+        if self.beam_width < 0:
+            raise ValueError("beam_width must be >= 0")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError('early_stopping must be true, false or "never"')
+        beam_only = (self.stop or self.logprobs or self.prompt_logprobs or self.top_logprobs
+                     or self.stop_on_eol or self.stop_on_double_eol)  # fmt: skip
+        if self.beam_width >= 1 and beam_only:
+            raise ValueError(
+                "beam search does not take stop strings, end-of-line stops or log-probs"
+            )
 
 
 @dataclass
@@ -78,6 +99,7 @@ class Completion:
     log_probs: list[float] = field(default_factory=list)
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_log_probs: list[float] | None = None
+    beams: list[Beam] = field(default_factory=list)  # beam search: every hypothesis, best first
 
     @property
     def finished(self) -> bool:
@@ -96,6 +118,18 @@ class _Sequence:
     top_p: float = 0.0
     cancelled: bool = False
     cut_text: str | None = None  # the text up to a stop string, when one ended it
+    blocks: list[int] = field(default_factory=list)  # paged cache: the KV block table
+    order: int = 0  # paged cache: admission order (the newest is preempted first)
+
+    def tokens(self) -> list[int]:
+        """Prompt and generated tokens: what the cache must hold (a preempted request is
+        recomputed from them)."""
+        return self.completion.prompt_ids + self.completion.output_ids
+
+    @property
+    def wants_whole_prompt(self) -> bool:
+        """Prompt log-probs still to compute: the prompt is fed whole, from position 0."""
+        return self.params.prompt_logprobs and self.completion.prompt_log_probs is None
 
 
 class InferenceEngine:
@@ -108,8 +142,10 @@ class InferenceEngine:
         tokenizer=None,
         default_stop_token_ids: Sequence[int] = (),
         seed: int = 0,
+        scheduler: BlockScheduler | None = None,
     ) -> None:
         self.runner = runner
+        self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.default_stop_token_ids = tuple(default_stop_token_ids)
         self.max_batch_size = runner.max_batch_size
@@ -142,6 +178,13 @@ class InferenceEngine:
             raise ValueError(f"prompt token ids must be in [0, {self.runner.vocab_size})")
         if (params.stop or params.stop_on_eol or params.stop_on_double_eol) and not self.tokenizer:
             raise ValueError("stop strings and end-of-line stops need a tokenizer")
+        if params.beam_width >= 1 and (self.scheduler is not None or
+                                      params.beam_width > self.max_batch_size):  # fmt: skip
+            raise ValueError(
+                f"beam_width {params.beam_width} needs as many cache slots on the static engine "
+                f"(this one: {self.max_batch_size} slots"
+                f"{', dynamic' if self.scheduler is not None else ''})"
+            )
         with self._lock:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(62)
             completion = Completion(next(self._ids), prompt)
@@ -152,7 +195,8 @@ class InferenceEngine:
         return completion
 
     def check_length(self, prompt_length: int, max_tokens: int) -> None:
-        """ValueError when a prompt does not fit the context with `max_tokens` more tokens."""
+        """ValueError when a prompt does not fit the context with `max_tokens` more tokens (or,
+        the dynamic engine, the KV block pool)."""
         limit = self.max_sequence_length
         if prompt_length < 1:
             raise ValueError("the prompt is empty (it needs at least one token)")
@@ -161,6 +205,8 @@ class InferenceEngine:
                 f"the prompt ({prompt_length} tokens) plus max_tokens ({max_tokens}) exceeds the "
                 f"model's context of {limit} tokens"
             )
+        if self.scheduler is not None:
+            self.scheduler.check_fits(prompt_length + max_tokens)
 
     def cancel(self, request_id: int) -> None:
         """Stop a request (e.g. its client went away); its slot is freed at the next step."""
@@ -208,14 +254,23 @@ class InferenceEngine:
             self._running.clear()
             for sequence in failed:
                 self._by_id.pop(sequence.completion.request_id, None)
+                self._release(sequence)
         for sequence in failed:
             sequence.completion.finish_reason = "error"
             self._notify(sequence)
 
     def stats(self) -> dict[str, int]:
-        """Sequences generating now and waiting for a slot."""
+        """Sequences generating now and waiting for a slot (with a paged cache also the KV
+        blocks in use and free, prefix-cache hits, evictions and preemptions)."""
         with self._lock:
-            return {"running": len(self._running), "waiting": len(self._waiting)}
+            numbers = {"running": len(self._running), "waiting": len(self._waiting)}
+            if self.scheduler is not None:
+                pool = self.scheduler.pool
+                numbers.update(
+                    blocks_in_use=pool.in_use(), blocks_available=pool.available(),
+                    **vars(pool.counters),
+                )  # fmt: skip
+            return numbers
 
     def close(self) -> None:
         with self._work:
@@ -223,25 +278,51 @@ class InferenceEngine:
             self._work.notify_all()
 
     def step(self) -> bool:
-        """One forward step (prefill of newcomers, else one decode step). False when idle."""
+        """One forward step (prefill of newcomers, else one decode step; the dynamic engine:
+        the scheduler's mix). False when idle."""
         self._drop_cancelled()
+        if self.scheduler is not None:
+            return self._dynamic_step()
         with self._lock:
             free = [s for s in range(self.max_batch_size) if s not in self._running]
             joining = []
-            while free and self._waiting:
+            beam = self._waiting[0] if self._waiting and _is_beam(self._waiting[0]) else None
+            if beam is not None and not self._running:
+                self._waiting.popleft()
+                self._running[0] = beam
+                beam.slot = 0
+            elif beam is not None:
+                free = []  # a beam search runs alone: let the running sequences finish
+            while free and self._waiting and not _is_beam(self._waiting[0]):
                 sequence = self._waiting.popleft()
                 sequence.slot = free.pop(0)
                 self._running[sequence.slot] = sequence
                 joining.append(sequence)
             running = [self._running[s] for s in sorted(self._running) if s not in
                        {q.slot for q in joining}]  # fmt: skip
-        if joining:
+        if beam is not None and beam.slot == 0:
+            self._beam_search(beam)
+        elif joining:
             self._prefill(joining)
         elif running:
             self._decode(running)
         else:
             return False
         return True
+
+    def _beam_search(self, sequence: _Sequence) -> None:
+        params = sequence.params
+        stop_ids = (
+            () if params.ignore_eos else (params.stop_token_ids or self.default_stop_token_ids)
+        )
+        beams = beam_search(
+            self.runner, sequence.completion.prompt_ids, params.beam_width, params.max_tokens,
+            tuple(stop_ids), params.length_penalty, params.early_stopping,
+        )  # fmt: skip
+        completion = sequence.completion
+        completion.beams = beams
+        completion.output_ids = list(beams[0].tokens)
+        self._finish(sequence, "stop" if beams[0].stopped else "length")
 
     def _drop_cancelled(self) -> None:
         finished = []
@@ -256,6 +337,7 @@ class InferenceEngine:
                     finished.append(sequence)
             for sequence in finished:
                 self._by_id.pop(sequence.completion.request_id, None)
+                self._release(sequence)
         for sequence in finished:
             sequence.completion.finish_reason = "cancelled"
             self._notify(sequence)
@@ -364,7 +446,50 @@ class InferenceEngine:
         with self._lock:
             self._running.pop(sequence.slot, None)
             self._by_id.pop(completion.request_id, None)
+            self._release(sequence)
         self._notify(sequence)
+
+    def _release(self, sequence: _Sequence) -> None:
+        """Give a sequence's KV blocks back (the dynamic engine; the lock is held)."""
+        if self.scheduler is not None:
+            self.scheduler.release(sequence)
+
+    # ---- the dynamic engine ---------------------------------------------------------------
+    def _dynamic_step(self) -> bool:
+        with self._lock:
+            rows = self.scheduler.schedule(self._running, self._waiting)
+        if not rows:
+            return False
+        whole = any(q.wants_whole_prompt for q, _ in rows)
+        lengths = [n for _, n in rows]
+        ends = [q.cached + n for q, n in rows]
+        hidden = self.runner.config.hidden_size
+        packed = self.runner.cache.packs and not whole and packing_pays(lengths, ends, hidden)
+        plan = StepPlan(
+            slots=[q.slot for q, _ in rows],
+            tokens=[q.tokens()[q.cached : q.cached + n] for q, n in rows],
+            starts=[q.cached for q, _ in rows],
+            sampling=[self._row(q) for q, _ in rows],
+            prompt_log_probs=whole,
+            top_n=max(q.params.top_logprobs for q, _ in rows),
+            block_tables=[list(q.blocks) for q, _ in rows],
+            packed=packed,
+        )
+        result = self.runner.execute(plan)
+        for sequence, count in rows:
+            sequence.cached += count
+        with self._lock:
+            self.scheduler.after_step(rows)
+        for row, (sequence, _) in enumerate(rows):
+            if sequence.cached < len(sequence.tokens()):
+                continue  # a prefill chunk: its token comes with the prompt's last chunk
+            if sequence.wants_whole_prompt:
+                sequence.completion.prompt_log_probs = result.prompt_log_probs[row]
+            if sequence.params.max_tokens == 0:
+                self._finish(sequence, "length")
+            else:
+                self._accept(sequence, row, result)
+        return True
 
     def _notify(self, sequence: _Sequence) -> None:
         if sequence.on_update is not None:
@@ -378,6 +503,10 @@ class InferenceEngine:
         except Exception:  # noqa: BLE001 - a tokenizer without that text: nothing to ban
             return ()
         return tuple(ids) if len(ids) == 1 else ()
+
+
+def _is_beam(sequence: _Sequence) -> bool:
+    return sequence.params.beam_width >= 1
 
 
 def validate_engine_sizes(max_batch_size: int, max_sequence_length: int) -> None:

@@ -23,7 +23,7 @@ from torch import nn
 from gigatron.inference.mamba_state import MambaStateCache, mamba_mixers
 
 
-def _cache_shapes(module: nn.Module) -> tuple[tuple[int, int], tuple[int, int]] | None:
+def attention_cache_shapes(module: nn.Module) -> tuple[tuple[int, int], tuple[int, int]] | None:
     """(groups, key channels), (groups, value channels) of an attention module's cache entries
     (`kv_cache_shapes()` where keys and values differ, as in multi-latent attention); None for
     modules that are not attention."""
@@ -34,6 +34,12 @@ def _cache_shapes(module: nn.Module) -> tuple[tuple[int, int], tuple[int, int]] 
     if hasattr(module, "linear_qkv"):
         return (module.groups, module.kv_channels), (module.groups, module.kv_channels)
     return None
+
+
+def cache_bytes(keys: dict, values: dict, mamba: MambaStateCache | None) -> int:
+    """Bytes of a cache's key and value buffers and Mamba states."""
+    kv = sum(t.numel() * t.element_size() for t in (*keys.values(), *values.values()))
+    return kv + (mamba.bytes() if mamba is not None else 0)
 
 
 class KVCache:
@@ -54,7 +60,7 @@ class KVCache:
         self.values: dict[int, torch.Tensor] = {}
         for chunk in model_chunks:
             for module in chunk.modules():
-                shapes = _cache_shapes(module)
+                shapes = attention_cache_shapes(module)
                 if shapes is None:
                     continue
                 weight = next(module.parameters())
@@ -76,8 +82,18 @@ class KVCache:
 
     def bytes(self) -> int:
         """Memory held by the buffers."""
-        kv = sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
-        return kv + (self.mamba.bytes() if self.mamba is not None else 0)
+        return cache_bytes(self.keys, self.values, self.mamba)
+
+    def copy_slots(self, sources: list[int]) -> None:
+        """Slot i takes what slot `sources[i]` holds (all read before any is written): beam
+        search's reordering of its beams."""
+        index = torch.tensor(sources, dtype=torch.long, device=self.device)
+        count = len(sources)
+        for buffers in (self.keys, self.values):
+            for buffer in buffers.values():
+                buffer[:, :count] = buffer.index_select(1, index)
+        if self.mamba is not None:
+            self.mamba.copy_slots(sources)
 
     def begin_step(
         self,

@@ -23,8 +23,11 @@ from gigatron.config.checkpoint_args import apply_checkpoint_flags
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
+from gigatron.inference.arguments import dynamic_settings
+from gigatron.inference.block_pool import BlockPool
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
+from gigatron.inference.scheduler import BlockScheduler, DynamicSettings
 from gigatron.models.lora import LoRASpec, add_lora_adapters
 from gigatron.parallel.context import ParallelContext
 from gigatron.training.run import build_context
@@ -38,10 +41,12 @@ def build_engine(
     max_sequence_length: int | None = None,
     vocab_size: int | None = None,
     seed: int = 0,
+    dynamic: DynamicSettings | None = None,
 ) -> InferenceEngine:
     """An engine over this rank's chunks. The context defaults to the model's
     (`max_position_embeddings`, else `seq_length`); `vocab_size` (the real one, unpadded) to the
-    tokenizer's; generation stops at the tokenizer's end-of-document token."""
+    tokenizer's; generation stops at the tokenizer's end-of-document token. `dynamic`: the
+    dynamic engine (paged KV cache, `max_batch_size` request slots; inference/scheduler.py)."""
     config = model_chunks[0].config
     context = config.max_position_embeddings
     max_sequence_length = max_sequence_length or context
@@ -56,10 +61,33 @@ def build_engine(
     validate_engine_sizes(max_batch_size, max_sequence_length)
     if vocab_size is None:
         vocab_size = tokenizer.vocab_size if tokenizer is not None else model_chunks[0].vocab_size
-    runner = ModelRunner(model_chunks, pctx, vocab_size, max_batch_size, max_sequence_length)
+    block_size = dynamic.block_size if dynamic is not None else None
+    buffer_bytes = dynamic.buffer_bytes if dynamic is not None else None
+    runner = ModelRunner(
+        model_chunks, pctx, vocab_size, max_batch_size, max_sequence_length,
+        block_size=block_size, kv_buffer_bytes=buffer_bytes,
+    )  # fmt: skip
     eod = getattr(tokenizer, "eod", None)
     stops = (eod,) if eod is not None else ()
-    return InferenceEngine(runner, tokenizer, default_stop_token_ids=stops, seed=seed)
+    scheduler = None if dynamic is None else dynamic_scheduler(runner, dynamic)
+    return InferenceEngine(
+        runner, tokenizer, default_stop_token_ids=stops, seed=seed, scheduler=scheduler
+    )
+
+
+def dynamic_scheduler(runner: ModelRunner, dynamic: DynamicSettings) -> BlockScheduler:
+    """The block scheduler over a runner's paged cache (prefix caching needs attention-only
+    models: a recurrent state cannot start from a cached prefix)."""
+    cache = runner.cache
+    if dynamic.prefix_caching and cache.mamba is not None:
+        raise GigatronError(
+            "--inference-dynamic-batching-prefix-caching: the model has Mamba layers, whose "
+            "recurrent state cannot start from a cached prefix; drop the flag"
+        )
+    pool = BlockPool(cache.num_blocks, cache.block_size, prefix_caching=dynamic.prefix_caching)
+    return BlockScheduler(
+        pool, runner.max_batch_size, dynamic.max_tokens, dynamic.chunked_prefill, cache.window
+    )
 
 
 @dataclass
@@ -226,4 +254,5 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Inference
         max_batch_size=args.max_batch_size,
         max_sequence_length=args.max_sequence_length,
         seed=args.seed,
+        dynamic=dynamic_settings(args),
     )

@@ -62,6 +62,15 @@ class MambaStateCache:
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.ssm.values()))
 
+    def copy_slots(self, sources: list[int]) -> None:
+        """Slot i takes the states of slot `sources[i]` (beam search)."""
+        device = next(iter(self.ssm.values())).device
+        index = torch.tensor(sources, dtype=torch.long, device=device)
+        for states in (self.conv, self.ssm):
+            for state in states.values():
+                state[: len(sources)] = state.index_select(0, index)
+        self.fed[: len(sources)] = [self.fed[s] for s in sources]
+
     def begin_step(self, slots: list[int], starts: list[int], lengths: list[int]) -> None:
         """Record a step's rows (see the module docstring for the order steps must come in)."""
         for slot, start in zip(slots, starts):

@@ -20,6 +20,7 @@ from torch import nn
 from gigatron.errors import GigatronError
 from gigatron.inference import sampling
 from gigatron.inference.kv_cache import KVCache
+from gigatron.inference.paged_kv import PagedKVCache, kv_bytes_per_block
 from gigatron.inference.sampling import RowSampling
 from gigatron.parallel.context import ParallelContext
 
@@ -30,7 +31,9 @@ class StepPlan:
     `starts[r]...`, then picks its next token with `sampling[r]`. `prompt_log_probs`: also return
     the log-prob of every fed token given the ones before (prefill from position 0 only).
     `top_n`: also return the n likeliest tokens of each chosen position. `stop`: followers leave
-    their loop."""
+    their loop. `block_tables` (paged cache): each row's KV blocks; `packed`: the rows' tokens
+    in one row without padding (`inference.paged_kv`). `copy_slots` (beam search, static cache):
+    before the step, slot i takes the cache of slot `copy_slots[i]`."""
 
     slots: list[int] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
@@ -39,6 +42,9 @@ class StepPlan:
     prompt_log_probs: bool = False
     top_n: int = 0
     stop: bool = False
+    block_tables: list[list[int]] | None = None
+    packed: bool = False
+    copy_slots: list[int] | None = None
 
 
 @dataclass
@@ -54,7 +60,9 @@ class StepResult:
 
 class ModelRunner:
     """Runs `StepPlan`s through this rank's model chunk with a `KVCache` of `max_batch_size`
-    slots x `max_sequence_length` positions."""
+    slots x `max_sequence_length` positions, or, given `block_size`, a `PagedKVCache` of
+    `max_batch_size` request slots and as many blocks as `kv_buffer_bytes` hold on the rank
+    with the least room (default: as many positions as the static cache)."""
 
     def __init__(
         self,
@@ -63,6 +71,8 @@ class ModelRunner:
         vocab_size: int,
         max_batch_size: int,
         max_sequence_length: int,
+        block_size: int | None = None,
+        kv_buffer_bytes: int | None = None,
     ) -> None:
         if len(model_chunks) != 1:
             raise GigatronError(
@@ -80,7 +90,14 @@ class ModelRunner:
         self.pctx = pctx
         self.vocab_size = vocab_size
         self.config = self.model.config
-        self.cache = KVCache(model_chunks, max_batch_size, max_sequence_length)
+        if block_size is None:
+            self.cache = KVCache(model_chunks, max_batch_size, max_sequence_length)
+        else:
+            blocks = self._agreed_blocks(
+                model_chunks, block_size, kv_buffer_bytes, max_batch_size, max_sequence_length
+            )
+            self.cache = PagedKVCache(model_chunks, max_batch_size, blocks, block_size)
+        self.paged = block_size is not None
         self.max_batch_size = max_batch_size
         self.max_sequence_length = max_sequence_length
         self.device = self.cache.device
@@ -95,17 +112,12 @@ class ModelRunner:
         plan = self._share(plan, source=0)
         if plan.stop:
             return None
-        width = max(len(t) for t in plan.tokens)
-        tokens = torch.zeros(len(plan.tokens), width, dtype=torch.long, device=self.device)
-        for row, ids in enumerate(plan.tokens):
-            tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         lengths = [len(t) for t in plan.tokens]
-        self.cache.begin_step(
-            plan.slots, plan.starts, lengths, width, all_logits=plan.prompt_log_probs
-        )
-        positions = self.cache.position_ids(plan.starts, width)
+        if plan.copy_slots:
+            self.cache.copy_slots(plan.copy_slots)
+        tokens, positions = self._inputs(plan, lengths)
         pctx = self.pctx
-        hidden_shape = (width, len(plan.tokens), self.config.hidden_size)
+        hidden_shape = (tokens.shape[1], tokens.shape[0], self.config.hidden_size)
         if not pctx.is_pipeline_first_stage():
             received = torch.empty(hidden_shape, dtype=self.config.params_dtype, device=self.device)
             dist.recv(received, src=pctx.prev_pipeline_rank)
@@ -129,6 +141,43 @@ class ModelRunner:
             self.execute(StepPlan(stop=True))
 
     # ---- helpers --------------------------------------------------------------------------
+    def _inputs(self, plan: StepPlan, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's (tokens, position ids), with the cache ready for it."""
+        if self.paged:
+            return self.cache.begin_step(
+                plan.slots, plan.starts, plan.tokens, plan.block_tables, plan.packed,
+                all_logits=plan.prompt_log_probs,
+            )  # fmt: skip
+        width = max(lengths)
+        tokens = torch.zeros(len(plan.tokens), width, dtype=torch.long, device=self.device)
+        for row, ids in enumerate(plan.tokens):
+            tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        self.cache.begin_step(
+            plan.slots, plan.starts, lengths, width, all_logits=plan.prompt_log_probs
+        )
+        return tokens, self.cache.position_ids(plan.starts, width)
+
+    def _agreed_blocks(
+        self, chunks, block_size: int, buffer_bytes: int | None, requests: int, length: int
+    ) -> int:
+        """Blocks of the paged cache, the same on every rank: what `buffer_bytes` holds on the
+        rank whose layers take the most per block (+1, the scratch block)."""
+        if buffer_bytes is None:
+            return requests * -(-length // block_size) + 1
+        per_block = kv_bytes_per_block(chunks, block_size)
+        blocks = buffer_bytes // per_block if per_block else requests * -(-length // block_size)
+        if self.pctx.world_size > 1:
+            box = torch.tensor([blocks], device=next(chunks[0].parameters()).device)
+            dist.all_reduce(box, op=dist.ReduceOp.MIN)
+            blocks = int(box)
+        if blocks < 2:
+            raise GigatronError(
+                f"--inference-dynamic-batching-buffer-size-gb {buffer_bytes / 2**30:g}: holds "
+                f"{blocks} KV block(s) of {block_size} tokens ({per_block} bytes each); give "
+                "more memory or a smaller --inference-dynamic-batching-block-size"
+            )
+        return int(blocks)
+
     def _share(self, value, source: int):
         if self.pctx.world_size == 1:
             return value

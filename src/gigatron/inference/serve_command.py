@@ -4,6 +4,7 @@ imported, so `--help` is quick); the application is inference/server.py's `creat
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 from gigatron.config.parser import command_parser
@@ -25,7 +26,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--port", type=int, default=5000, help="port (Megatron's default)")
     parser.add_argument("--model-name", default="gigatron", help="the model id in /v1/models")
+    parser.add_argument(
+        "--api-key", action="append", default=[],
+        help="a key clients must send as 'Authorization: Bearer KEY' (OpenAI's); repeatable; "
+        "default: none needed. The environment variable GIGATRON_API_KEY adds one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=1 << 20,
+        help="the largest request body accepted (413 beyond it)",
+    )  # fmt: skip
     return parser
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys of --api-key and GIGATRON_API_KEY; a blank key is refused."""
+    keys = [*args.api_key]
+    if os.environ.get("GIGATRON_API_KEY"):
+        keys.append(os.environ["GIGATRON_API_KEY"])
+    if any(not key.strip() for key in keys):
+        raise GigatronError("--api-key: a key is empty; give a non-blank key")
+    return tuple(key.strip() for key in keys)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -37,6 +57,9 @@ def main(argv: Sequence[str]) -> int:
 
     if not 0 < args.port < 65536:
         raise GigatronError(f"--port {args.port}: not a TCP port; use 1-65535")
+    if args.max_request_bytes < 1:
+        raise GigatronError(f"--max-request-bytes {args.max_request_bytes}: must be positive")
+    keys = api_keys(args)
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -55,7 +78,9 @@ def main(argv: Sequence[str]) -> int:
         from gigatron.inference.server import create_app
 
         prompt_format = loaded.cfg.data.sft_tokenizer_prompt_format  # the fine-tuning's
-        app = create_app(engine, loaded.tokenizer, args.model_name, prompt_format)
+        app = create_app(
+            engine, loaded.tokenizer, args.model_name, keys, args.max_request_bytes, prompt_format
+        )
         print(
             f"gigatron serve: {args.load} (iteration {loaded.iteration}) on "
             f"http://{args.host}:{args.port}  (PUT /api, POST /v1/completions, "

@@ -25,10 +25,17 @@ from typing import Any
 from gigatron.inference import api_openai as oai
 from gigatron.inference.api_megatron import (
     RequestError,
+    megatron_beam_response,
     megatron_response,
     parse_megatron_request,
 )
 from gigatron.inference.engine import Completion, InferenceEngine, SamplingParams
+from gigatron.inference.http_guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    EncodingGuard,
+    add_guards,
+    check_json_request,
+)
 
 log = logging.getLogger("gigatron.serve")
 
@@ -78,9 +85,14 @@ class EngineBridge:
         return completion
 
 
-def _prepare(engine: InferenceEngine, prompts: list[list[int]], params: SamplingParams):
+def _prepare(
+    engine: InferenceEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    openai_words: str | None = None,
+):
     """Per-prompt parameters (max_tokens -1: the rest of the context); RequestError when a
-    prompt does not fit."""
+    prompt does not fit (`openai_words` "prompt" or "messages": in OpenAI's words)."""
     vocab = engine.runner.vocab_size
     prepared = []
     for prompt in prompts:
@@ -89,6 +101,9 @@ def _prepare(engine: InferenceEngine, prompts: list[list[int]], params: Sampling
         own = SamplingParams(**vars(params))
         if own.max_tokens < 0:
             own.max_tokens = max(1, engine.max_sequence_length - len(prompt))
+        total, limit = len(prompt) + own.max_tokens, engine.max_sequence_length
+        if openai_words and prompt and total > limit:
+            raise _context_error(openai_words, limit, len(prompt), own.max_tokens)
         try:
             engine.check_length(len(prompt), own.max_tokens)
         except ValueError as error:
@@ -102,12 +117,61 @@ def _prepare(engine: InferenceEngine, prompts: list[list[int]], params: Sampling
     return prepared
 
 
+def _context_error(words: str, limit: int, prompt: int, completion: int) -> RequestError:
+    """OpenAI's context_length_exceeded error (its two wordings, completions and chat)."""
+    total = prompt + completion
+    if words == "prompt":
+        message = (
+            f"This model's maximum context length is {limit} tokens, however you requested "
+            f"{total} tokens ({prompt} in your prompt; {completion} for the completion). "
+            "Please reduce your prompt; or completion length."
+        )
+    else:
+        message = (
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{total} tokens ({prompt} in the messages, {completion} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+    param = words if prompt >= limit else "max_tokens"
+    return RequestError(message, param, code="context_length_exceeded")
+
+
 def _with_seed(params: SamplingParams, index: int) -> SamplingParams:
     """The n choices of one request differ: choice i uses seed + i when a seed is given."""
     own = SamplingParams(**vars(params))
     if own.seed is not None:
         own.seed += index
     return own
+
+
+def _check_beam_request(engine: InferenceEngine, parsed: Any) -> None:
+    """RequestError (naming best_of) when this request cannot run beam search here."""
+    if parsed.stream:
+        raise RequestError("best_of: more than n (beam search) cannot stream", "best_of")
+    try:
+        parsed.params.validate()
+    except ValueError as error:
+        raise RequestError(f"best_of: {error}", "best_of") from None
+    if engine.scheduler is not None or parsed.params.beam_width > engine.max_batch_size:
+        raise RequestError(
+            f"best_of: beam search of width {parsed.params.beam_width} needs as many cache "
+            f"slots of the static engine; this server has {engine.max_batch_size}"
+            f"{' (dynamic engine)' if engine.scheduler is not None else ''}",
+            "best_of",
+        )
+
+
+def _beam_choices(parsed: Any, results: list[Completion], tokenizer) -> tuple[list, list]:
+    """(jobs, completions) of the n best beams of each prompt, as the n choices."""
+    jobs, completions = [], []
+    for index, (prompt, result) in enumerate(zip(parsed.prompts, results)):
+        for choice, beam in enumerate(result.beams[: parsed.n]):
+            jobs.append((index * parsed.n + choice, prompt, parsed.params))
+            completion = Completion(result.request_id, prompt, list(beam.tokens))
+            completion.text = tokenizer.detokenize(beam.tokens)
+            completion.finish_reason = "stop" if beam.stopped else "length"
+            completions.append(completion)
+    return jobs, completions
 
 
 def _add_error_handlers(app: Any) -> None:
@@ -187,17 +251,79 @@ def _add_info_routes(app: Any, engine: InferenceEngine, model_name: str) -> None
 
 
 async def read_json(request: Any) -> Any:
-    """The request's JSON body; RequestError when it is not JSON."""
-    raw = await request.body()
+    """The request's JSON body; RequestError when it is too large, not declared as JSON or
+    not JSON."""
+    # why: starlette comes with the optional `serve` extra
+    from starlette.requests import ClientDisconnect
+
+    try:
+        raw = await request.body()
+    except ClientDisconnect:  # the client went away mid-body: an answer nobody reads, no error
+        raise RequestError("the client disconnected before sending the whole body", None) from None
+    check_json_request(request.headers, raw, request.app.state.max_body_bytes)
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise RequestError("the request body is not valid JSON", None) from None
 
 
-def create_app(engine: InferenceEngine, tokenizer, model_name="gigatron", prompt_format=None):
-    """The FastAPI application (the engine thread starts and stops with it); chats use the
-    template of `prompt_format` (--sft-tokenizer-prompt-format) or the tokenizer's."""
+def _add_megatron_route(app: Any, engine: InferenceEngine, bridge: EngineBridge, tokenizer) -> None:
+    """Megatron's `PUT /api`."""
+    # why: fastapi is the optional `serve` extra
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    eod = getattr(tokenizer, "eod", None)
+
+    @app.put("/api")
+    async def megatron_api(request: Request):
+        try:
+            parsed = parse_megatron_request(await read_json(request), eod, engine.runner.vocab_size)
+            bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
+            encoder = EncodingGuard(tokenizer, "prompts")
+            prompts = [
+                ([bos] if parsed.add_bos else []) + encoder.tokenize(p) for p in parsed.prompts
+            ]
+            per_prompt = _prepare(engine, prompts, parsed.params)
+        except RequestError as error:
+            return JSONResponse({"message": error.message}, status_code=error.status)
+        if parsed.params.beam_width:
+            try:
+                completion = await bridge.complete(prompts[0], per_prompt[0])
+            except ValueError as error:
+                return JSONResponse({"message": str(error)}, status_code=400)
+            return megatron_beam_response(completion, tokenizer)
+        completions = await asyncio.gather(
+            *(bridge.complete(p, q) for p, q in zip(prompts, per_prompt))
+        )
+        return megatron_response(list(completions), tokenizer, parsed.params.logprobs)
+
+
+def _parse_openai(body: Any, chat: bool, engine: InferenceEngine, tokenizer, template):
+    """(parsed request, per-prompt parameters) of an OpenAI request; RequestError."""
+    if chat:
+        parsed = oai.parse_chat_request(body, EncodingGuard(tokenizer, "messages"), template)
+    else:
+        parsed = oai.parse_completion_request(body, EncodingGuard(tokenizer, "prompt"))
+    words = "messages" if chat else "prompt"
+    per_prompt = _prepare(engine, parsed.prompts, parsed.params, openai_words=words)
+    if parsed.params.beam_width:
+        _check_beam_request(engine, parsed)
+    return parsed, per_prompt
+
+
+def create_app(
+    engine: InferenceEngine,
+    tokenizer,
+    model_name: str = "gigatron",
+    api_keys: tuple[str, ...] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    prompt_format: str | None = None,
+):
+    """The FastAPI application (the engine thread starts and stops with it). `api_keys`: the
+    keys a request must bring as `Authorization: Bearer` (none: open); `max_body_bytes`: the
+    largest request body; chats use the template of `prompt_format`
+    (--sft-tokenizer-prompt-format) or the tokenizer's."""
 
     # why: fastapi is the optional `serve` extra
     from fastapi import FastAPI, Request
@@ -205,7 +331,6 @@ def create_app(engine: InferenceEngine, tokenizer, model_name="gigatron", prompt
 
     bridge = EngineBridge(engine)
     template = oai.chat_template_of(tokenizer, prompt_format)
-    eod = getattr(tokenizer, "eod", None)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -215,48 +340,40 @@ def create_app(engine: InferenceEngine, tokenizer, model_name="gigatron", prompt
 
     app = FastAPI(title="gigatron", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.bridge = bridge
+    app.state.max_body_bytes = max_body_bytes
+    add_guards(app, api_keys, max_body_bytes)
 
-    def openai_error(message: str, param: str | None, status: int = 400) -> JSONResponse:
+    def openai_error(
+        message: str, param: str | None, status: int = 400, code: str | None = None
+    ) -> JSONResponse:
         kind = "invalid_request_error" if status < 500 else "server_error"
-        body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+        body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
         return JSONResponse(body, status_code=status)
 
     _add_error_handlers(app)
 
-    # ---- Megatron -------------------------------------------------------------------------
-    @app.put("/api")
-    async def megatron_api(request: Request):
-        try:
-            parsed = parse_megatron_request(await read_json(request), eod, engine.runner.vocab_size)
-            bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
-            prompts = [
-                ([bos] if parsed.add_bos else []) + tokenizer.tokenize(p) for p in parsed.prompts
-            ]
-            per_prompt = _prepare(engine, prompts, parsed.params)
-        except RequestError as error:
-            return JSONResponse({"message": error.message}, status_code=400)
-        completions = await asyncio.gather(
-            *(bridge.complete(p, q) for p, q in zip(prompts, per_prompt))
-        )
-        return megatron_response(list(completions), tokenizer, parsed.params.logprobs)
+    _add_megatron_route(app, engine, bridge, tokenizer)
 
     # ---- OpenAI ---------------------------------------------------------------------------
     async def openai_call(request: Request, chat: bool):
         try:
-            body = await read_json(request)
-            if chat:
-                parsed = oai.parse_chat_request(body, tokenizer, template)
-            else:
-                parsed = oai.parse_completion_request(body, tokenizer)
-            per_prompt = _prepare(engine, parsed.prompts, parsed.params)
+            parsed, per_prompt = _parse_openai(
+                await read_json(request), chat, engine, tokenizer, template
+            )
         except RequestError as error:
-            return openai_error(error.message, error.param)
+            return openai_error(error.message, error.param, error.status, error.code)
+        model = parsed.model or model_name
+        if parsed.params.beam_width:
+            beams = await asyncio.gather(
+                *(bridge.complete(p, q) for p, q in zip(parsed.prompts, per_prompt))
+            )
+            jobs, completions = _beam_choices(parsed, list(beams), tokenizer)
+            return _openai_response(jobs, completions, parsed, chat, model, tokenizer)
         jobs = [
             (index * parsed.n + choice, prompt, _with_seed(params, choice))
             for index, (prompt, params) in enumerate(zip(parsed.prompts, per_prompt))
             for choice in range(parsed.n)
         ]
-        model = parsed.model or model_name
         if parsed.stream:
             stream = _stream(bridge, tokenizer, jobs, parsed, chat, model)
             return StreamingResponse(stream, media_type="text/event-stream")

@@ -13,7 +13,9 @@ Parameter names are Megatron-Core's: `linear_q_proj` or `linear_q_down_proj` + `
 down projections are replicated over tensor parallelism (each rank computes the whole latent;
 under sequence parallelism on its slice of the sequence, and their weights are then marked
 `sequence_parallel`); the up projections and the output are split by heads like the other
-attention. The KV cache holds the up-projected keys and values (not the latents).
+attention. The static KV cache holds the up-projected keys and values; a cache that stores
+latents (`inference_cache.stores_latents`, the paged cache) holds per position only the normed
+latent and the rotated shared key, [r + pe], and up-projects every cached latent at each step.
 """
 
 from __future__ import annotations
@@ -130,6 +132,10 @@ class MLASelfAttention(Attention):
         """(heads, key channels), (heads, value channels) of this rank's KV-cache entries."""
         return (self.heads, self.qk_head_dim + self.pe_dim), (self.heads, self.v_head_dim)
 
+    def latent_cache_shape(self) -> tuple[int, int]:
+        """(1, latent + rotary key channels): one cache entry per position in a latent cache."""
+        return (1, self.kv_lora_rank + self.pe_dim)
+
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "linear_q_proj"):
             return self.linear_q_proj(x)
@@ -153,6 +159,8 @@ class MLASelfAttention(Attention):
         latent, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.pe_dim], -1)
         if self.kv_layernorm is not None:
             latent = self.kv_layernorm(latent)
+        if getattr(inference_cache, "stores_latents", False):
+            return self._attend_latents(q_nope, q_pe, latent, k_pe, rotary, inference_cache)
         kv = self.linear_kv_up_proj(latent).view(seq, batch, self.heads, -1)
         k_nope, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
         # The rotary key is shared by this rank's heads: the whole sequence, and its gradient
@@ -167,3 +175,19 @@ class MLASelfAttention(Attention):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
         return self.attend(q, k, v, attention_mask, inference_cache)
+
+    def _attend_latents(self, q_nope, q_pe, latent, k_pe, rotary, cache) -> torch.Tensor:
+        """Generation with a latent cache: store [latent, rope(k_pe)], attend over every cached
+        position's up-projected keys and values."""
+        k_pe = k_pe.unsqueeze(2)
+        if rotary is not None:
+            q_pe, k_pe = apply_rotary(q_pe, *rotary), apply_rotary(k_pe, *rotary)
+        entries = cache.update_latent(self.layer_number, torch.cat([latent, k_pe[:, :, 0]], -1))
+        latents, keys_pe = entries.split([self.kv_lora_rank, self.pe_dim], dim=-1)
+        length, batch = latents.shape[:2]
+        kv = self.linear_kv_up_proj(latents).view(length, batch, self.heads, -1)
+        k_nope, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, keys_pe.unsqueeze(2).expand(-1, -1, self.heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        context = self.core_attention(q, k, v, cache.attention_mask_for(self.core_attention))
+        return self.linear_proj(context)
