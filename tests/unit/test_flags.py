@@ -154,6 +154,8 @@ def test_refusals_name_real_fields_and_are_enforced():
         "moe_token_dispatcher_type": ["--moe-token-dispatcher-type", "flex"],
         "init_model_with_meta_device": ["--init-model-with-meta-device"],
         "recompute_modules": ["--recompute-modules", "moe_act"],
+        "muon_scalar_optimizer": ["--muon-scalar-optimizer", "lion"],
+        "muon_use_syrk": ["--muon-use-syrk"],
     }
     assert set(cases) == set(REFUSALS), "give every refusal a refused example here"
     for flags in cases.values():

@@ -11,7 +11,11 @@ from gigatron.config.rules import Section
 
 @dataclass
 class OptimizerConfig(Section):
-    optimizer: str = flag_field("adam", "optimizer", choices=["adam", "sgd"])
+    optimizer: str = flag_field(
+        "adam",
+        "optimizer (muon: Muon for hidden matrices, AdamW for the rest)",
+        choices=["adam", "sgd", "muon"],
+    )
     lr: Optional[float] = flag_field(None, "peak learning rate")
     min_lr: float = flag_field(0.0, "learning rate at the end of the decay")
     lr_decay_style: str = flag_field(
@@ -67,6 +71,49 @@ class OptimizerConfig(Section):
     adam_beta2: float = flag_field(0.999, "Adam beta2")
     adam_eps: float = flag_field(1e-8, "Adam epsilon")
     sgd_momentum: float = flag_field(0.9, "SGD momentum")
+    muon_momentum: float = flag_field(0.9, "Muon momentum (an EMA of the gradients)")
+    muon_split_qkv: bool = flag_field(
+        True,
+        "orthogonalise the fused QKV weight as one matrix (not per query, key, value)",
+        flag="--muon-no-split-qkv",
+        store_false=True,
+    )
+    muon_nesterov: bool = flag_field(
+        False, "Nesterov momentum in Muon", aliases=("--muon-use-nesterov",)
+    )
+    muon_scale_mode: str = flag_field(
+        "spectral",
+        "scale of the orthogonal update: sqrt(max(rows, cols)), sqrt(rows/cols) or "
+        "sqrt(max(1, rows/cols))",
+        choices=["spectral", "unit_rms_norm", "shape_scaling"],
+    )
+    muon_fp32_matmul_prec: str = flag_field(
+        "medium",
+        "Newton-Schulz precision: low and medium run its steps in bf16, high in fp32 (TF32 "
+        "allowed)",
+        choices=["low", "medium", "high"],
+    )
+    muon_coefficient_type: str = flag_field(
+        "quintic",
+        "Newton-Schulz coefficients per step",
+        choices=["simple", "quintic", "polar_express", "aol"],
+    )
+    muon_num_ns_steps: int = flag_field(5, "Newton-Schulz steps")
+    muon_tp_mode: str = flag_field(
+        "duplicated",
+        "tensor-parallel weights: gather and orthogonalise the full matrix (duplicated), "
+        "distributed Newton-Schulz, or each shard alone (blockwise)",
+        choices=["blockwise", "duplicated", "distributed"],
+    )
+    muon_use_syrk: bool = flag_field(
+        False, "Megatron's Triton SYRK kernel for the Gram matrix (not available)"
+    )
+    muon_extra_scale_factor: float = flag_field(1.0, "extra factor on Muon's update")
+    muon_scalar_optimizer: str = flag_field(
+        "adam",
+        "optimizer of the parameters Muon does not update (embeddings, norms, biases)",
+        choices=["adam", "lion"],
+    )
 
     def problems(self) -> list[str]:
         """Learning rates and warm-up."""
@@ -79,4 +126,20 @@ class OptimizerConfig(Section):
             )
         if self.lr is not None and self.min_lr > self.lr:
             found.append(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        if self.optimizer == "muon":
+            found.extend(self._muon_problems())
+        return found
+
+    def _muon_problems(self) -> list[str]:
+        found = []
+        steps, kind = self.muon_num_ns_steps, self.muon_coefficient_type
+        per_cycle = {"quintic": 5, "aol": 4}.get(kind)
+        if steps < 1 or (per_cycle and steps % per_cycle):
+            found.append(
+                f"--muon-num-ns-steps {steps}: the {kind} coefficients need a positive multiple "
+                f"of {per_cycle or 1} steps; change it or --muon-coefficient-type"
+            )
+        if kind == "polar_express" and steps < 8:
+            found.append(f"--muon-num-ns-steps {steps}: polar_express needs at least 8 steps")
+        return found
         return found

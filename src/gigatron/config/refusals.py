@@ -94,6 +94,16 @@ REFUSALS: dict[str, Refusal] = {
         "only core_attn, mlp and layernorm can be recomputed so far (moe, moe_act, "
         "shared_experts and mla_up_proj cannot); drop the others",
     ),
+    "muon_scalar_optimizer": Refusal(
+        lambda value: value == "lion",
+        "Lion is not available; use --muon-scalar-optimizer adam (AdamW for the parameters "
+        "Muon does not update)",
+    ),
+    "muon_use_syrk": Refusal(
+        bool,
+        "the Triton SYRK kernel is not available; drop it (the Gram matrix is a plain matmul, "
+        "the same numbers)",
+    ),
     "timing_log_level": Refusal(
         lambda value: value is not None and value > 1,
         "level 2 (fine-grained timers inside the schedule) is not available; use 1 for the "

@@ -246,6 +246,7 @@ def _fsdp_rules(cfg: GigatronConfig, world_size: int | None) -> list[str]:
             (p.context_parallel_size > 1, "--context-parallel-size > 1"),
             (bool(cfg.moe.num_experts), "--num-experts (expert parallelism)"),
             (t.fp16, "--fp16 (use --bf16)"),
+            (cfg.optimizer.optimizer == "muon", "--optimizer muon"),
         )
         if enabled
     ]
