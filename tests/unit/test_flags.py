@@ -152,7 +152,6 @@ def test_refusals_name_real_fields_and_are_enforced():
         "moe_router_force_load_balancing": ["--moe-router-force-load-balancing"],
         "moe_flex_dispatcher_backend": ["--moe-flex-dispatcher-backend", "hybridep"],
         "moe_token_dispatcher_type": ["--moe-token-dispatcher-type", "flex"],
-        "init_model_with_meta_device": ["--init-model-with-meta-device"],
         "recompute_modules": ["--recompute-modules", "moe_act"],
         "muon_scalar_optimizer": ["--muon-scalar-optimizer", "lion"],
         "muon_use_syrk": ["--muon-use-syrk"],

@@ -84,11 +84,6 @@ REFUSALS: dict[str, Refusal] = {
         "the flex token dispatcher (DeepEP / HybridEP kernels) is not available; use "
         "--moe-token-dispatcher-type alltoall and drop this flag",
     ),
-    "init_model_with_meta_device": Refusal(
-        bool,
-        "building the model on the meta device is not available yet; drop it (parameters are "
-        "built full-size from the seed, then sliced)",
-    ),
     "recompute_modules": Refusal(
         lambda value: bool(value) and not set(value) <= {"core_attn", "mlp", "layernorm"},
         "only core_attn, mlp and layernorm can be recomputed so far (moe, moe_act, "

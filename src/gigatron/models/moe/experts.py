@@ -122,16 +122,18 @@ class GroupedExperts(nn.Module):
         self.use_grouped_gemm = grouped_gemm
         # Probed here, not in forward: a probe inside a checkpointed forward would save tensors
         # that its recomputation does not.
-        self.grouped_gemm_used = grouped_gemm and self._grouped_gemm_available()
+        self.grouped_gemm_used = grouped_gemm and self._grouped_gemm_available(device)
 
-    def _grouped_gemm_available(self) -> bool:
+    def _grouped_gemm_available(self, device: torch.device) -> bool:
+        # `device`, not the weight's: weights built on meta (--init-model-with-meta-device) are
+        # materialised there.
         w1 = self.linear_fc1.weight
-        if w1.device.type == "meta":
+        if device.type == "meta":
             return False
         # Strides must be multiples of 16 bytes.
         sizes = (w1.shape[1], w1.shape[2], self.linear_fc2.weight.shape[2])
         aligned = all(size * w1.element_size() % 16 == 0 for size in sizes)
-        return aligned and grouped_mm_supported(w1.device, w1.dtype)
+        return aligned and grouped_mm_supported(device, w1.dtype)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
