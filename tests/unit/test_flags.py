@@ -155,6 +155,10 @@ def test_refusals_name_real_fields_and_are_enforced():
         "recompute_modules": ["--recompute-modules", "moe_act"],
         "muon_scalar_optimizer": ["--muon-scalar-optimizer", "lion"],
         "muon_use_syrk": ["--muon-use-syrk"],
+        "exp_avg_dtype": ["--exp-avg-dtype", "fp8"],
+        "exp_avg_sq_dtype": ["--exp-avg-sq-dtype", "fp16"],
+        "main_params_dtype": ["--main-params-dtype", "fp16"],
+        "main_grads_dtype": ["--main-grads-dtype", "bf16"],
     }
     assert set(cases) == set(REFUSALS), "give every refusal a refused example here"
     for flags in cases.values():

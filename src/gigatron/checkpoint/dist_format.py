@@ -82,6 +82,7 @@ from gigatron.checkpoint.torch_format import (
 )
 from gigatron.errors import GigatronError
 from gigatron.optim.muon import Muon
+from gigatron.optim.offload import PrecisionAwareAdamW
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.fully_sharded import FullyShardedDataParallel
 
@@ -519,7 +520,7 @@ def _set_step(optimizer: Any, step: float) -> None:
     inner = _inner(optimizer)
     if isinstance(inner, Muon) and inner.adam is not None:
         inner = inner.adam  # Muon's own momentum has no step count
-    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW | PrecisionAwareAdamW):
         return
     for group in inner.param_groups:
         on_device = bool(group.get("fused") or group.get("capturable"))

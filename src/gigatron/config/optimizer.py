@@ -115,6 +115,28 @@ class OptimizerConfig(Section):
         choices=["adam", "lion"],
     )
 
+    use_precision_aware_optimizer: bool = flag_field(
+        False, "AdamW with the state dtypes below and optional CPU offload (docs/frontier.md)"
+    )
+    main_grads_dtype: str = flag_field(
+        "fp32", "dtype of the optimizer's gradients (fp32 only)", choices=["fp32", "bf16"]
+    )
+    main_params_dtype: str = flag_field(
+        "fp32", "dtype of the main parameters (fp32 only)", choices=["fp32", "fp16"]
+    )
+    exp_avg_dtype: str = flag_field(
+        "fp32", "dtype of Adam's first moment", choices=["fp32", "fp16", "bf16", "fp8"]
+    )
+    exp_avg_sq_dtype: str = flag_field(
+        "fp32", "dtype of Adam's second moment", choices=["fp32", "fp16", "bf16", "fp8"]
+    )
+    optimizer_cpu_offload: bool = flag_field(
+        False, "keep optimizer state on the CPU and step there (--optimizer-offload-fraction)"
+    )
+    optimizer_offload_fraction: float = flag_field(
+        1.0, "fraction of the parameters (by elements) whose state is offloaded"
+    )
+
     def problems(self) -> list[str]:
         """Learning rates and warm-up."""
         found = []
@@ -128,6 +150,34 @@ class OptimizerConfig(Section):
             found.append(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if self.optimizer == "muon":
             found.extend(self._muon_problems())
+        found.extend(self._precision_problems())
+        return found
+
+    def _precision_problems(self) -> list[str]:
+        """Megatron's rules: state dtypes and offload need the precision-aware AdamW."""
+        found = []
+        lowered = [
+            f"--{name.replace('_', '-')} {value}"
+            for name, value in (
+                ("exp_avg_dtype", self.exp_avg_dtype),
+                ("exp_avg_sq_dtype", self.exp_avg_sq_dtype),
+            )
+            if value != "fp32"
+        ]
+        if self.optimizer_cpu_offload:
+            lowered.append("--optimizer-cpu-offload")
+            if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+                found.append(
+                    f"--optimizer-offload-fraction {self.optimizer_offload_fraction}: must be "
+                    "within [0, 1]"
+                )
+        if lowered and not self.use_precision_aware_optimizer:
+            found.append(f"{', '.join(lowered)}: needs --use-precision-aware-optimizer")
+        if self.use_precision_aware_optimizer and self.optimizer != "adam":
+            found.append(
+                f"--use-precision-aware-optimizer: only with --optimizer adam (not "
+                f"{self.optimizer})"
+            )
         return found
 
     def _muon_problems(self) -> list[str]:

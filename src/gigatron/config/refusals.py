@@ -99,6 +99,24 @@ REFUSALS: dict[str, Refusal] = {
         "the Triton SYRK kernel is not available; drop it (the Gram matrix is a plain matmul, "
         "the same numbers)",
     ),
+    "exp_avg_dtype": Refusal(
+        lambda value: value == "fp8",
+        "fp8 optimizer state needs Transformer Engine's scaled kernels; use bf16 or fp16",
+    ),
+    "exp_avg_sq_dtype": Refusal(
+        lambda value: value in ("fp8", "fp16"),
+        "the second moment (squared gradients, often below fp16's smallest number) is kept in "
+        "fp32 or bf16 only; use bf16",
+    ),
+    "main_params_dtype": Refusal(
+        lambda value: value != "fp32",
+        "main parameters are kept in fp32 (fp16 main parameters are not available); drop it",
+    ),
+    "main_grads_dtype": Refusal(
+        lambda value: value != "fp32",
+        "the optimizer reads fp32 gradients; drop it (--grad-reduce-in-bf16 lowers the "
+        "reduction's precision)",
+    ),
     "timing_log_level": Refusal(
         lambda value: value is not None and value > 1,
         "level 2 (fine-grained timers inside the schedule) is not available; use 1 for the "

@@ -28,6 +28,7 @@ from gigatron.errors import GigatronError
 from gigatron.optim import clip_grads
 from gigatron.optim.grad_scaler import GradScaler
 from gigatron.optim.muon import QKV_ATTRIBUTE, Muon, MuonSettings, Orthogonalize, is_muon_matrix
+from gigatron.optim.offload import DTYPES, PrecisionAwareAdamW
 from gigatron.parallel.context import ParallelContext
 
 # Attributes that drive de-duplication in the grad norm and checkpoint gathering; the fp32 main
@@ -134,6 +135,14 @@ def make_torch_optimizer(
         # passes; the same update to within float rounding.
         "fused": _fused_adam_supported(param_groups) or None,
     }
+    if o.optimizer == "adam" and o.use_precision_aware_optimizer:
+        return PrecisionAwareAdamW(
+            param_groups,
+            **{key: value for key, value in adam_kwargs.items() if key != "fused"},
+            exp_avg_dtype=DTYPES[o.exp_avg_dtype],
+            exp_avg_sq_dtype=DTYPES[o.exp_avg_sq_dtype],
+            offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0,
+        )
     if o.optimizer == "adam":
         return torch.optim.AdamW(param_groups, **adam_kwargs)
     if o.optimizer == "muon":
