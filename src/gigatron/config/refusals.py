@@ -25,6 +25,9 @@ class Refusal:
     fix: str
 
 
+# --recompute-modules values gigatron recomputes (docs/frontier.md).
+RECOMPUTABLE = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts"}
+
 REFUSALS: dict[str, Refusal] = {
     "transformer_impl": Refusal(
         lambda value: value == "inference_optimized",
@@ -85,9 +88,9 @@ REFUSALS: dict[str, Refusal] = {
         "--moe-token-dispatcher-type alltoall and drop this flag",
     ),
     "recompute_modules": Refusal(
-        lambda value: bool(value) and not set(value) <= {"core_attn", "mlp", "layernorm"},
-        "only core_attn, mlp and layernorm can be recomputed so far (moe, moe_act, "
-        "shared_experts and mla_up_proj cannot); drop the others",
+        lambda value: bool(value) and not set(value) <= RECOMPUTABLE,
+        f"only {', '.join(sorted(RECOMPUTABLE))} can be recomputed so far (mla_up_proj cannot); "
+        "drop the others",
     ),
     "muon_scalar_optimizer": Refusal(
         lambda value: value == "lion",
