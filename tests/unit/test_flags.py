@@ -170,8 +170,13 @@ def test_refusals_name_real_fields_and_are_enforced():
         "moe_router_force_load_balancing": ["--moe-router-force-load-balancing"],
         "moe_flex_dispatcher_backend": ["--moe-flex-dispatcher-backend", "hybridep"],
         "moe_token_dispatcher_type": ["--moe-token-dispatcher-type", "flex"],
-        "init_model_with_meta_device": ["--init-model-with-meta-device"],
-        "recompute_modules": ["--recompute-modules", "moe_act"],
+        "recompute_modules": ["--recompute-modules", "mla_up_proj"],
+        "muon_scalar_optimizer": ["--muon-scalar-optimizer", "lion"],
+        "muon_use_syrk": ["--muon-use-syrk"],
+        "exp_avg_dtype": ["--exp-avg-dtype", "fp8"],
+        "exp_avg_sq_dtype": ["--exp-avg-sq-dtype", "fp16"],
+        "main_params_dtype": ["--main-params-dtype", "fp16"],
+        "main_grads_dtype": ["--main-grads-dtype", "bf16"],
     }
     assert set(cases) == set(REFUSALS), "give every refusal a refused example here"
     for flags in cases.values():

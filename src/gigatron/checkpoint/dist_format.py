@@ -81,6 +81,8 @@ from gigatron.checkpoint.torch_format import (
     set_rng_state,
 )
 from gigatron.errors import GigatronError
+from gigatron.optim.muon import Muon
+from gigatron.optim.offload import PrecisionAwareAdamW
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.fully_sharded import FullyShardedDataParallel
 
@@ -207,6 +209,8 @@ def optimizer_state_keys(optimizer: Any) -> list[str]:
     inner = _inner(optimizer)
     if isinstance(inner, torch.optim.SGD):
         return ["momentum_buffer"] if inner.defaults.get("momentum") else []
+    if isinstance(inner, Muon):
+        return ["exp_avg", "exp_avg_sq", "momentum_buffer"]
     return ["exp_avg", "exp_avg_sq"]
 
 
@@ -272,7 +276,9 @@ def optimizer_pieces(
         if compute_dtype != torch.float32 and (main is not param or id(param) in fsdp_dtypes):
             pieces += _slot_pieces(f"optimizer.fp32_param.{stored}", param, main, start, pctx)
         state = inner.state.setdefault(main, {}) if for_load else inner.state.get(main, {})
-        for key in keys:
+        # Muon: its matrices have a momentum, the other parameters Adam's moments.
+        own = inner.state_keys_of(main) if isinstance(inner, Muon) else keys
+        for key in (k for k in keys if k in own):
             if for_load and key not in state:
                 state[key] = torch.zeros_like(main, memory_format=torch.preserve_format)
             if key in state:
@@ -512,7 +518,9 @@ def _load_pieces(pieces: list[Piece], iteration_dir: Path, pctx: ParallelContext
 
 def _set_step(optimizer: Any, step: float) -> None:
     inner = _inner(optimizer)
-    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+    if isinstance(inner, Muon) and inner.adam is not None:
+        inner = inner.adam  # Muon's own momentum has no step count
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW | PrecisionAwareAdamW):
         return
     for group in inner.param_groups:
         on_device = bool(group.get("fused") or group.get("capturable"))

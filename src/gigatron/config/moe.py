@@ -34,6 +34,12 @@ class MoEConfig(Section):
         False, "scale the shared expert's output by sigmoid(x . gate) (Qwen-MoE style)"
     )
     moe_router_topk: int = flag_field(2, "experts each token is routed to")
+    moe_use_upcycling: bool = flag_field(
+        False, "start from the dense checkpoint under --load, each expert a copy of its MLP"
+    )
+    moe_upcycling_granularity: int = flag_field(
+        1, "how many times smaller an expert is than the dense MLP (only 1)"
+    )
     moe_router_score_function: str = flag_field(
         "softmax", "router score function", choices=["softmax", "sigmoid", "sqrtsoftplus"]
     )

@@ -105,6 +105,18 @@ class ParallelConfig(Section):
     calculate_per_token_loss: bool = flag_field(
         False, "average the loss over all tokens of the global batch instead of per micro-batch"
     )
+    pipeline_schedule: str = flag_field(
+        "1f1b",
+        "pipeline schedule (gigatron's flag): 1f1b (interleaved with virtual stages) or zb-h1 "
+        "(zero bubble: backward split into input- and weight-gradient steps)",
+        choices=["1f1b", "zb-h1"],
+    )
+    overlap_p2p_comm: bool = flag_field(
+        True,
+        "post each pipeline receive one step early (overlapped with compute)",
+        flag="--no-overlap-p2p-communication",
+        store_false=True,
+    )
 
     def problems(self) -> list[str]:
         """Sizes, gradient reduction, overlap and the fully sharded data-parallel choices."""
@@ -126,6 +138,12 @@ class ParallelConfig(Section):
         ):
             found.append(
                 "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
+            )
+        if self.pipeline_schedule == "zb-h1" and (
+            self.num_virtual_stages_per_pipeline_rank or self.num_layers_per_virtual_pipeline_stage
+        ):
+            found.append(
+                "--pipeline-schedule zb-h1: one model chunk per rank; drop the virtual stages"
             )
         return found + self.fsdp_problems()
 

@@ -25,6 +25,9 @@ class Refusal:
     fix: str
 
 
+# --recompute-modules values gigatron recomputes (docs/frontier.md).
+RECOMPUTABLE = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts"}
+
 REFUSALS: dict[str, Refusal] = {
     "transformer_impl": Refusal(
         lambda value: value == "inference_optimized",
@@ -84,15 +87,38 @@ REFUSALS: dict[str, Refusal] = {
         "the flex token dispatcher (DeepEP / HybridEP kernels) is not available; use "
         "--moe-token-dispatcher-type alltoall and drop this flag",
     ),
-    "init_model_with_meta_device": Refusal(
-        bool,
-        "building the model on the meta device is not available yet; drop it (parameters are "
-        "built full-size from the seed, then sliced)",
-    ),
     "recompute_modules": Refusal(
-        lambda value: bool(value) and not set(value) <= {"core_attn", "mlp", "layernorm"},
-        "only core_attn, mlp and layernorm can be recomputed so far (moe, moe_act, "
-        "shared_experts and mla_up_proj cannot); drop the others",
+        lambda value: bool(value) and not set(value) <= RECOMPUTABLE,
+        f"only {', '.join(sorted(RECOMPUTABLE))} can be recomputed so far (mla_up_proj cannot); "
+        "drop the others",
+    ),
+    "muon_scalar_optimizer": Refusal(
+        lambda value: value == "lion",
+        "Lion is not available; use --muon-scalar-optimizer adam (AdamW for the parameters "
+        "Muon does not update)",
+    ),
+    "muon_use_syrk": Refusal(
+        bool,
+        "the Triton SYRK kernel is not available; drop it (the Gram matrix is a plain matmul, "
+        "the same numbers)",
+    ),
+    "exp_avg_dtype": Refusal(
+        lambda value: value == "fp8",
+        "fp8 optimizer state needs Transformer Engine's scaled kernels; use bf16 or fp16",
+    ),
+    "exp_avg_sq_dtype": Refusal(
+        lambda value: value in ("fp8", "fp16"),
+        "the second moment (squared gradients, often below fp16's smallest number) is kept in "
+        "fp32 or bf16 only; use bf16",
+    ),
+    "main_params_dtype": Refusal(
+        lambda value: value != "fp32",
+        "main parameters are kept in fp32 (fp16 main parameters are not available); drop it",
+    ),
+    "main_grads_dtype": Refusal(
+        lambda value: value != "fp32",
+        "the optimizer reads fp32 gradients; drop it (--grad-reduce-in-bf16 lowers the "
+        "reduction's precision)",
     ),
     "timing_log_level": Refusal(
         lambda value: value is not None and value > 1,

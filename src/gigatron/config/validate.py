@@ -248,6 +248,7 @@ def _fsdp_rules(cfg: GigatronConfig, world_size: int | None) -> list[str]:
             (t.fp16, "--fp16 (use --bf16)"),
             (bool(cfg.model.lora_target_modules), "--lora-target-modules"),
             (bool(cfg.checkpoint.save_hf), "--save-hf"),
+            (cfg.optimizer.optimizer == "muon", "--optimizer muon"),
         )
         if enabled
     ]

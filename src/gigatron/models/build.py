@@ -11,6 +11,7 @@ from torch import nn
 from gigatron.errors import GigatronError
 from gigatron.models.embedding import resolve_vocab_size
 from gigatron.models.fp8 import apply_fp8
+from gigatron.models.meta_init import materialize, parameters_on_meta
 from gigatron.models.transformer import LayerParts
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import context_parallel_core_attention
@@ -46,14 +47,18 @@ def build_model_chunks(
     seed = cfg.training.seed
     rng = ModelParallelRNG.for_rank(seed, pctx)
     chunks = []
+    on_meta = cfg.model.init_model_with_meta_device
     for index, layers in enumerate(ranges):
-        chunk = make_chunk(
-            padded,
-            pctx.is_pipeline_first_stage() and index == 0,
-            pctx.is_pipeline_last_stage() and index == len(ranges) - 1,
-            layers,
-            rng,
-        )
+        with parameters_on_meta(on_meta):
+            chunk = make_chunk(
+                padded,
+                pctx.is_pipeline_first_stage() and index == 0,
+                pctx.is_pipeline_last_stage() and index == len(ranges) - 1,
+                layers,
+                rng,
+            )
+        if on_meta:
+            materialize(chunk, pctx.device)
         initialize_parameters(
             chunk,
             seed,

@@ -33,6 +33,7 @@ from torch import nn
 
 from gigatron.models.embedding import LanguageModelEmbedding, resolve_vocab_size
 from gigatron.models.language_model import LanguageModelStage
+from gigatron.models.meta_init import materialize, parameters_on_meta
 from gigatron.models.transformer import (
     Attention,
     CoreAttention,
@@ -361,18 +362,21 @@ def build_t5_model(
     # The encoder's first stage and the decoder's first stage embed.
     pre_process = previous is None or (decoder_layers is not None and previous[1] is None)
     rng = ModelParallelRNG.for_rank(cfg.training.seed, pctx)
-    chunk = T5Model(
-        encoder_config,
-        decoder_config,
-        pctx,
-        padded,
-        pre_process,
-        pctx.is_pipeline_last_stage(),
-        encoder_layers,
-        decoder_layers,
-        encoder_final,
-        rng,
-        parts,
-    )
+    with parameters_on_meta(cfg.model.init_model_with_meta_device):
+        chunk = T5Model(
+            encoder_config,
+            decoder_config,
+            pctx,
+            padded,
+            pre_process,
+            pctx.is_pipeline_last_stage(),
+            encoder_layers,
+            decoder_layers,
+            encoder_final,
+            rng,
+            parts,
+        )
+    if cfg.model.init_model_with_meta_device:
+        materialize(chunk, pctx.device)
     initialize_parameters(chunk, cfg.training.seed, pctx.tp_rank, pctx.tp_size)
     return [chunk]

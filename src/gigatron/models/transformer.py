@@ -579,7 +579,7 @@ class TransformerLayer(ResidualLayer):
         self.mlp = parts.mlp(config, pctx, layer_number, rng)
         modules = selective_recompute_modules(config)
         # "mlp" names the dense MLP; an MoE layer (it has a router) is Megatron's "moe" module.
-        self.recompute_mlp = "mlp" in modules and not hasattr(self.mlp, "router")
+        self.recompute_mlp = ("moe" if hasattr(self.mlp, "router") else "mlp") in modules
         self.recompute_norm = "layernorm" in modules
 
     def forward(

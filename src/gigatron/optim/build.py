@@ -10,6 +10,7 @@ from torch import nn
 from gigatron.optim.distributed_optimizer import DistributedOptimizer
 from gigatron.optim.fully_sharded_optimizer import FullyShardedOptimizer
 from gigatron.optim.grad_scaler import build_grad_scaler
+from gigatron.optim.muon import MatrixOrthogonalizer, MuonSettings, mark_qkv_weights, per_matrix
 from gigatron.optim.optimizer import (
     FP32Optimizer,
     GigatronOptimizer,
@@ -34,7 +35,11 @@ def build_optimizer(
         )
     if cfg.parallel.use_distributed_optimizer:
         return DistributedOptimizer(cfg, model_chunks, pctx, grad_scaler=grad_scaler)
-    optimizer = make_torch_optimizer(cfg, param_groups_for(cfg, model_chunks))
+    orthogonalize = None
+    if cfg.optimizer.optimizer == "muon":
+        mark_qkv_weights(cfg, model_chunks)
+        orthogonalize = per_matrix(MatrixOrthogonalizer(MuonSettings.from_config(cfg), pctx))
+    optimizer = make_torch_optimizer(cfg, param_groups_for(cfg, model_chunks), orthogonalize)
     if cfg.training.bf16 or cfg.training.fp16:
         return MixedPrecisionOptimizer(optimizer, cfg, model_chunks, pctx, grad_scaler)
     return FP32Optimizer(optimizer, cfg, model_chunks, pctx, grad_scaler=None)

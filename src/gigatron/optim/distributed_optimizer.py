@@ -37,6 +37,13 @@ from torch import nn
 
 from gigatron.errors import GigatronError
 from gigatron.optim.grad_scaler import GradScaler
+from gigatron.optim.muon import (
+    MatrixOrthogonalizer,
+    Muon,
+    MuonSettings,
+    Orthogonalize,
+    mark_qkv_weights,
+)
 from gigatron.optim.optimizer import (
     GigatronOptimizer,
     copy_param_attributes,
@@ -57,6 +64,8 @@ def state_keys(optimizer: torch.optim.Optimizer) -> list[str]:
     """Per-element state tensors of the inner optimizer (same on every rank)."""
     if isinstance(optimizer, torch.optim.SGD):
         return ["momentum_buffer"] if optimizer.defaults.get("momentum") else []
+    if isinstance(optimizer, Muon):
+        return ["exp_avg", "exp_avg_sq", "momentum_buffer"]
     return ["exp_avg", "exp_avg_sq"]
 
 
@@ -161,13 +170,57 @@ class DistributedOptimizer(GigatronOptimizer):
                         owned.setdefault(id(param), []).append(shard)
         # Same groups (weight decay on matrices only) as the plain optimizer, over the shards.
         groups = []
-        for group in param_groups_for(cfg, model_chunks):
+        model_groups = param_groups_for(cfg, model_chunks)
+        for group in model_groups:
             mains = [s.main for p in group["params"] for s in owned.get(id(p), [])]
             groups.append({**group, "params": mains})
         # Every rank keeps the same groups (possibly empty) so that the schedule and the
         # checkpoint layout agree across ranks.
-        optimizer = make_torch_optimizer(cfg, groups)
+        orthogonalize = None
+        if cfg.optimizer.optimizer == "muon":
+            orthogonalize = self._muon_orthogonalize(cfg, model_chunks, pctx, model_groups)
+        optimizer = make_torch_optimizer(cfg, groups, orthogonalize)
         super().__init__(optimizer, cfg, model_chunks, pctx, grad_scaler)
+
+    def _muon_orthogonalize(
+        self,
+        cfg: Any,
+        model_chunks: list[nn.Module],
+        pctx: ParallelContext,
+        model_groups: list[dict[str, Any]],
+    ) -> Orthogonalize:
+        """Muon's orthogonalisation over flat shards: each update is summed into its whole
+        parameter over the buffer's group (every rank, every Muon parameter, in buffer order),
+        orthogonalised whole, and this rank's part kept."""
+        mark_qkv_weights(cfg, model_chunks)
+        matrix = MatrixOrthogonalizer(MuonSettings.from_config(cfg), pctx)
+        muon = {id(p) for group in model_groups if group.get("muon") for p in group["params"]}
+        order = [
+            (buffer, param)
+            for chunk in model_chunks
+            for buffer in chunk.grad_buffers
+            for param in buffer.params
+            if id(param) in muon
+        ]
+
+        def orthogonalize(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+            updates = {id(main): update for main, update in pairs}
+            shards = {id(s.model_param): s for s in self.shards if id(s.main) in updates}
+            done = {}
+            for buffer, param in order:
+                flat = torch.zeros(param.numel(), dtype=torch.float32, device=pctx.device)
+                shard = shards.get(id(param))
+                if shard is not None:
+                    flat[shard.start : shard.end] = updates[id(shard.main)]
+                if buffer.group_size > 1:
+                    torch.distributed.all_reduce(flat, group=buffer.group)
+                # Tensor-parallel peers own the same flat ranges: they skip the same matrices.
+                if shard is not None:
+                    whole = matrix(param, flat.view(param.shape)).reshape(-1)
+                    done[id(shard.main)] = whole[shard.start : shard.end]
+            return [done[id(main)] for main, _ in pairs]
+
+        return orthogonalize
 
     @staticmethod
     def _make_shard(param: nn.Parameter, start: int, end: int) -> ShardedParam:

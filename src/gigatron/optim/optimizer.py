@@ -27,6 +27,8 @@ from torch import nn
 from gigatron.errors import GigatronError
 from gigatron.optim import clip_grads
 from gigatron.optim.grad_scaler import GradScaler
+from gigatron.optim.muon import QKV_ATTRIBUTE, Muon, MuonSettings, Orthogonalize, is_muon_matrix
+from gigatron.optim.offload import DTYPES, PrecisionAwareAdamW
 from gigatron.parallel.context import ParallelContext
 
 # Attributes that drive de-duplication in the grad norm and checkpoint gathering; the fp32 main
@@ -39,6 +41,7 @@ PARAM_ATTRIBUTES = (
     "shared_embedding",
     "shared_position_embedding",
     "expert_parallel",
+    QKV_ATTRIBUTE,
 )
 
 
@@ -68,11 +71,13 @@ def get_param_groups(
     model_chunks: Iterable[nn.Module],
     decoupled_lr: float | None = None,
     decoupled_min_lr: float | None = None,
+    muon: bool = False,
 ) -> list[dict[str, Any]]:
     """Groups with weight decay (matrices) and without (biases and 1-D norm weights); with
     `decoupled_lr` the word embedding and output layer get groups of their own whose schedule
-    runs from `decoupled_lr` to `decoupled_min_lr` (default: the schedule's --min-lr)."""
-    decay, no_decay, decoupled = [], [], []
+    runs from `decoupled_lr` to `decoupled_min_lr` (default: the schedule's --min-lr). With
+    `muon` the hidden layers' matrices form a group of their own, marked `"muon": True`."""
+    decay, no_decay, decoupled, matrices = [], [], [], []
     seen: set[int] = set()
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
@@ -83,9 +88,13 @@ def get_param_groups(
                 decoupled.append(param)
             elif name.endswith(".bias") or param.dim() == 1:
                 no_decay.append(param)
+            elif muon and is_muon_matrix(name, param):
+                matrices.append(param)
             else:
                 decay.append(param)
     groups = []
+    if matrices:
+        groups.append({"params": matrices, "wd_mult": 1.0, "lr_mult": 1.0, "muon": True})
     if decay:
         groups.append({"params": decay, "wd_mult": 1.0, "lr_mult": 1.0})
     if no_decay:
@@ -103,31 +112,48 @@ def get_param_groups(
 def param_groups_for(cfg: Any, model_chunks: Iterable[nn.Module]) -> list[dict[str, Any]]:
     """`get_param_groups` with the run's --decoupled-lr / --decoupled-min-lr."""
     o = cfg.optimizer
-    return get_param_groups(model_chunks, o.decoupled_lr, o.decoupled_min_lr)
+    return get_param_groups(
+        model_chunks, o.decoupled_lr, o.decoupled_min_lr, muon=o.optimizer == "muon"
+    )
 
 
-def make_torch_optimizer(cfg: Any, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """torch.optim.AdamW or SGD over `param_groups` (lr/weight decay are set by the schedule)."""
+def make_torch_optimizer(
+    cfg: Any, param_groups: list[dict[str, Any]], orthogonalize: Orthogonalize | None = None
+) -> torch.optim.Optimizer:
+    """torch.optim.AdamW, SGD or Muon (with AdamW for its non-matrix groups) over
+    `param_groups` (lr/weight decay are set by the schedule); Muon needs `orthogonalize`."""
     o = cfg.optimizer
     lr = o.lr if o.lr is not None else 0.0
     for group in param_groups:
         group.setdefault("weight_decay", o.weight_decay * group.get("wd_mult", 1.0))
-    if o.optimizer == "adam":
-        return torch.optim.AdamW(
+    adam_kwargs = {
+        "lr": lr,
+        "betas": (o.adam_beta1, o.adam_beta2),
+        "eps": o.adam_eps,
+        "weight_decay": o.weight_decay,
+        # One fused kernel per parameter (CPU and CUDA) instead of about ten elementwise
+        # passes; the same update to within float rounding.
+        "fused": _fused_adam_supported(param_groups) or None,
+    }
+    if o.optimizer == "adam" and o.use_precision_aware_optimizer:
+        return PrecisionAwareAdamW(
             param_groups,
-            lr=lr,
-            betas=(o.adam_beta1, o.adam_beta2),
-            eps=o.adam_eps,
-            weight_decay=o.weight_decay,
-            # One fused kernel per parameter (CPU and CUDA) instead of about ten elementwise
-            # passes; the same update to within float rounding.
-            fused=_fused_adam_supported(param_groups) or None,
+            **{key: value for key, value in adam_kwargs.items() if key != "fused"},
+            exp_avg_dtype=DTYPES[o.exp_avg_dtype],
+            exp_avg_sq_dtype=DTYPES[o.exp_avg_sq_dtype],
+            offload_fraction=o.optimizer_offload_fraction if o.optimizer_cpu_offload else 0.0,
         )
+    if o.optimizer == "adam":
+        return torch.optim.AdamW(param_groups, **adam_kwargs)
+    if o.optimizer == "muon":
+        if orthogonalize is None:
+            raise GigatronError("--optimizer muon: this optimizer wrapper does not support it")
+        return Muon(param_groups, MuonSettings.from_config(cfg), orthogonalize, adam_kwargs)
     if o.optimizer == "sgd":
         return torch.optim.SGD(
             param_groups, lr=lr, momentum=o.sgd_momentum, weight_decay=o.weight_decay
         )
-    raise GigatronError(f"--optimizer {o.optimizer}: unknown; choose adam or sgd")
+    raise GigatronError(f"--optimizer {o.optimizer}: unknown; choose adam, sgd or muon")
 
 
 # Devices where torch (2.4 and later) has a fused AdamW kernel.

@@ -129,25 +129,29 @@ def deallocate_output(output: torch.Tensor | None) -> None:
 def backward_from_output(
     output: torch.Tensor | list[torch.Tensor],
     grad_output: torch.Tensor | list[torch.Tensor] | None,
+    inputs: tuple[torch.Tensor, ...] = (),
+    keep_graph: bool = False,
 ) -> None:
     """Backward from `output` with `grad_output` (or from lists of both: a stage sending several
     tensors), also when `deallocate_output` freed an output.
 
     torch.autograd.backward checks that the gradient's shape equals the output's, which no longer
     holds once the output's data is a 1-element placeholder; the engine call below skips that
-    check and otherwise does the same.
+    check and otherwise does the same. `inputs`: only their gradients are accumulated (the
+    zero-bubble schedule's input-gradient and weight-gradient passes); `keep_graph` keeps the
+    graph for a second pass.
     """
     if grad_output is None:
-        output.backward()
+        output.backward(inputs=inputs or None, retain_graph=keep_graph)
         return
     outputs = tuple(output) if isinstance(output, (list, tuple)) else (output,)
     grads = tuple(grad_output) if isinstance(grad_output, (list, tuple)) else (grad_output,)
     torch.autograd.Variable._execution_engine.run_backward(
         tensors=outputs,
         grad_tensors=grads,
-        keep_graph=False,
+        keep_graph=keep_graph,
         create_graph=False,
-        inputs=(),
+        inputs=inputs,
         allow_unreachable=True,
         accumulate_grad=True,
     )

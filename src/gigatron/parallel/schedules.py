@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gigatron.config.parallel import check_pipeline_schedule
+from gigatron.errors import GigatronError
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.pipeline import (
     ACTIVATION,
@@ -54,6 +55,10 @@ class ScheduleConfig:
     # `chunk.set_input_tensor` gets a list. None: one hidden-state tensor of
     # [seq(/cp)(/tp with SP), micro-batch, hidden] everywhere.
     stage_shapes: StageShapes | None = None
+    # "1f1b" (interleaved with virtual stages) or "zb-h1" (--pipeline-schedule).
+    pipeline_schedule: str = "1f1b"
+    # Post each receive one step early, so it overlaps compute (--no-overlap-p2p-communication).
+    overlap_p2p_comm: bool = True
 
 
 class ScheduleObserver:
@@ -184,6 +189,27 @@ def pipeline_schedule_order(
     return order + backwards[len(forwards) - warmup :]
 
 
+def zb_h1_schedule_order(pp_size: int, pp_rank: int, num_microbatches: int) -> list:
+    """ZB-H1 (zero bubble, Qi et al. 2023): 1F1B's forwards and input-gradient backwards ("B")
+    in 1F1B's order, each weight-gradient pass ("W") run `pp_rank` micro-batches after its B
+    (the later stages, idle at the end of 1F1B, finish their W passes there). Rank r holds
+    pp - r activations in flight plus r pending W passes: 1F1B's peak memory (pp) on every
+    rank, while the first gradient reaches stage 0 sooner (B passes exclude the weights)."""
+    m = num_microbatches
+    warmup = min(pp_size - pp_rank - 1, m)
+    delay = min(pp_rank, m)
+    order: list[tuple[str, int, int]] = [("F", 0, mb) for mb in range(warmup)]
+    weights_done = 0
+    for backward in range(m):
+        if warmup + backward < m:
+            order.append(("F", 0, warmup + backward))
+        order.append(("B", 0, backward))
+        if backward + 1 - weights_done > delay:
+            order.append(("W", 0, weights_done))
+            weights_done += 1
+    return order + [("W", 0, mb) for mb in range(weights_done, m)]
+
+
 class _SharedMicrobatches:
     """One data iterator shared by several chunks: chunk k's i-th `next()` returns micro-batch
     i, fetched once from the underlying iterator and dropped when every chunk has read it."""
@@ -273,6 +299,9 @@ class _PipelinePass:
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.reports: list[dict[str, Any]] = []
         self.compute_s = 0.0
+        # ZB-H1: backward split into input-gradient (B) and weight-gradient (W) steps.
+        self.split_backward = config.pipeline_schedule == "zb-h1" and not forward_only
+        self.pending_weights: dict[tuple[int, int], tuple[Any, Any]] = {}
 
     def is_first_stage(self, chunk: int) -> bool:
         return self.pp_rank == 0 and chunk == 0
@@ -285,12 +314,16 @@ class _PipelinePass:
         kind, chunk, _ = step
         if kind == "F":
             return None if self.is_first_stage(chunk) else ACTIVATION
+        if kind == "W":
+            return None
         return None if self.is_last_stage(chunk) else GRADIENT
 
     def prefetch_plan(self, order: list[tuple[str, int, int]]) -> list[tuple[int, int, int] | None]:
         """The receive each step starts for a later one (the next step that needs a receive), so
         it overlaps this step's compute; it goes out together with this step's send, if any."""
         plan: list[tuple[int, int, int] | None] = [None] * len(order)
+        if not self.config.overlap_p2p_comm:
+            return plan  # each receive is posted by the step that needs it
         upcoming = None
         for index in range(len(order) - 1, -1, -1):
             plan[index] = upcoming
@@ -308,6 +341,8 @@ class _PipelinePass:
                 observer.on_step(kind, chunk_id, mb)
             if kind == "F":
                 self.forward(chunk_id, mb, next_recv[index])
+            elif kind == "W":
+                self.weight_gradients(chunk_id, mb)
             else:
                 self.backward(chunk_id, mb, next_recv[index])
             if next_recv[index] is not None:
@@ -347,16 +382,39 @@ class _PipelinePass:
             self.comm.wait_send(ACTIVATION, chunk_id, mb)
         input_tensor = self.inputs.pop((chunk_id, mb))
         output = self.outputs.pop((chunk_id, mb))
-        # Gradient reduction (DDP) runs only with each chunk's last micro-batch.
-        last = mb == self.num_microbatches - 1
         began = time.perf_counter()
-        with contextlib.nullcontext() if last else no_sync(self.chunks[chunk_id]):
-            backward_from_output(output, grad_output)
+        # The last stage's loss turns its saved logits into the gradient in place (one backward
+        # only): its B step is the whole backward and its W step has nothing left to do.
+        if self.split_backward and not self.is_last_stage(chunk_id):
+            # ZB-H1's B: the input's gradient only; the weights' wait for the W step.
+            if input_tensor is not None:
+                received = tuple(_as_list(input_tensor))
+                backward_from_output(output, grad_output, inputs=received, keep_graph=True)
+            self.pending_weights[(chunk_id, mb)] = (output, grad_output)
+        else:
+            with self.grad_sync(chunk_id, mb):
+                backward_from_output(output, grad_output)
         self.compute_s += time.perf_counter() - began
         del output, grad_output
         if input_tensor is not None:
             grad_input = _received_grads(input_tensor)
             self.comm.send(GRADIENT, chunk_id, mb, grad_input, then_recv=then_recv)
+
+    def grad_sync(self, chunk_id: int, mb: int) -> contextlib.AbstractContextManager:
+        """Gradient reduction (DDP) runs only with each chunk's last micro-batch."""
+        last = mb == self.num_microbatches - 1
+        return contextlib.nullcontext() if last else no_sync(self.chunks[chunk_id])
+
+    def weight_gradients(self, chunk_id: int, mb: int) -> None:
+        """ZB-H1's W: the weights' gradients of a micro-batch whose B step ran (graph kept)."""
+        if (chunk_id, mb) not in self.pending_weights:
+            return  # the last stage's B step did the whole backward
+        output, grad_output = self.pending_weights.pop((chunk_id, mb))
+        weights = tuple(p for p in self.chunks[chunk_id].parameters() if p.requires_grad)
+        began = time.perf_counter()
+        with self.grad_sync(chunk_id, mb):
+            backward_from_output(output, grad_output, inputs=weights)
+        self.compute_s += time.perf_counter() - began
 
 
 def set_aux_loss_scale(
@@ -400,15 +458,23 @@ def forward_backward(
             forward_step, data_iterator, model_chunks, num_microbatches, config, forward_only,
             observer,
         )  # fmt: skip
-    # 1F1B with one chunk per rank, interleaved 1F1B with several (virtual stages).
-    order = pipeline_schedule_order(
-        pctx.pp_size,
-        pctx.pp_rank,
-        num_microbatches,
-        len(model_chunks),
-        config.microbatch_group_size,
-        forward_only,
-    )
+    # 1F1B with one chunk per rank, interleaved 1F1B with several (virtual stages), ZB-H1.
+    if config.pipeline_schedule == "zb-h1" and not forward_only:
+        if len(model_chunks) > 1:
+            raise GigatronError(
+                "--pipeline-schedule zb-h1: one model chunk per rank only; drop the virtual "
+                "pipeline stages"
+            )
+        order = zb_h1_schedule_order(pctx.pp_size, pctx.pp_rank, num_microbatches)
+    else:
+        order = pipeline_schedule_order(
+            pctx.pp_size,
+            pctx.pp_rank,
+            num_microbatches,
+            len(model_chunks),
+            config.microbatch_group_size,
+            forward_only,
+        )
     run = _PipelinePass(
         forward_step, data_iterator, model_chunks, num_microbatches, pctx, config, forward_only
     )

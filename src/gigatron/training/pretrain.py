@@ -293,6 +293,8 @@ def _schedule_config(parts: RunParts) -> ScheduleConfig:
         per_token_loss=cfg.parallel.calculate_per_token_loss,
         grad_scale_func=parts.optimizer.scale_loss,
         microbatch_group_size=cfg.parallel.microbatch_group_size_per_vp_stage,
+        pipeline_schedule=cfg.parallel.pipeline_schedule,
+        overlap_p2p_comm=cfg.parallel.overlap_p2p_comm,
         stage_shapes=(
             family.pipeline_stage_shapes(cfg, pctx)
             if family.pipeline_stage_shapes is not None and pctx.pp_size > 1

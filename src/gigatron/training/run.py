@@ -24,6 +24,7 @@ import yaml
 from torch import nn
 
 from gigatron.checkpoint.formats import load_checkpoint
+from gigatron.checkpoint.upcycling import upcycle
 from gigatron.config import GigatronConfig
 from gigatron.config.root import config_to_dict
 from gigatron.config.validate import params_dtype
@@ -370,9 +371,15 @@ def build_run(
             if t.train_iters is not None
             else parts.calculator.train_iters_for_samples(t.train_samples)
         )
-        parts.state, parts.loaded = load_or_init(
-            cfg, pctx, parts.model, parts.optimizer, parts.scheduler
-        )
+        if cfg.moe.moe_use_upcycling:  # --load holds the dense model: docs/frontier.md
+            vocab = parts.tokenizer.vocab_size
+            print_line(upcycle(cfg, pctx, parts.model, lambda c, p: builder(c, p, vocab)))
+            parts.optimizer.reload_model_params()
+            parts.state, parts.loaded = TrainState(), {"loaded": False}  # a fresh MoE run
+        else:
+            parts.state, parts.loaded = load_or_init(
+                cfg, pctx, parts.model, parts.optimizer, parts.scheduler
+            )
         if write_config:
             write_run_config(cfg, cfg.checkpoint.save, pctx)
         return parts

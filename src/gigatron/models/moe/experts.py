@@ -25,6 +25,7 @@ from torch import nn
 from gigatron.errors import GigatronError
 from gigatron.models.activations import Activation, mlp_activation
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.random import recompute
 from gigatron.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 
@@ -75,6 +76,7 @@ class GroupedExperts(nn.Module):
         grouped_gemm: bool,
         activation: Activation | None = None,
         bias: bool = False,
+        recompute_activation: bool = False,
     ) -> None:
         """`swiglu`: the MLP is gated (fc1 = [gate; up]); `activation` (default: SwiGLU or GeLU
         from `swiglu` and `openai_gelu`) is models/activations.py's choice for the model;
@@ -119,19 +121,23 @@ class GroupedExperts(nn.Module):
             set_tensor_parallel_attributes(self.linear_fc2.bias, False, init="zeros")
         for param in self.parameters():
             param.expert_parallel = True
+        # --recompute-modules moe_act: the activation's input is kept, its output recomputed.
+        self.recompute_activation = recompute_activation
         self.use_grouped_gemm = grouped_gemm
         # Probed here, not in forward: a probe inside a checkpointed forward would save tensors
         # that its recomputation does not.
-        self.grouped_gemm_used = grouped_gemm and self._grouped_gemm_available()
+        self.grouped_gemm_used = grouped_gemm and self._grouped_gemm_available(device)
 
-    def _grouped_gemm_available(self) -> bool:
+    def _grouped_gemm_available(self, device: torch.device) -> bool:
+        # `device`, not the weight's: weights built on meta (--init-model-with-meta-device) are
+        # materialised there.
         w1 = self.linear_fc1.weight
-        if w1.device.type == "meta":
+        if device.type == "meta":
             return False
         # Strides must be multiples of 16 bytes.
         sizes = (w1.shape[1], w1.shape[2], self.linear_fc2.weight.shape[2])
         aligned = all(size * w1.element_size() % 16 == 0 for size in sizes)
-        return aligned and grouped_mm_supported(w1.device, w1.dtype)
+        return aligned and grouped_mm_supported(device, w1.dtype)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
@@ -141,7 +147,7 @@ class GroupedExperts(nn.Module):
             h = _ContiguousGrad.apply(torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets))
             if b1 is not None:
                 h = h + _rows_of_experts(b1, tokens_per_expert, x.shape[0])
-            h = self.activation(h)
+            h = self._activate(h)
             y = _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets))
             if b2 is not None:
                 y = y + _rows_of_experts(b2, tokens_per_expert, x.shape[0])
@@ -149,7 +155,7 @@ class GroupedExperts(nn.Module):
         blocks = x.split(tokens_per_expert.tolist())
         outputs = [
             F.linear(
-                self.activation(F.linear(block, w1[e], None if b1 is None else b1[e])),
+                self._activate(F.linear(block, w1[e], None if b1 is None else b1[e])),
                 w2[e],
                 None if b2 is None else b2[e],
             )
@@ -159,6 +165,11 @@ class GroupedExperts(nn.Module):
             return x.new_zeros((0, w2.shape[1]))
         # Experts without tokens still join the graph, so their weights get zero gradients.
         return torch.cat(outputs)
+
+    def _activate(self, h: torch.Tensor) -> torch.Tensor:
+        if self.recompute_activation and self.training and torch.is_grad_enabled():
+            return recompute(self.activation, h)
+        return self.activation(h)
 
 
 def _grouped_mm_traceable(x: torch.Tensor) -> bool:

@@ -28,12 +28,13 @@ from gigatron.models.moe.experts import GroupedExperts
 from gigatron.models.moe.router import TopKRouter
 from gigatron.models.moe.shared_experts import SharedExpertMLP
 from gigatron.models.moe.spec import MoESpec
-from gigatron.models.transformer import MLP, LayerParts
+from gigatron.models.transformer import MLP, LayerParts, selective_recompute_modules
 from gigatron.parallel.collectives import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
 )
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.random import recompute
 
 
 class MoELayer(nn.Module):
@@ -73,7 +74,9 @@ class MoELayer(nn.Module):
             grouped_gemm=moe.grouped_gemm,
             activation=mlp_activation(spec),
             bias=spec.add_bias_linear,
+            recompute_activation="moe_act" in selective_recompute_modules(spec),
         )
+        self.recompute_shared = "shared_experts" in selective_recompute_modules(spec)
         self.shared_experts = (
             SharedExpertMLP(spec, pctx, moe.shared_expert_size, moe.shared_expert_gate)
             if moe.shared_expert_size
@@ -94,7 +97,9 @@ class MoELayer(nn.Module):
             # Every tp rank continues with the whole sequence; the backward keeps its slice.
             out = gather_from_sequence_parallel_region(out, self.pctx, reduce_grads=False)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            recomputed = self.recompute_shared and self.training and torch.is_grad_enabled()
+            shared = recompute(self.shared_experts, x) if recomputed else self.shared_experts(x)
+            out = out + shared
         return out
 
 
