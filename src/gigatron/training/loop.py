@@ -28,6 +28,7 @@ from gigatron.parallel.grad_sync import finalize_model_grads
 from gigatron.parallel.schedules import ScheduleConfig, forward_backward
 from gigatron.training.metrics import MetricsLogger
 from gigatron.training.profiling import ManualGC, StepProfiler, empty_unused_memory, memory_scalars
+from gigatron.training.resilience import Computed, ResultValidator, replayable, skip_batches
 from gigatron.training.timers import Timers
 
 
@@ -78,6 +79,8 @@ class Run:
     # Validate once more when an exit condition stops the run early (quickstart wants a final
     # validation loss; Megatron's default is to exit at once).
     evaluate_on_early_exit: bool = False
+    # --rerun-mode (training/resilience.py); train() builds it when None.
+    validator: ResultValidator | None = None
 
 
 @dataclass
@@ -166,8 +169,8 @@ class StepResult:
     num_zeros: Any  # zeros in the gradients (--log-num-zeros-in-grad), else None
 
 
-def train_step(run: Run, num_microbatches: int) -> StepResult:
-    """One iteration: forward-backward over the micro-batches, gradient sync, optimizer step."""
+def _compute_gradients(run: Run, num_microbatches: int) -> Computed:
+    """Forward-backward over the micro-batches and gradient sync (the part a re-run repeats)."""
     pctx = run.pctx
     run.optimizer.zero_grad()  # also zeroes the DDP gradient buffers
     run.timers("forward-backward").start()
@@ -190,14 +193,22 @@ def train_step(run: Run, num_microbatches: int) -> StepResult:
     if run.iteration_reports is not None:
         reports = [*reports, run.iteration_reports(run.model)]
     losses = mean_losses(reduce_loss_reports(reports, pctx, run.loss_names))
-    # Only some stages see a loss; every rank must take the same decision.
-    bad = [name for name, value in losses.items() if not math.isfinite(value)]
-    # --no-check-for-nan-in-loss-and-grad: keep going (fp16 overflows are skipped steps anyway).
+    return Computed(losses, reports)
+
+
+def train_step(run: Run, num_microbatches: int) -> StepResult:
+    """One iteration: forward-backward over the micro-batches, gradient sync, validation of
+    the result (training/resilience.py: a rejected one is re-run), optimizer step."""
+    pctx, validator = run.pctx, run.validator
+    if validator is not None:
+        validator.begin(run.train_iterator)
+    computed = _compute_gradients(run, num_microbatches)
+    if validator is not None:
+        redo = lambda: _compute_gradients(run, num_microbatches)  # noqa: E731
+        computed = validator.validate(run.state.iteration + 1, computed, redo)
+    losses = computed.losses
     check = run.cfg.training.check_for_nan_in_loss_and_grad
-    bad_loss = _any_rank(bool(bad), pctx) if check else False
-    if bad_loss and not run.cfg.training.fp16:
-        name = bad[0] if bad else run.loss_names[0]
-        raise _non_finite_error(run, name.replace("_", " "), losses.get(name))
+    level = run.cfg.training.empty_unused_memory_level
     run.timers("optimizer").start()
     success, grad_norm, num_zeros = run.optimizer.step()
     run.timers("optimizer").stop()
@@ -352,6 +363,12 @@ def train(run: Run) -> TrainResult:
     start_time = time.perf_counter()
     for chunk in run.model:
         chunk.train()
+    if run.validator is None:
+        run.validator = ResultValidator(
+            cfg, pctx, run.model, run.metrics.message, run.loss_names[0]
+        )
+        if t.rerun_mode != "disabled":  # a re-run reads the iteration's micro-batches again
+            run.train_iterator = replayable(run.train_iterator)
 
     profiler = StepProfiler(cfg, pctx.rank, pctx.device)
     try:
@@ -407,7 +424,12 @@ def _run_iteration(
     run.metrics.iteration_started(state.iteration + 1)  # a notice if it is slow
     profiler.before_iteration(state.iteration)
     iteration_start = time.perf_counter()
-    step = train_step(run, calc.get())
+    if state.iteration in run.cfg.training.iterations_to_skip:  # Megatron's numbering, from 0
+        skip_batches(run.train_iterator, calc.get())
+        step = StepResult({}, False, None, None)  # counted as skipped: no update
+        run.metrics.message(f"iteration {state.iteration + 1} skipped (--iterations-to-skip)")
+    else:
+        step = train_step(run, calc.get())
     iteration_time = time.perf_counter() - iteration_start
     state.iteration += 1
     profiler.after_iteration(state.iteration)
