@@ -29,6 +29,7 @@ from gigatron.parallel.schedules import ScheduleConfig, forward_backward
 from gigatron.training.metrics import MetricsLogger
 from gigatron.training.profiling import ManualGC, StepProfiler, empty_unused_memory, memory_scalars
 from gigatron.training.resilience import Computed, ResultValidator, replayable, skip_batches
+from gigatron.training.resilience_straggler import report_stragglers
 from gigatron.training.timers import Timers
 
 
@@ -189,7 +190,9 @@ def _compute_gradients(run: Run, num_microbatches: int) -> Computed:
     if run.schedule_config.per_token_loss:  # the main loss's tokens in the global batch
         main = run.loss_names[0]
         num_tokens = reduce_loss_reports(reports, pctx, run.loss_names)[main][1]
+    run.timers("all-grads-sync").start()  # a collective: waits for the slowest rank
     finalize_model_grads(run.model, pctx, num_tokens)
+    run.timers("all-grads-sync").stop()
     if run.iteration_reports is not None:
         reports = [*reports, run.iteration_reports(run.model)]
     losses = mean_losses(reduce_loss_reports(reports, pctx, run.loss_names))
@@ -367,8 +370,8 @@ def train(run: Run) -> TrainResult:
         run.validator = ResultValidator(
             cfg, pctx, run.model, run.metrics.message, run.loss_names[0]
         )
-        if t.rerun_mode != "disabled":  # a re-run reads the iteration's micro-batches again
-            run.train_iterator = replayable(run.train_iterator)
+    if t.rerun_mode != "disabled":  # a re-run reads the iteration's micro-batches again
+        run.train_iterator = replayable(run.train_iterator)  # (finetune: a new one each epoch)
 
     profiler = StepProfiler(cfg, pctx.rank, pctx.device)
     try:
@@ -456,6 +459,9 @@ def _log_window(run: Run, window: LogWindow, step: StepResult, global_batch: int
     tokens_per_s = window.samples * run.cfg.model.seq_length / window.time
     # Over the whole window: the batch (and so the FLOPs) may grow during ramp-up.
     utilisation = mfu(window.flops, window.time, run.pctx.world_size, run.peak_flops)
+    if run.cfg.logging.log_straggler:  # before the timers are read (and reset) below
+        report_stragglers(run.metrics, run.timers.elapsed_ms(reset=False), window.iterations,
+                          state.iteration, run.pctx, run.cfg.logging.straggler_minmax_count)  # fmt: skip
     run.metrics.log_iteration(
         {
             "iteration": state.iteration,
