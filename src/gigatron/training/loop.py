@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -207,7 +208,7 @@ def train_step(run: Run, num_microbatches: int) -> StepResult:
         validator.begin(run.train_iterator)
     computed = _compute_gradients(run, num_microbatches)
     if validator is not None:
-        redo = lambda: _compute_gradients(run, num_microbatches)  # noqa: E731
+        redo = partial(_compute_gradients, run, num_microbatches)
         computed = validator.validate(run.state.iteration + 1, computed, redo)
     losses = computed.losses
     check = run.cfg.training.check_for_nan_in_loss_and_grad
