@@ -268,12 +268,34 @@ def describe_distributed_failure(
     return DistributedFault(", ".join(parts) + fix)
 
 
+class DataLoaderFault(DistributedFault):
+    """A data-loader worker process died (killed by a signal: the out-of-memory killer, a kill)."""
+
+
+def describe_data_loader_failure(error: RuntimeError) -> DataLoaderFault | None:
+    """torch's "DataLoader worker (pid ...) exited unexpectedly / is killed by signal" error as
+    one line with what to do; None for any other error."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if not text.startswith("DataLoader worker (pid"):
+        return None
+    return DataLoaderFault(
+        f"a data-loader worker process died ({text.rstrip('. ')}); it was killed, often by the "
+        "out-of-memory killer. Checkpoints already in --save are kept: resume with --load, with "
+        "fewer --num-workers if memory is short (--num-workers 0 reads in the main process)",
+        report_key="data-loader-fault",
+    )
+
+
 def name_distributed_failures(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call `function`; a collective timeout or lost peer inside it becomes a DistributedFault
-    (described while the process groups still exist)."""
+    (described while the process groups still exist), a dead data-loader worker a
+    DataLoaderFault."""
     try:
         return function(*args, **kwargs)
     except RuntimeError as error:
+        data_fault = describe_data_loader_failure(error)
+        if data_fault is not None:
+            raise data_fault from error
         if not is_distributed_failure(error):
             raise
         raise describe_distributed_failure(error) from error

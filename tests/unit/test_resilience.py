@@ -4,13 +4,16 @@ undisturbed run; reproduced -> the run stops naming the iteration and the micro-
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 
 import pytest
 import torch
 from test_training_loop import ToyLM, make_run
 
 from gigatron.errors import GigatronError
+from gigatron.faults import DataLoaderFault, name_distributed_failures
 from gigatron.training.loop import train
 from gigatron.training.resilience import ErrorInjector, ReplayIterator, SpikeDetector
 
@@ -115,3 +118,28 @@ def test_spike_detector_and_helpers():
     injector = ErrorInjector(3, "persistent_error", seed=1)
     picks = [injector.first_run() for _ in range(300)]
     assert 60 < sum(picks) < 140 and injector.rerun() == picks[-1]
+
+
+class _DyingDataset(torch.utils.data.Dataset):
+    """Its worker process kills itself (SIGKILL) at the third sample."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int):
+        if index == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.tensor([index])
+
+
+def test_a_dead_data_loader_worker_is_one_line_not_a_traceback():
+    loader = torch.utils.data.DataLoader(_DyingDataset(), batch_size=1, num_workers=1)
+
+    def read_all() -> list:
+        return list(loader)
+
+    with pytest.raises(DataLoaderFault) as error:
+        name_distributed_failures(read_all)
+    message = str(error.value)
+    assert message.startswith("a data-loader worker process died (DataLoader worker (pid")
+    assert "--num-workers" in message and "\n" not in message and error.value.exit_code == 1
