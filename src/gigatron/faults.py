@@ -268,12 +268,34 @@ def describe_distributed_failure(
     return DistributedFault(", ".join(parts) + fix)
 
 
+class DataLoaderFault(DistributedFault):
+    """A data-loader worker process died (killed by a signal: the out-of-memory killer, a kill)."""
+
+
+def describe_data_loader_failure(error: RuntimeError) -> DataLoaderFault | None:
+    """torch's "DataLoader worker (pid ...) exited unexpectedly / is killed by signal" error as
+    one line with what to do; None for any other error."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if not text.startswith("DataLoader worker (pid"):
+        return None
+    return DataLoaderFault(
+        f"a data-loader worker process died ({text.rstrip('. ')}); it was killed, often by the "
+        "out-of-memory killer. Checkpoints already in --save are kept: resume with --load, with "
+        "fewer --num-workers if memory is short (--num-workers 0 reads in the main process)",
+        report_key="data-loader-fault",
+    )
+
+
 def name_distributed_failures(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call `function`; a collective timeout or lost peer inside it becomes a DistributedFault
-    (described while the process groups still exist)."""
+    (described while the process groups still exist), a dead data-loader worker a
+    DataLoaderFault."""
     try:
         return function(*args, **kwargs)
     except RuntimeError as error:
+        data_fault = describe_data_loader_failure(error)
+        if data_fault is not None:
+            raise data_fault from error
         if not is_distributed_failure(error):
             raise
         raise describe_distributed_failure(error) from error
@@ -318,3 +340,64 @@ def data_loader_worker_init(parent_pid: int, worker_id: int) -> None:
     # multiprocessing's resource sharer (tensors sent to the main process) reports through this.
     sys.excepthook = _quiet_when_the_main_process_is_gone(sys.excepthook)
     _die_with_parent(parent_pid)
+
+
+# ---- restart rounds under torchrun --max-restarts ---------------------------------------------
+class RestartLedger:
+    """Where each restart round of a torchrun run got to, kept in the agent's store (which
+    outlives the rounds): rank 0 records the resumed and the last completed iteration. A new
+    round names the iteration its predecessor failed in, and stops at once when the last two
+    rounds failed in the same iteration (a fault that repeats: restarting cannot help)."""
+
+    def __init__(self, store: Any, restart_round: int, rank: int) -> None:
+        self.store, self.round, self.rank = store, restart_round, rank
+
+    @classmethod
+    def open(cls) -> RestartLedger | None:
+        """The ledger of this torchrun run; None outside torchrun or without a store."""
+        restart_round = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        store = run_store() if restart_round is not None else None
+        if store is None:
+            return None
+        return cls(store, int(restart_round), int(os.environ.get("RANK", "0")))
+
+    def _key(self, restart_round: int, name: str) -> str:
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+        return f"{_KEY_PREFIX}/{run}/restart/{restart_round}/{name}"
+
+    def _read(self, restart_round: int, name: str) -> int | None:
+        key = self._key(restart_round, name)
+        return int(self.store.get(key)) if self.store.check([key]) else None
+
+    def completed(self, iteration: int) -> None:
+        """Rank 0: `iteration` is done (called after every iteration)."""
+        if self.rank == 0:
+            self.store.set(self._key(self.round, "completed"), str(iteration))
+
+    def failed_iteration(self, restart_round: int) -> int | None:
+        """The iteration round `restart_round` failed in (the one after its last completed)."""
+        done = self._read(restart_round, "completed")
+        start = self._read(restart_round, "resumed")
+        if done is None and start is None:
+            return None  # it failed before training started
+        return (done if done is not None else start) + 1
+
+    def begin(self, resumed: int, print_line: Callable[[str], None]) -> None:
+        """At the start of training: record where this round resumes, name the previous round's
+        failure, raise a GigatronError when the last two rounds failed in the same iteration."""
+        if self.rank == 0:
+            self.store.set(self._key(self.round, "resumed"), str(resumed))
+        if self.round == 0:
+            return
+        failed = [self.failed_iteration(r) for r in range(self.round)]
+        print_line(
+            f"torchrun restart round {self.round}: round {self.round - 1} failed in iteration "
+            f"{failed[-1]}; resuming at iteration {resumed + 1} from the newest checkpoint"
+        )
+        if len(failed) >= 2 and failed[-1] is not None and failed[-1] == failed[-2]:
+            raise GigatronError(
+                f"iteration {failed[-1]} failed in torchrun restart rounds {self.round - 2} and "
+                f"{self.round - 1}: the fault repeats, restarting does not help; the first "
+                "round's error above names its cause. Fix it, or skip the iteration with "
+                f"--iterations-to-skip {failed[-1] - 1} (Megatron counts from 0)"
+            )

@@ -9,13 +9,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from test_data_parallel import Case, build, train_steps
 
-from gigatron.checkpoint import dcp_io
+from gigatron.checkpoint import dcp_io, dist_format
 from gigatron.checkpoint.async_save import AsyncCheckpointSaver
 from gigatron.checkpoint.formats import load_checkpoint
 from gigatron.parallel.context import ParallelContext, run_distributed
@@ -47,6 +48,9 @@ def run_async(rank: int, world_size: int, out_dir: str) -> None:
     train_steps(chunk, optimizer, pctx, range(2), use_ddp=True)
     saved_weights = {k: v.clone() for k, v in chunk.state_dict().items()}
 
+    if rank == 0:  # a slow publish: no rank may go on (and read the tracker) before it is done
+        publish = dist_format.publish_iteration
+        dist_format.publish_iteration = lambda *args: (time.sleep(1.0), publish(*args))
     gate, started = threading.Event(), threading.Event()
     dcp_io.make_writer = lambda path: GatedWriter(path, gate, started)
     saver = AsyncCheckpointSaver(pctx)
@@ -93,7 +97,7 @@ KILLED = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from pathlib import Path
     from test_data_parallel import Case, build, train_steps
-    from gigatron.checkpoint import dcp_io
+    from gigatron.checkpoint import dcp_io, dist_format
     from gigatron.checkpoint.async_save import AsyncCheckpointSaver
     from gigatron.checkpoint.formats import save_checkpoint
     from gigatron.parallel.context import ParallelContext

@@ -8,9 +8,10 @@ collectives. This is what `torch.distributed.checkpoint.async_save` does with it
 executor; it is driven directly here so that the staging copy is explicit and the same on every
 torch version (async_save's staging and return type changed between 2.11 and 2.13).
 
-A save is finished (rank 0 writes `metadata.json`, renames `iter_N.tmp/` to `iter_N/`, updates
-the tracker file) when the loop polls after an iteration and the write is done, at the next
-save, or at the end of training. A crash before that leaves the previous checkpoint as the
+A save is finished (the files' checksums recorded, rank 0 writes `metadata.json`, renames
+`iter_N.tmp/` to `iter_N/`, updates the tracker file, then every rank passes a barrier) when the
+loop polls after an iteration and the write is done on every rank (one all-reduce decides it for
+all), at the next save, or at the end of training. A crash before that leaves the previous checkpoint as the
 latest; the next save of that iteration removes the leftover `.tmp` directory.
 """
 
@@ -22,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -74,9 +76,19 @@ class AsyncCheckpointSaver:
         return self.pending is not None and not self.pending.done()
 
     def poll(self) -> None:
-        """Finish the pending save if its write is done (call after each iteration)."""
-        if self.pending is not None and self.pending.done():
+        """Finish the pending save once its write is done on every rank (collective: call it
+        after each iteration on every rank; all ranks decide together, so none finishes, and
+        none reads the tracker file, before rank 0 has published the checkpoint)."""
+        if self.pending is not None and self._done_everywhere():
             self._finish()
+
+    def _done_everywhere(self) -> bool:
+        done = self.pending.done()
+        if self.pctx.world_size == 1 or not dist.is_initialized():
+            return done
+        flag = torch.tensor([1.0 if done else 0.0], device=self.pctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the default group: the writer has its own
+        return bool(flag.item() > 0)
 
     def wait(self) -> None:
         """Block until the pending save (if any) is written and published."""

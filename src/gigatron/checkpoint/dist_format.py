@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -61,6 +62,7 @@ from gigatron.checkpoint.global_view import (
     pieces_of_flat_shard,
     tensor_layout,
 )
+from gigatron.checkpoint.integrity import earlier_hint, write_manifest
 from gigatron.checkpoint.state import (
     LoadFlags,
     Located,
@@ -373,8 +375,8 @@ class PendingSave:
         DCP's coordinator (rank 0) finishes only after every rank has written its chunks."""
         if self.write is not None:
             self.write.result()
+        tmp = self.save_dir / (iteration_dir_name(self.iteration) + TMP_SUFFIX)
         if self.pctx.rank == 0:
-            tmp = self.save_dir / (iteration_dir_name(self.iteration) + TMP_SUFFIX)
             marker = {
                 "sharded_backend": BACKEND,
                 "sharded_backend_version": 1,
@@ -382,7 +384,11 @@ class PendingSave:
                 "iteration": self.iteration,
             }
             (tmp / FORMAT_MARKER).write_text(json.dumps(marker) + "\n")
+        write_manifest(tmp, self.pctx)  # collective: rank 0's listing follows its finished write
+        if self.pctx.rank == 0:
             publish_iteration(self.save_dir, self.iteration)
+        if self.pctx.world_size > 1:
+            self.pctx.barrier()  # every rank returns once the checkpoint is published
 
 
 def start_save(
@@ -507,13 +513,23 @@ def _check_requests(
 
 
 def _load_pieces(pieces: list[Piece], iteration_dir: Path, pctx: ParallelContext) -> None:
-    with torch.no_grad(), quiet_single_process():
-        dcp.load(
-            {},
-            storage_reader=SafeFileSystemReader(iteration_dir),
-            planner=PieceLoadPlanner(pieces),
-            no_dist=pctx.world_size == 1,
-        )
+    try:
+        with torch.no_grad(), quiet_single_process():
+            dcp.load(
+                {},
+                storage_reader=SafeFileSystemReader(iteration_dir),
+                planner=PieceLoadPlanner(pieces),
+                no_dist=pctx.world_size == 1,
+            )
+    except CheckpointException as exc:  # a shard missing, truncated or replaced (every rank)
+        failures = [failure for failure, _ in exc.failures.values()]
+        if failures and isinstance(failures[0], GigatronError):
+            raise failures[0] from None
+        cause = f"{type(failures[0]).__name__}: {failures[0]}" if failures else "unknown"
+        raise GigatronError(
+            f"{iteration_dir}: its tensors could not be read ({cause}); the checkpoint is "
+            f"damaged: {earlier_hint(iteration_dir)}"
+        ) from None
 
 
 def _set_step(optimizer: Any, step: float) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from gigatron.checkpoint import dist_format, megatron_dist, torch_format
 from gigatron.checkpoint.gigatron_io import CheckpointSource
+from gigatron.checkpoint.integrity import verify_checkpoint
 from gigatron.checkpoint.state import (
     Located,
     TrainingState,
@@ -122,6 +123,8 @@ def load_state(
             raise GigatronError(f"--load {located.load_dir}: {problem}")
     else:
         _check_format(located.load_dir, name, getattr(cfg, "checkpoint", None))
+    if getattr(getattr(cfg, "checkpoint", None), "verify_checkpoint", True):
+        verify_checkpoint(located.iteration_dir, pctx)  # --no-verify-checkpoint skips it
     return _REGISTRY[name].load(located, state, pctx, cfg)
 
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gigatron.checkpoint.integrity import write_manifest
 from gigatron.checkpoint.megatron_format import (
     is_megatron_state,
     to_gigatron_state,
@@ -264,6 +265,7 @@ def save_state(save_dir: str | Path, state: TrainingState, pctx: ParallelContext
     if writes_checkpoint(pctx):
         _write_file(_rank_state(state, cfg, with_optim, with_rng), rank_dir / CHECKPOINT_FILENAME)
     _barrier(pctx)
+    write_manifest(tmp, pctx)  # every file's checksum, checked at load
     if pctx.rank == 0:
         publish_iteration(save_dir, state.iteration)
     _barrier(pctx)

@@ -67,6 +67,12 @@ class CheckpointConfig(Section):
     async_save: bool = flag_field(
         False, "torch_dist: write checkpoints in the background while training continues"
     )
+    verify_checkpoint: bool = flag_field(
+        True,
+        "load a checkpoint without checking its files against the checksums saved with it",
+        flag="--no-verify-checkpoint",
+        store_false=True,
+    )
 
     def problems(self) -> list[str]:
         """Conversion on load and asynchronous saving."""

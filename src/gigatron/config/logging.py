@@ -32,6 +32,14 @@ class LoggingConfig(Section):
         False, "write memory use (allocated, reserved, peak; process RSS on CPU) to TensorBoard"
     )
     log_timers_to_tensorboard: bool = flag_field(False, "write the phase timers to TensorBoard")
+    log_straggler: bool = flag_field(
+        False,
+        "every log interval, gather each rank's compute and gradient-sync wait time and name "
+        "the slowest ranks (log line and a `straggler` record in metrics.jsonl)",
+    )
+    straggler_minmax_count: int = flag_field(
+        1, "with --log-straggler: how many of the slowest and of the fastest ranks to name"
+    )
     log_validation_ppl_to_tensorboard: bool = flag_field(
         False, "write validation perplexities to TensorBoard"
     )

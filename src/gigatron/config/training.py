@@ -47,6 +47,28 @@ class TrainingConfig(Section):
         flag="--no-check-for-nan-in-loss-and-grad",
         store_false=True,
     )
+    rerun_mode: str = flag_field(
+        "validate_results",
+        "on a rejected result (non-finite loss or gradients, a spike): validate_results re-runs "
+        "the iteration from the same state (not reproduced: a transient fault, training goes on; "
+        "reproduced: stop with a report), report_stats re-runs every iteration and logs how "
+        "often the results differ, disabled stops at once",
+        choices=["disabled", "validate_results", "report_stats"],
+    )
+    check_for_spiky_loss: bool = flag_field(
+        False, "reject a loss 10x larger than the largest of the first 100 iterations' losses"
+    )
+    iterations_to_skip: list[int] = flag_field(
+        [], "skip these iterations (counted from 0, Megatron's numbering): data consumed, no update"
+    )
+    error_injection_rate: int = flag_field(
+        0, "testing: reject one result validation in this many (0: never)"
+    )
+    error_injection_type: str = flag_field(
+        "transient_error",
+        "testing: what an injected rejection does on its re-run (transient_error: not reproduced)",
+        choices=["correct_result", "transient_error", "persistent_error"],
+    )
     manual_gc: bool = flag_field(
         False, "disable Python's automatic garbage collector; collect on a schedule"
     )

@@ -200,7 +200,7 @@ class ParallelContext:
             if device.type == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
                 device = torch.device("cuda", torch.cuda.current_device())
-            dist.init_process_group(backend=backend, timeout=timeout)
+            init_default_group(backend, timeout)
         elif device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         rank = dist.get_rank()
@@ -384,6 +384,22 @@ def destroy(ctx: ParallelContext | None = None) -> None:
         if dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def init_default_group(backend: str, timeout: datetime.timedelta) -> None:
+    """The default process group from the launcher's environment. Under torchrun the keys go
+    under a prefix of the restart round (TORCHELASTIC_RESTART_COUNT): the agent's store outlives
+    a failed round, and workers of a new round must not read the dead round's addresses (Gloo
+    then connects to a process that is gone, or hangs)."""
+    restart_round = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart_round is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"gigatron/round{restart_round}", store)
+    dist.init_process_group(
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+    )
 
 
 def run_distributed(

@@ -28,6 +28,8 @@ from gigatron.parallel.grad_sync import finalize_model_grads
 from gigatron.parallel.schedules import ScheduleConfig, forward_backward
 from gigatron.training.metrics import MetricsLogger
 from gigatron.training.profiling import ManualGC, StepProfiler, empty_unused_memory, memory_scalars
+from gigatron.training.resilience import Computed, ResultValidator, replayable, skip_batches
+from gigatron.training.resilience_straggler import report_stragglers
 from gigatron.training.timers import Timers
 
 
@@ -78,6 +80,8 @@ class Run:
     # Validate once more when an exit condition stops the run early (quickstart wants a final
     # validation loss; Megatron's default is to exit at once).
     evaluate_on_early_exit: bool = False
+    # --rerun-mode (training/resilience.py); train() builds it when None.
+    validator: ResultValidator | None = None
 
 
 @dataclass
@@ -243,9 +247,40 @@ def _first_non_finite(
 
 
 def step_on_device(run: Run, num_microbatches: int) -> DeviceStep:
-    """One iteration: forward-backward over the micro-batches, gradient sync, optimizer step;
-    no host synchronisation (but fp16's overflow check, per-token loss scaling, MoE's token
-    counts and the flags that ask for a number: --log-num-zeros-in-grad)."""
+    """One iteration: forward-backward over the micro-batches, gradient sync, result validation
+    when it runs every step (training/resilience.py), optimizer step; no host synchronisation
+    otherwise (but fp16's overflow check, per-token loss scaling, MoE's token counts and the
+    flags that ask for a number: --log-num-zeros-in-grad)."""
+    pctx = run.pctx
+    totals = reduce_loss_totals(_validated_reports(run, num_microbatches), pctx, run.loss_names)
+    level = run.cfg.training.empty_unused_memory_level
+    run.timers("optimizer").start()
+    success, grad_norm, num_zeros = run.optimizer.step_on_device()
+    run.timers("optimizer").stop()
+    empty_unused_memory(level, 1, pctx.device)
+    return DeviceStep(totals, bool(success), grad_norm, num_zeros)
+
+
+def _validated_reports(run: Run, num_microbatches: int) -> list[dict[str, Any]]:
+    """This rank's loss reports of the iteration. When the result is validated every step
+    (`ResultValidator.per_step`: one host synchronisation), a rejected result is re-run from
+    the same state and the re-run's reports (and gradients) are the iteration's."""
+    validator = run.validator
+    if validator is None or not validator.per_step:
+        return _compute_gradients(run, num_microbatches)
+
+    def computed() -> Computed:
+        reports = _compute_gradients(run, num_microbatches)
+        losses = mean_losses(reduce_loss_reports(reports, run.pctx, run.loss_names))
+        return Computed(losses, reports)
+
+    validator.begin(run.train_iterator)
+    return validator.validate(run.state.iteration + 1, computed(), computed).reports
+
+
+def _compute_gradients(run: Run, num_microbatches: int) -> list[dict[str, Any]]:
+    """Forward-backward over the micro-batches and gradient sync (the part a re-run repeats);
+    this rank's loss reports."""
     pctx = run.pctx
     run.optimizer.zero_grad()  # also zeroes the DDP gradient buffers
     run.timers("forward-backward").start()
@@ -264,15 +299,18 @@ def step_on_device(run: Run, num_microbatches: int) -> DeviceStep:
     if run.schedule_config.per_token_loss:  # the main loss's tokens in the global batch
         main = run.loss_names[0]
         num_tokens = reduce_loss_reports(reports, pctx, run.loss_names)[main][1]
+    run.timers("all-grads-sync").start()  # a collective: waits for the slowest rank
     finalize_model_grads(run.model, pctx, num_tokens)
+    run.timers("all-grads-sync").stop()
     if run.iteration_reports is not None:
         reports = [*reports, run.iteration_reports(run.model)]
-    totals = reduce_loss_totals(reports, pctx, run.loss_names)
-    run.timers("optimizer").start()
-    success, grad_norm, num_zeros = run.optimizer.step_on_device()
-    run.timers("optimizer").stop()
-    empty_unused_memory(level, 1, pctx.device)
-    return DeviceStep(totals, bool(success), grad_norm, num_zeros)
+    return reports
+
+
+def skipped_step(run: Run) -> DeviceStep:
+    """An iteration of --iterations-to-skip: no losses, no update (counted as skipped)."""
+    totals = torch.zeros(len(run.loss_names), 2, dtype=torch.float64, device=run.pctx.device)
+    return DeviceStep(totals, False, None, None)
 
 
 def _non_finite_error(run: Run, iteration: int, what: str, value: float | None) -> GigatronError:
@@ -282,9 +320,12 @@ def _non_finite_error(run: Run, iteration: int, what: str, value: float | None) 
         if saved
         else "nothing was saved"
     )
+    # Here when result validation did not run every step (--rerun-mode disabled): the value
+    # was read at a log line, after its iteration's update.
     return GigatronError(
-        f"iteration {iteration}: the {what} is {value} (not finite); training stopped and {kept}. "
-        "Lower --lr, raise --lr-warmup-iters, set --clip-grad, or try --bf16/--fp16 loss scaling"
+        f"iteration {iteration}: the {what} is {value} (not finite), found with --rerun-mode "
+        f"{run.cfg.training.rerun_mode} (no re-run); training stopped and {kept}. Lower --lr, "
+        "raise --lr-warmup-iters, set --clip-grad, or try --bf16/--fp16 loss scaling"
     )
 
 
@@ -422,6 +463,12 @@ def train(run: Run) -> TrainResult:
     start_time = time.perf_counter()
     for chunk in run.model:
         chunk.train()
+    if run.validator is None:
+        run.validator = ResultValidator(
+            cfg, pctx, run.model, run.metrics.message, run.loss_names[0]
+        )
+    if run.validator.per_step:  # a re-run reads the iteration's micro-batches again
+        run.train_iterator = replayable(run.train_iterator)  # (finetune: a new one each epoch)
 
     profiler = StepProfiler(cfg, pctx.rank, pctx.device)
     try:
@@ -497,7 +544,12 @@ def _run_iteration(run: Run, window: LogWindow, profiler: StepProfiler, collecto
     run.metrics.iteration_started(state.iteration + 1)  # a notice if it is slow
     profiler.before_iteration(state.iteration)
     iteration_start = time.perf_counter()
-    step = step_on_device(run, calc.get())
+    if state.iteration in run.cfg.training.iterations_to_skip:  # Megatron's numbering, from 0
+        skip_batches(run.train_iterator, calc.get())
+        step = skipped_step(run)
+        run.metrics.message(f"iteration {state.iteration + 1} skipped (--iterations-to-skip)")
+    else:
+        step = step_on_device(run, calc.get())
     iteration_time = time.perf_counter() - iteration_start
     state.iteration += 1
     profiler.after_iteration(state.iteration)
@@ -519,6 +571,9 @@ def _log_window(run: Run, window: LogWindow, step: StepResult | None, global_bat
     tokens_per_s = window.samples * run.cfg.model.seq_length / window.time
     # Over the whole window: the batch (and so the FLOPs) may grow during ramp-up.
     utilisation = mfu(window.flops, window.time, run.pctx.world_size, run.peak_flops)
+    if run.cfg.logging.log_straggler:  # before the timers are read (and reset) below
+        report_stragglers(run.metrics, run.timers.elapsed_ms(reset=False), window.iterations,
+                          state.iteration, run.pctx, run.cfg.logging.straggler_minmax_count)  # fmt: skip
     run.metrics.log_iteration(
         {
             "iteration": state.iteration,

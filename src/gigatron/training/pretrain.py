@@ -29,7 +29,7 @@ from gigatron.data.loader import build_data_iterator
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily, family_names, get_family
 from gigatron.families.accepted import check_family_config
-from gigatron.faults import name_distributed_failures
+from gigatron.faults import RestartLedger, name_distributed_failures
 from gigatron.models.embedding import resolve_vocab_size
 from gigatron.models.flops import device_peak_flops, precision_name
 from gigatron.models.moe.spec import MoESpec
@@ -131,6 +131,10 @@ def pretrain(
             metrics.message(loaded_message(cfg.checkpoint.load, parts.loaded))
         saver = _async_saver(parts, metrics)
         run = _loop_run(parts, metrics, iterators, saver, evaluate_on_early_exit)
+        ledger = RestartLedger.open()  # torchrun --max-restarts: where each round got to
+        if ledger is not None:
+            ledger.begin(parts.state.iteration, metrics.message)
+            run.after_iteration = _record_progress(run.state, ledger, run.after_iteration)
         # A collective that times out or loses its peer is named while the groups still exist.
         result = name_distributed_failures(train, run)
         if saver is not None:
@@ -233,6 +237,21 @@ def _startup_record(parts: RunParts, vocab_size: int, precision: str) -> Callabl
         }
 
     return record
+
+
+def _record_progress(
+    state: TrainState, ledger: RestartLedger, then: Callable[[], None] | None
+) -> Any:
+    """The loop's after-iteration hook: record the completed iteration, then `then` (it holds
+    the state, not the Run: a Run referring to itself would outlive the command and keep its
+    data-loader workers running at exit)."""
+
+    def after_iteration() -> None:
+        ledger.completed(state.iteration)
+        if then is not None:
+            then()
+
+    return after_iteration
 
 
 def _async_saver(parts: RunParts, metrics: MetricsLogger) -> Any:
