@@ -1,0 +1,141 @@
+"""Weight-only post-training quantization of a gigatron checkpoint.
+
+The output (`--save`) is a gigatron checkpoint in the source's layout whose linear weights are the quantized ones
+dequantized (so `evaluate`, `generate`, `serve` and `convert` run the fake-quantized model
+unchanged), with `quantization` (method, bits, group size, layers) in its header, plus
+`quantized.safetensors`: the integer codes (int4: two per byte) and scales of every quantized
+layer. It appears whole or not at all (written aside, then renamed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gigatron.checkpoint.pipeline import Target, read_gigatron, write_gigatron
+from gigatron.errors import GigatronError
+from gigatron.quantize.methods import METHODS, Method
+from gigatron.quantize.rtn import (
+    check_shape,
+    dequantize,
+    pack_int4,
+    quantize_weight,
+    quantized_layer,
+)
+
+PACKED_FILENAME = "quantized.safetensors"
+FAMILIES = ("gpt",)  # families whose linear layers are all `linear_*` (Mamba mixers are not)
+
+
+class QuantizingSource:
+    """A conversion source whose linear weights come out quantized and dequantized; the codes
+    and scales of each are kept in `packed`."""
+
+    def __init__(self, source: Any, method: Method, group_size: int) -> None:
+        self.source, self.method, self.group_size = source, method, group_size
+        self.packed: dict[str, torch.Tensor] = {}
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.source
+
+    def meta(self, name: str) -> torch.Tensor:
+        return self.source.meta(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._quantized(name, self.source.tensor(name))
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((name, self._quantized(name, t)) for name, t in self.source.stream())
+
+    def _quantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        layer = quantized_layer(name)
+        if layer is None:
+            return tensor
+        codes, scales = quantize_weight(tensor, self.method, self.group_size)
+        stored = pack_int4(codes) if self.method.bits == 4 else codes
+        self.packed[f"{layer}.weight_packed"] = stored.contiguous()
+        self.packed[f"{layer}.weight_scale"] = scales.contiguous()
+        return dequantize(codes, scales, tensor.dtype)
+
+
+def plan_layers(source: Any, method: Method, group_size: int) -> list[str]:
+    """The layers to quantize, each shape checked before anything is written."""
+    layers = []
+    for name in source.names():
+        layer = quantized_layer(name)
+        if layer is not None:
+            check_shape(layer, tuple(source.meta(name).shape), group_size, method)
+            layers.append(layer)
+    return layers
+
+
+def _check_output(save: Path) -> None:
+    if save.exists() and (not save.is_dir() or any(save.iterdir())):
+        raise GigatronError(f"--save {save}: already exists and is not empty; give a new directory")
+
+
+def quantize_checkpoint(
+    load: str | Path,
+    save: str | Path,
+    method_name: str,
+    group_size: int = 128,
+    iteration: int | None = None,
+    log: Any = print,
+) -> Path:
+    """Quantize `load`'s checkpoint into the new directory `save`; returns `save`."""
+    method = METHODS[method_name]
+    if group_size < 1:
+        raise GigatronError(f"--group-size {group_size}: must be at least 1; e.g. 128")
+    save = Path(save)
+    _check_output(save)
+    with read_gigatron(Path(load), iteration) as model:
+        if model.family not in FAMILIES:
+            raise GigatronError(
+                f"--load {load}: a '{model.family}' model; --method {method.name} quantizes the "
+                f"linear layers of {', '.join(FAMILIES)} models only"
+            )
+        layers = plan_layers(model.source, method, group_size)
+        if not layers:
+            raise GigatronError(f"--load {load}: the model has no linear layers to quantize")
+        info = {"method": method.name, "bits": method.bits, "group_size": group_size,
+                "layers": layers}  # fmt: skip
+        source = QuantizingSource(model.source, method, group_size)
+        quantized = dataclasses.replace(model, source=source,
+                                        extra={**model.extra, "quantization": info})  # fmt: skip
+        tmp = save.parent / f".{save.name}.tmp-quantize"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            write_gigatron(quantized, tmp, Target(), lambda _: None)  # its paths are tmp's
+            _save_packed(source.packed, tmp / PACKED_FILENAME, info)
+            os.replace(tmp, save)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"quantized {len(layers)} linear layers ({method.name}, group size {group_size}) to {save}")
+    return save
+
+
+def _save_packed(packed: dict[str, torch.Tensor], path: Path, info: dict[str, Any]) -> None:
+    from safetensors.torch import save_file  # why: keep `gigatron quantize --help` fast
+
+    metadata = {key: json.dumps(value) for key, value in info.items()}
+    save_file(packed, str(path), metadata=metadata)
+
+
+def read_packed(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(codes and scales by name, the quantization info) of a quantized checkpoint directory."""
+    from safetensors import safe_open  # why: keep `gigatron quantize --help` fast
+
+    with safe_open(str(Path(directory) / PACKED_FILENAME), framework="pt") as handle:
+        info = {key: json.loads(value) for key, value in handle.metadata().items()}
+        return {name: handle.get_tensor(name) for name in handle.keys()}, info
