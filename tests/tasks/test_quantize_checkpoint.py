@@ -24,13 +24,13 @@ RUNS = {"int8": ("int8-weight", 64, 8), "int4": ("int4-weight", 32, 4)}
 
 
 def hand_dequantized(weight: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """Round-to-nearest by hand: per group, step = max |w| / (2^(bits-1) - 1/2)."""
+    """Round-to-nearest by hand: per group, step = max |w| / (2^(bits-1) - 1)."""
     out = torch.empty_like(weight)
     top = 2 ** (bits - 1)
     for row in range(weight.shape[0]):
         for start in range(0, weight.shape[1], group):
             values = weight[row, start : start + group]
-            step = values.abs().max() / (top - 0.5)
+            step = values.abs().max() / (top - 1)
             codes = torch.round(values / step).clamp(-top, top - 1) if step > 0 else values * 0
             out[row, start : start + group] = codes * step
     return out

@@ -19,17 +19,17 @@ from gigatron.quantize.rtn import (
 
 
 def test_codes_and_scales_by_hand():
-    weight = torch.tensor([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    weight = torch.tensor([[7.0, -2.5, 1.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
     codes, scales = quantize_weight(weight, METHODS["int4-weight"], group_size=4)
-    # scale = max |w| / 7.5; 1.0 / scale = 7.5 rounds (half to even) to 8, clamped to 7.
-    assert scales[0, 0].item() == pytest.approx(1 / 7.5)
-    assert codes[0].tolist() == [7, -4, 2, 0]  # -3.75 -> -4, 1.875 -> 2
+    # scale = max |w| / 7 = 1: -2.5 rounds (half to even) to -2, 1.5 to 2.
+    assert scales[0, 0].item() == 1.0
+    assert codes[0].tolist() == [7, -2, 2, 0]
     assert codes[1].tolist() == [0, 0, 0, 0] and scales[1, 0].item() == 0.0
     codes8, scales8 = quantize_weight(weight, METHODS["int8-weight"], group_size=2)
-    assert scales8[0].tolist() == pytest.approx([1 / 127.5, 0.25 / 127.5])
-    assert codes8[0].tolist() == [127, -64, 127, 0]  # 127.5 -> 128 -> 127; -63.75 -> -64
+    assert scales8[0].tolist() == pytest.approx([7 / 127, 1.5 / 127])
+    assert codes8[0].tolist() == [127, -45, 127, 0]  # -2.5 x 127 / 7 = -45.36
     back = dequantize(codes, scales, torch.float32)
-    assert back[0].tolist() == pytest.approx([7 / 7.5, -4 / 7.5, 2 / 7.5, 0.0])
+    assert back[0].tolist() == [7.0, -2.0, 2.0, 0.0]
 
 
 @pytest.mark.parametrize("method,group", [("int8-weight", 16), ("int8-weight", 64),
@@ -48,6 +48,12 @@ def test_dequantization_error_within_the_format_bound(method, group):
     assert (error / bound).max() > 0.9
     if method == "int4-weight":
         assert torch.equal(unpack_int4(pack_int4(codes), 64), codes)
+    # Quantizing the dequantized weight again gives the same codes and (to rounding) scales.
+    again, rescales = quantize_weight(
+        dequantize(codes, scales, torch.float32), METHODS[method], group
+    )
+    assert torch.equal(again, codes)
+    assert torch.allclose(rescales, scales, rtol=1e-6, atol=0)
 
 
 def test_int4_packing_is_two_codes_per_byte():

@@ -1,9 +1,10 @@
 """Weight-only round-to-nearest quantization: symmetric integer codes with one scale per group of
 `group_size` consecutive input features of each output row.
 
-The arithmetic is compressed-tensors' (the format transformers and vLLM load), so an exported
-folder dequantizes to the same numbers: scale = max |w| of the group / ((2^bits - 1) / 2), code =
+scale = max |w| of the group / (2^(bits-1) - 1) (127 for int8, 7 for int4), code =
 round-half-even(w / scale) clamped to [-2^(bits-1), 2^(bits-1) - 1]; |w - code x scale| <= scale/2.
+The largest |w| lands exactly on a code (+-127, +-7), so quantizing the dequantized weight again
+gives back the same codes and scales: an export re-derives them from any layout of the weights.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def quantize_weight(
     rows, cols = weight.shape
     groups = weight.detach().to(torch.float32).reshape(rows, cols // group_size, group_size)
     low, high = method.code_range
-    scales = groups.abs().amax(dim=-1) / ((high - low) / 2)
+    scales = groups.abs().amax(dim=-1) / high
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.round(groups / safe[..., None]).clamp(low, high).to(torch.int8)
     return codes.reshape(rows, cols), scales
