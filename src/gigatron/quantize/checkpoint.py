@@ -79,9 +79,11 @@ def plan_layers(source: Any, method: Method, group_size: int) -> list[str]:
     return layers
 
 
-def _check_output(save: Path) -> None:
-    if save.exists() and (not save.is_dir() or any(save.iterdir())):
-        raise GigatronError(f"--save {save}: already exists and is not empty; give a new directory")
+def check_new_directory(flag: str, path: str | Path) -> None:
+    """Refuse an output directory that holds something already."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise GigatronError(f"{flag} {path}: already exists and is not empty; give a new directory")
 
 
 def quantize_checkpoint(
@@ -97,7 +99,7 @@ def quantize_checkpoint(
     if group_size < 1:
         raise GigatronError(f"--group-size {group_size}: must be at least 1; e.g. 128")
     save = Path(save)
-    _check_output(save)
+    check_new_directory("--save", save)
     with read_gigatron(Path(load), iteration) as model:
         if model.family not in FAMILIES:
             raise GigatronError(

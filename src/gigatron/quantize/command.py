@@ -25,12 +25,27 @@ def build_parser() -> Any:
     add("--method", required=True, choices=sorted(METHODS), help="quantization method")
     add("--group-size", type=int, default=128, help="input features sharing one scale")
     add("--ckpt-step", type=int, default=None, help="iteration to quantize (default: the latest)")
+    add(
+        "--hf-save", default=None,
+        help="also export a Hugging Face folder in the compressed-tensors format here "
+        "(Llama, Mistral, Qwen2; transformers and vLLM load it) (default: no export)",
+    )  # fmt: skip
+    add("--max-shard-size", default="5GB", help="largest safetensors shard of --hf-save")
     return parser
 
 
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
-    from gigatron.quantize.checkpoint import quantize_checkpoint  # why: --help without torch
+    # why: parse the flags (and answer --help) before torch is imported
+    from gigatron.checkpoint.hf_convert import parse_size
+    from gigatron.quantize.checkpoint import check_new_directory, quantize_checkpoint
+    from gigatron.quantize.export import export_compressed, require_export_libraries
 
+    shard = parse_size(args.max_shard_size)
+    if args.hf_save:
+        check_new_directory("--hf-save", args.hf_save)
+        require_export_libraries()
     quantize_checkpoint(args.load, args.save, args.method, args.group_size, args.ckpt_step)
+    if args.hf_save:
+        export_compressed(args.save, args.hf_save, shard)
     return 0
