@@ -13,7 +13,7 @@ import dataclasses
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +34,11 @@ PACKED_FILENAME = "quantized.safetensors"
 FAMILIES = ("gpt",)  # families whose linear layers are all `linear_*` (Mamba mixers are not)
 
 
-class QuantizingSource:
-    """A conversion source whose linear weights come out quantized and dequantized; the codes
-    and scales of each are kept in `packed`."""
+class MappedSource:
+    """A conversion source whose tensors come out through `transform(name, tensor)`."""
 
-    def __init__(self, source: Any, method: Method, group_size: int) -> None:
-        self.source, self.method, self.group_size = source, method, group_size
-        self.packed: dict[str, torch.Tensor] = {}
+    def __init__(self, source: Any, transform: Callable[[str, torch.Tensor], torch.Tensor]):
+        self.source, self.transform = source, transform
 
     def names(self) -> list[str]:
         return self.source.names()
@@ -52,16 +50,31 @@ class QuantizingSource:
         return self.source.meta(name)
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self._quantized(name, self.source.tensor(name))
+        return self.transform(name, self.source.tensor(name))
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return ((name, self._quantized(name, t)) for name, t in self.source.stream())
+        return ((name, self.transform(name, t)) for name, t in self.source.stream())
 
-    def _quantized(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+
+class Quantizer:
+    """Quantizes each linear weight (round-to-nearest, or the codes and scales a calibration
+    computed, by layer, in `calibrated`), keeps its codes and scales in `packed` and returns it
+    dequantized."""
+
+    def __init__(
+        self, method: Method, group_size: int, calibrated: dict[str, tuple] | None = None
+    ) -> None:
+        self.method, self.group_size = method, group_size
+        self.calibrated = calibrated or {}
+        self.packed: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         layer = quantized_layer(name)
         if layer is None:
             return tensor
-        codes, scales = quantize_weight(tensor, self.method, self.group_size)
+        codes, scales = self.calibrated.get(layer) or quantize_weight(
+            tensor, self.method, self.group_size
+        )
         stored = pack_int4(codes) if self.method.bits == 4 else codes
         self.packed[f"{layer}.weight_packed"] = stored.contiguous()
         self.packed[f"{layer}.weight_scale"] = scales.contiguous()
@@ -111,7 +124,8 @@ def quantize_checkpoint(
             raise GigatronError(f"--load {load}: the model has no linear layers to quantize")
         info = {"method": method.name, "bits": method.bits, "group_size": group_size,
                 "layers": layers}  # fmt: skip
-        source = QuantizingSource(model.source, method, group_size)
+        quantizer = Quantizer(method, group_size)
+        source = MappedSource(model.source, quantizer)
         quantized = dataclasses.replace(model, source=source,
                                         extra={**model.extra, "quantization": info})  # fmt: skip
         tmp = save.parent / f".{save.name}.tmp-quantize"
@@ -119,7 +133,7 @@ def quantize_checkpoint(
         tmp.mkdir(parents=True)
         try:
             write_gigatron(quantized, tmp, Target(), lambda _: None)  # its paths are tmp's
-            _save_packed(source.packed, tmp / PACKED_FILENAME, info)
+            _save_packed(quantizer.packed, tmp / PACKED_FILENAME, info)
             os.replace(tmp, save)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

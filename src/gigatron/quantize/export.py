@@ -4,12 +4,14 @@
 config.json, sharded safetensors.
 
 The gigatron export (checkpoint/hf_convert.py) writes the fake-quantized weights under Hugging
-Face's names; each linear weight's codes and scales are then re-derived from them (lossless: see
-rtn.py) and compressed-tensors compresses and describes them.
+Face's names, and once more a checkpoint whose linear weights are their scales repeated over each
+group, so that the scales follow Hugging Face's renaming and splits (QKV, gate/up) exactly;
+compressed-tensors then compresses (codes = weight / scale, integers) and describes them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -20,10 +22,11 @@ from typing import Any
 import torch
 
 from gigatron.checkpoint.hf_convert import gigatron_to_hf
+from gigatron.checkpoint.pipeline import Target, read_gigatron, write_gigatron
+from gigatron.checkpoint.safetensors_io import SafetensorsFolder
 from gigatron.errors import GigatronError
-from gigatron.quantize.checkpoint import check_new_directory, read_packed
-from gigatron.quantize.methods import METHODS
-from gigatron.quantize.rtn import quantize_weight
+from gigatron.quantize.checkpoint import MappedSource, check_new_directory, read_packed
+from gigatron.quantize.rtn import quantized_layer
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")  # Llama-style: every linear layer an nn.Linear
 FORMATS = {8: "int-quantized", 4: "pack-quantized"}
@@ -55,27 +58,53 @@ def _scheme(bits: int, group_size: int) -> Any:
     return QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
 
 
-def _set_scales(model: torch.nn.Module, bits: int, group_size: int) -> int:
-    """Each quantized linear layer's scales, re-derived from its (dequantized) weight."""
-    method = next(m for m in METHODS.values() if m.bits == bits)
-    count = 0
-    for _, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and hasattr(module, "weight_scale"):
-            _, scales = quantize_weight(module.weight, method, group_size)
+def _scales_folder(load: Path, tmp: Path, group_size: int) -> Path:
+    """A Hugging Face folder whose quantized weights hold their scales, repeated over each
+    group (in the checkpoint's precision)."""
+    packed, _ = read_packed(load)
+
+    def expanded(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        layer = quantized_layer(name)
+        if layer is None:
+            return tensor
+        scales = packed[f"{layer}.weight_scale"].repeat_interleave(group_size, dim=1)
+        return scales.to(tensor.dtype)
+
+    with read_gigatron(load) as model:
+        scaled = dataclasses.replace(model, source=MappedSource(model.source, expanded))
+        write_gigatron(scaled, tmp / "scales-ckpt", Target(), lambda _: None)
+    gigatron_to_hf(tmp / "scales-ckpt", tmp / "scales-hf", log=lambda _: None,
+                   tokenizer_mode="none")  # fmt: skip
+    return tmp / "scales-hf"
+
+
+def _set_scales(model: torch.nn.Module, scales_folder: Path, group_size: int) -> None:
+    """Each quantized linear layer's scales, from `scales_folder`; refused when the weight is
+    not its integer codes times them (a precision the export cannot keep)."""
+    with SafetensorsFolder(scales_folder) as folder:
+        for name, module in model.named_modules():
+            if not (isinstance(module, torch.nn.Linear) and hasattr(module, "weight_scale")):
+                continue
+            scales = folder.tensor(f"{name}.weight")[:, ::group_size].to(torch.float32)
+            ratio = module.weight.detach().float() / scales.repeat_interleave(group_size, 1)
+            if (ratio - ratio.round()).abs().nan_to_num(0.0).max() > 0.05:
+                raise GigatronError(
+                    f"{name}: its weights are not integer multiples of its scales in the "
+                    "checkpoint's precision; export a float32 checkpoint"
+                )
             module.weight_scale.data = scales.to(module.weight_scale.dtype)
-            count += 1
-    return count
 
 
-def _compress(plain: Path, out: Path, bits: int, group_size: int, shard: int | None) -> None:
+def _compress(plain: Path, scales: Path, out: Path, info: dict, shard: int | None) -> None:
     # why: transformers and compressed-tensors are heavy optional dependencies
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
     from transformers import AutoModelForCausalLM
 
+    bits, group_size = info["bits"], info["group_size"]
     model = AutoModelForCausalLM.from_pretrained(plain, dtype="auto").eval()
     apply_quantization_config(model, _scheme(bits, group_size), show_progress=False)
-    _set_scales(model, bits, group_size)
+    _set_scales(model, scales, group_size)
     compressor = ModelCompressor.from_pretrained_model(model, FORMATS[bits])
     compressor.compress_model(model)
     model.save_pretrained(out, max_shard_size=shard or "5GB")
@@ -100,7 +129,8 @@ def export_compressed(
                 f"--load {load}: a '{model_type}' model; the compressed-tensors export takes "
                 f"{', '.join(MODEL_TYPES)} models (linear layers as nn.Linear)"
             )
-        _compress(tmp / "plain", tmp / "out", info["bits"], info["group_size"], max_shard_bytes)
+        scales = _scales_folder(load, tmp, info["group_size"])
+        _compress(tmp / "plain", scales, tmp / "out", info, max_shard_bytes)
         for extra in (tmp / "plain").iterdir():  # tokenizer files
             if not extra.name.endswith(WEIGHT_FILES) and extra.name != "config.json":
                 shutil.copy2(extra, tmp / "out" / extra.name)
