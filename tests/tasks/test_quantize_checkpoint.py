@@ -10,14 +10,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from task_helpers import SEQ, WIKITEXT, save, tiny_model
+from task_helpers import SEQ, WIKITEXT, lambada_texts, save, tiny_model
 
 from gigatron.checkpoint.torch_format import CHECKPOINT_FILENAME, safe_load
 from gigatron.cli import main as gigatron_main
+from gigatron.quantize.calibration import calibration_samples, collect_hessians
 from gigatron.quantize.checkpoint import read_packed
 from gigatron.quantize.rtn import dequantize, unpack_int4
 from gigatron.tasks.evaluate import evaluate
 from gigatron.tasks.wikitext import wikitext_detokenize
+from helpers import write_jsonl
 
 LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 RUNS = {"int8": ("int8-weight", 64, 8), "int4": ("int4-weight", 32, 4)}
@@ -125,3 +127,53 @@ def test_bad_inputs_are_refused_and_write_nothing(quantized, capsys):
     assert sorted(p.name for p in directory.iterdir() if p.name.startswith(".")) == []
     assert gigatron_main([*base, "--save", str(directory / "int8")]) == 2
     assert "already exists and is not empty" in capsys.readouterr().err
+
+
+# ---- GPTQ calibration ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def calibrated(quantized):
+    directory = quantized[0]
+    data = write_jsonl(directory / "calib.jsonl", [{"text": t} for t in lambada_texts(30)])
+    runs = {"a": 7, "b": 7, "c": 8}  # name -> seed
+    for name, seed in runs.items():
+        argv = ["quantize", "--load", str(directory / "ckpt"), "--save", str(directory / name),
+                "--method", "int4-weight", "--group-size", "32", "--calib-data", str(data),
+                "--calib-size", "6", "--seed", str(seed)]  # fmt: skip
+        assert gigatron_main(argv) == 0
+    return directory, data
+
+
+def test_gptq_is_reproducible_and_lowers_the_layer_output_error(quantized, calibrated):
+    _, tokenizer, chunk, _ = quantized
+    directory, data = calibrated
+    first, info = read_packed(directory / "a")
+    again, _ = read_packed(directory / "b")
+    other, _ = read_packed(directory / "c")
+    assert info["algorithm"] == "gptq" and info["seed"] == 7 and info["size"] == 6
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)  # bit for bit under one seed
+    assert any(not torch.equal(first[k], other[k]) for k in first)  # other windows, other codes
+    state = _saved_model(directory / "a")["model"]
+    rtn = _saved_model(directory / "int4")["model"]
+    hessians = collect_hessians(chunk, calibration_samples(str(data), tokenizer, SEQ, 6, 7))
+    original = chunk.state_dict()
+    for layer, hessian in hessians.items():
+        weight = original[f"{layer}.weight"].double()
+        codes = unpack_int4(first[f"{layer}.weight_packed"], weight.shape[1])
+        ours = dequantize(codes, first[f"{layer}.weight_scale"], torch.float32)
+        assert torch.equal(state[f"{layer}.weight"], ours)
+        # tr(E H E^T): the squared error of the layer's outputs on the calibration inputs.
+        errors = [((weight - w.double()) @ hessian * (weight - w.double())).sum().item()
+                  for w in (ours, rtn[f"{layer}.weight"])]  # fmt: skip
+        assert errors[0] < errors[1], layer
+
+
+def test_too_little_calibration_data_is_refused_and_writes_nothing(calibrated, capsys):
+    directory, data = calibrated
+    target = directory / "short"
+    argv = ["quantize", "--load", str(directory / "ckpt"), "--save", str(target), "--method",
+            "int8-weight", "--group-size", "32", "--calib-data", str(data), "--calib-size", "500"]  # fmt: skip
+    assert gigatron_main(argv) == 2
+    assert "--calib-size 500 needs 48000" in capsys.readouterr().err
+    assert not target.exists()
+    assert [p.name for p in directory.iterdir() if p.name.startswith(".")] == []

@@ -21,6 +21,7 @@ import torch
 
 from gigatron.checkpoint.pipeline import Target, read_gigatron, write_gigatron
 from gigatron.errors import GigatronError
+from gigatron.quantize.calibration import calibrate
 from gigatron.quantize.methods import METHODS, Method
 from gigatron.quantize.rtn import (
     check_shape,
@@ -106,8 +107,10 @@ def quantize_checkpoint(
     group_size: int = 128,
     iteration: int | None = None,
     log: Any = print,
+    calibration: dict[str, Any] | None = None,
 ) -> Path:
-    """Quantize `load`'s checkpoint into the new directory `save`; returns `save`."""
+    """Quantize `load`'s checkpoint into the new directory `save`; returns `save`.
+    `calibration` (data, size, seed): GPTQ on that data, else round-to-nearest."""
     method = METHODS[method_name]
     if group_size < 1:
         raise GigatronError(f"--group-size {group_size}: must be at least 1; e.g. 128")
@@ -123,8 +126,10 @@ def quantize_checkpoint(
         if not layers:
             raise GigatronError(f"--load {load}: the model has no linear layers to quantize")
         info = {"method": method.name, "bits": method.bits, "group_size": group_size,
+                "algorithm": "gptq" if calibration else "rtn", **(calibration or {}),
                 "layers": layers}  # fmt: skip
-        quantizer = Quantizer(method, group_size)
+        calibrated = calibrate(model, method, group_size, **calibration) if calibration else None
+        quantizer = Quantizer(method, group_size, calibrated)
         source = MappedSource(model.source, quantizer)
         quantized = dataclasses.replace(model, source=source,
                                         extra={**model.extra, "quantization": info})  # fmt: skip
@@ -137,7 +142,10 @@ def quantize_checkpoint(
             os.replace(tmp, save)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    log(f"quantized {len(layers)} linear layers ({method.name}, group size {group_size}) to {save}")
+    log(
+        f"quantized {len(layers)} linear layers ({method.name}, {info['algorithm']}, group size "
+        f"{group_size}) to {save}"
+    )
     return save
 
 

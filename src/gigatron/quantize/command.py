@@ -26,6 +26,13 @@ def build_parser() -> Any:
     add("--group-size", type=int, default=128, help="input features sharing one scale")
     add("--ckpt-step", type=int, default=None, help="iteration to quantize (default: the latest)")
     add(
+        "--calib-data", default=None,
+        help="calibrate with GPTQ on this text: JSON lines with a 'text' field, or a "
+        ".bin/.idx prefix of the model's tokenizer (default: round-to-nearest, no calibration)",
+    )  # fmt: skip
+    add("--calib-size", type=int, default=128, help="calibration windows of --seq-length tokens")
+    add("--seed", type=int, default=1234, help="seed of the calibration windows' choice")
+    add(
         "--hf-save", default=None,
         help="also export a Hugging Face folder in the compressed-tensors format here "
         "(Llama, Mistral, Qwen2; transformers and vLLM load it) (default: no export)",
@@ -45,7 +52,11 @@ def main(argv: Sequence[str]) -> int:
     if args.hf_save:
         check_new_directory("--hf-save", args.hf_save)
         require_export_libraries()
-    quantize_checkpoint(args.load, args.save, args.method, args.group_size, args.ckpt_step)
+    calibration = None
+    if args.calib_data is not None:
+        calibration = {"data": args.calib_data, "size": args.calib_size, "seed": args.seed}
+    quantize_checkpoint(args.load, args.save, args.method, args.group_size, args.ckpt_step,
+                        calibration=calibration)  # fmt: skip
     if args.hf_save:
         export_compressed(args.save, args.hf_save, shard)
     return 0
