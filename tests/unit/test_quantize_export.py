@@ -24,7 +24,7 @@ from gigatron.quantize.rtn import unpack_int4
 from hf_helpers import llama_gqa_config, randomise
 
 VOCAB, SEQ = 100, 16
-RUNS = {"int8": ("int8-weight", 32, "int-quantized"), "int4": ("int4-weight", 16, "pack-quantized")}
+RUNS = {"int8": ("int8-weight", 32, 8), "int4": ("int4-weight", 16, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -60,29 +60,24 @@ def _stored(folder, name):
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_transformers_loads_the_export_with_gigatrons_fake_quantized_logits(exported, name):
-    method, group, fmt = RUNS[name]
+    _, group, bits = RUNS[name]
     folder = exported / f"{name}-hf"
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
-    assert config["quant_method"] == "compressed-tensors" and config["format"] == fmt
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
     weights = config["config_groups"]["group_0"]["weights"]
     assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (
-        int(method[3]), group, True
+        bits, group, True
     )  # fmt: skip
     assert config["ignore"] == ["lm_head"]
     assert len(set(json.loads((folder / INDEX_FILE).read_text())["weight_map"].values())) > 1
 
-    # The stored codes are gigatron's (o_proj is linear_proj, unsplit).
+    # The stored codes are gigatron's (o_proj is linear_proj, unsplit), 32 / bits an int32.
     codes, _ = read_packed(exported / name)
     ours = codes["decoder.layers.1.self_attention.linear_proj.weight_packed"]
-    prefix = "model.layers.1.self_attn.o_proj"
-    if fmt == "int-quantized":
-        stored = _stored(folder, f"{prefix}.weight")
-        assert stored.dtype == torch.int8 and torch.equal(stored, ours)
-    else:
-        packed = _stored(folder, f"{prefix}.weight_packed")
-        assert packed.dtype == torch.int32 and packed.numel() * 8 == 64 * 64  # 8 codes an int32
-        unpacked = unpack_from_int32(packed, 4, torch.Size((64, 64)))
-        assert torch.equal(unpacked.to(torch.int8), unpack_int4(ours, 64))
+    ours = unpack_int4(ours, 64) if bits == 4 else ours
+    packed = _stored(folder, "model.layers.1.self_attn.o_proj.weight_packed")
+    assert packed.dtype == torch.int32 and packed.numel() * 32 // bits == 64 * 64
+    assert torch.equal(unpack_from_int32(packed, bits, torch.Size((64, 64))).to(torch.int8), ours)
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()

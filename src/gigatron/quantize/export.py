@@ -1,7 +1,6 @@
 """Export of a quantized checkpoint as a Hugging Face folder in the compressed-tensors format
-(transformers and vLLM read it): int8 as "int-quantized" (int8 weights), int4 as
-"pack-quantized" (eight codes per int32), one scale per group, `quantization_config` in
-config.json, sharded safetensors.
+(transformers and vLLM read it): "pack-quantized" (int8: four codes per int32, int4: eight),
+one scale per group, `quantization_config` in config.json, sharded safetensors.
 
 The gigatron export (checkpoint/hf_convert.py) writes the fake-quantized weights under Hugging
 Face's names, and once more a checkpoint whose linear weights are their scales repeated over each
@@ -29,7 +28,7 @@ from gigatron.quantize.checkpoint import MappedSource, check_new_directory, read
 from gigatron.quantize.rtn import quantized_layer
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")  # Llama-style: every linear layer an nn.Linear
-FORMATS = {8: "int-quantized", 4: "pack-quantized"}
+FORMATS = {8: "pack-quantized", 4: "pack-quantized"}  # vLLM reads weight-only ints so
 WEIGHT_FILES = (".safetensors", ".safetensors.index.json")
 
 
