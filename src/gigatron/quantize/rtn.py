@@ -4,7 +4,7 @@
 scale = max |w| of the group / (2^(bits-1) - 1) (127 for int8, 7 for int4), code =
 round-half-even(w / scale) clamped to [-2^(bits-1), 2^(bits-1) - 1]; |w - code x scale| <= scale/2.
 The largest |w| lands exactly on a code (+-127, +-7), so quantizing the dequantized weight again
-gives back the same codes and scales: an export re-derives them from any layout of the weights.
+gives back the same codes and scales.
 """
 
 from __future__ import annotations
