@@ -51,6 +51,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gigatron.tasks.evaluate:main",
         "zero-shot WikiText perplexity or LAMBADA accuracy of a checkpoint (--task ...)",
     ),
+    "quantize": (
+        "gigatron.quantize.command:main",
+        "weight-only int8/int4 quantization of a checkpoint: gigatron quantize --load DIR ...",
+    ),
     "finetune": (
         "gigatron.tasks.finetune_command:main",
         "fine-tune a BERT checkpoint on MNLI, QQP or RACE (--task ...)",

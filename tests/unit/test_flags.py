@@ -35,6 +35,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from gigatron.checkpoint import convert, hf_convert
     from gigatron.data import merge, preprocess, train_tokenizer
     from gigatron.inference import generate, serve_command
+    from gigatron.quantize import command as quantize_command
     from gigatron.tasks import evaluate, finetune
     from gigatron.training import plot_command
 
@@ -53,6 +54,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "evaluate": evaluate.build_parser,
         "finetune": finetune.build_parser,
         "plot": plot_command.build_parser,
+        "quantize": quantize_command.build_parser,
     }
 
 

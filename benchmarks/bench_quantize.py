@@ -1,0 +1,126 @@
+"""Quality and size of `gigatron quantize` on a small GPT trained here on real text.
+
+Trains a GPT (GPT-2 tokenizer) on the first 90% of tests/data's WikiText-2 test file, saves it,
+quantizes it (int8 and int4 round-to-nearest, int4 GPTQ calibrated on the training text), and
+reports for each: WikiText perplexity of the held-out 10% (`gigatron evaluate`), the size of the
+Hugging Face export on disk (fp32 `gigatron convert --to hf` against the compressed-tensors
+folder of `--hf-save`) and of the linear layers alone.
+
+    python benchmarks/bench_quantize.py [--layers 4 --hidden 256 --steps 300 --group-size 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gigatron.checkpoint.hf_convert import gigatron_to_hf
+from gigatron.checkpoint.torch_format import save_checkpoint
+from gigatron.data.tokenizers import build_tokenizer
+from gigatron.families.gpt import token_losses
+from gigatron.models import build_model
+from gigatron.parallel.context import ParallelContext
+from gigatron.quantize.checkpoint import quantize_checkpoint
+from gigatron.quantize.export import export_compressed
+from gigatron.tasks.evaluate import evaluate
+from gigatron.training.pretrain import parse_pretrain_config
+
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
+
+
+def _flags(args: argparse.Namespace) -> list[str]:
+    return [
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(DATA / "gpt2-vocab.json"),
+        "--merge-file", str(DATA / "gpt2-merges.txt"), "--mock-data",
+        "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
+        "--num-attention-heads", "8", "--seq-length", str(args.seq),
+        "--max-position-embeddings", str(args.seq), "--micro-batch-size", "1",
+        "--global-batch-size", "1", "--position-embedding-type", "rope", "--normalization",
+        "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--train-iters", "1", "--lr", str(args.lr), "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "5",
+    ]  # fmt: skip
+
+
+def train(args: argparse.Namespace, text: str, save: Path) -> int:
+    cfg = parse_pretrain_config(_flags(args), world_size=1)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    (chunk,) = build_model(cfg, ParallelContext.single(), vocab_size=tokenizer.vocab_size)
+    tokens = torch.tensor(tokenizer.tokenize(text))
+    windows = tokens[: len(tokens) // (args.seq + 1) * (args.seq + 1)].view(-1, args.seq + 1)
+    optimizer = torch.optim.AdamW(chunk.parameters(), lr=args.lr, weight_decay=0.01)
+    generator = torch.Generator().manual_seed(0)
+    chunk.train()
+    for step in range(args.steps):
+        batch = windows[torch.randint(0, len(windows), (args.batch,), generator=generator)]
+        loss = token_losses(chunk(batch[:, :-1], None), batch[:, 1:], ParallelContext.single())
+        optimizer.zero_grad()
+        loss.mean().backward()
+        optimizer.step()
+        if step % 50 == 0:
+            print(f"step {step}: loss {loss.mean().item():.3f}", flush=True)
+    save_checkpoint(save, 1, [chunk], None, None, ParallelContext.single(), cfg,
+                    extra={"gigatron_family": "gpt"})  # fmt: skip
+    return sum(p.numel() for p in chunk.parameters())
+
+
+def _size(folder: Path, suffix: str = ".safetensors") -> int:
+    return sum(p.stat().st_size for p in folder.rglob(f"*{suffix}"))
+
+
+def _ppl(load: Path, wiki: Path, seq: int) -> float:
+    flags = ["--load", str(load), "--device", "cpu", "--task", "WIKITEXT103", "--valid-data",
+             str(wiki), "--overlapping-eval", str(seq), "--no-progress-bar"]  # fmt: skip
+    return evaluate(flags)["ppl"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--calib-size", type=int, default=32)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    lines = (DATA / "wikitext-2-wiki.test.tokens").read_text(encoding="utf-8").splitlines(True)
+    cut = len(lines) * 9 // 10
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        wiki = root / "heldout.tokens"
+        wiki.write_text("".join(lines[cut:]), encoding="utf-8")
+        calib = root / "calib.jsonl"
+        calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:cut] if t.strip()))
+        start = time.perf_counter()
+        params = train(args, "".join(lines[:cut]), root / "ckpt")
+        print(f"trained {params / 1e6:.1f}M parameters in {time.perf_counter() - start:.0f} s")
+        gigatron_to_hf(root / "ckpt", root / "hf-fp32", log=lambda _: None)
+        rows = [("fp32 (none)", 32, _ppl(root / "ckpt", wiki, args.seq), _size(root / "hf-fp32"))]
+        runs = [("int8-weight RTN", "int8-weight", None), ("int4-weight RTN", "int4-weight", None),
+                ("int4-weight GPTQ", "int4-weight", {"data": str(calib),
+                 "size": args.calib_size, "seed": 1234})]  # fmt: skip
+        for label, method, calibration in runs:
+            out = root / label.replace(" ", "-")
+            quantize_checkpoint(root / "ckpt", out, method, args.group_size,
+                                calibration=calibration)  # fmt: skip
+            export_compressed(out, root / f"{out.name}-hf", log=lambda _: None)
+            bits = 8 if method.startswith("int8") else 4
+            rows.append((label, bits, _ppl(out, wiki, args.seq), _size(root / f"{out.name}-hf")))
+        base = rows[0][3]
+        print("| method | bits | WikiText ppl (held-out) | HF folder MiB | / fp32 |")
+        print("|---|---|---|---|---|")
+        for label, bits, ppl, size in rows:
+            print(f"| {label} | {bits} | {ppl:.2f} | {size / 2**20:.1f} | {size / base:.2f} |")
+        assert all(math.isfinite(r[2]) for r in rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Post-training quantization (docs/quantization.md): `gigatron quantize`."""

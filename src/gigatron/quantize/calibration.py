@@ -1,0 +1,150 @@
+"""GPTQ calibration (Frantar et al., 2022): each linear weight is quantized column by column,
+the rounding error of each column spread over the columns not yet quantized through the inverse
+Hessian H = 2 X^T X of the layer's inputs X on the user's calibration text. The inputs are the
+full-precision model's (one forward pass collects every layer's H), the model runs in this
+process at tensor/pipeline-parallel 1 whatever layout the checkpoint was saved in, and the
+sample choice is seeded (`--seed`): the result is the same bit for bit on a machine.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gigatron.data.indexed import IndexedDataset, dataset_exists
+from gigatron.data.json_lines import json_lines
+from gigatron.data.tokenizers import build_run_tokenizer
+from gigatron.errors import GigatronError
+from gigatron.families import get_family
+from gigatron.parallel.context import ParallelContext
+from gigatron.quantize.methods import Method
+from gigatron.quantize.rtn import quantized_layer
+
+DAMPING = 0.01  # of the mean diagonal of H, added to it (GPTQ's default)
+
+
+def _documents(path: str, tokenizer: Any) -> list[np.ndarray]:
+    if dataset_exists(path):
+        data = IndexedDataset(path)
+        return [np.asarray(data[i]) for i in range(len(data))]
+    if not Path(path).is_file():
+        raise GigatronError(f"--calib-data {path}: no such JSON-lines file or .bin/.idx prefix")
+    with open(path, encoding="utf-8") as handle:
+        return [
+            np.asarray(tokenizer.tokenize(record["text"]), dtype=np.int64)
+            for _, record in json_lines(handle, path)
+            if isinstance(record, dict) and isinstance(record.get("text"), str)
+        ]
+
+
+def calibration_samples(path: str, tokenizer: Any, seq: int, size: int, seed: int) -> torch.Tensor:
+    """`size` windows of `seq` tokens of the documents (joined by end-of-document), chosen by
+    `seed`; refused when the data holds fewer."""
+    eod = getattr(tokenizer, "eod", None)
+    parts = [
+        p for doc in _documents(path, tokenizer) for p in (doc, [eod] if eod is not None else [])
+    ]
+    tokens = torch.from_numpy(np.concatenate(parts).astype(np.int64)) if parts else torch.zeros(0)
+    windows = len(tokens) // seq
+    if windows < size:
+        raise GigatronError(
+            f"--calib-data {path}: {len(tokens)} tokens make {windows} windows of {seq} tokens; "
+            f"--calib-size {size} needs {size * seq}; give more text or a smaller --calib-size"
+        )
+    order = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:size]
+    return tokens[: windows * seq].view(windows, seq)[order.sort().values]
+
+
+def build_full_model(model: Any) -> tuple[torch.nn.Module, Any]:
+    """(the model at tp = pp = 1 with the checkpoint's weights, its tokenizer) from a reader's
+    FullModel."""
+    cfg = copy.deepcopy(model.cfg)  # a copy is unfrozen: run it in one process
+    cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
+    cfg.parallel.num_virtual_stages_per_pipeline_rank = None
+    tokenizer = build_run_tokenizer(cfg)
+    family = get_family(model.family)
+    (chunk,) = family.build_model(cfg, ParallelContext.single(), vocab_size=tokenizer.vocab_size)
+    state = chunk.state_dict()
+    for name, tensor in model.source.stream():
+        if name in state:
+            state[name] = tensor
+    chunk.load_state_dict(state, strict=True)
+    return chunk.eval(), tokenizer
+
+
+def collect_hessians(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X / n (float64) of every quantized linear layer's inputs over `samples`."""
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+
+    def hook(layer: str):
+        def record(_module: Any, inputs: tuple, _output: Any) -> None:
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float64)
+            sums[layer] = sums.get(layer, 0) + x.T @ x
+            counts[layer] = counts.get(layer, 0) + x.shape[0]
+
+        return record
+
+    handles = [
+        module.register_forward_hook(hook(name))
+        for name, module in chunk.named_modules()
+        if quantized_layer(f"{name}.weight") == name
+    ]
+    try:
+        with torch.no_grad():
+            for row in samples:
+                chunk(row[None, :], None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {layer: 2 * sums[layer] / counts[layer] for layer in sums}
+
+
+def gptq(
+    weight: torch.Tensor, hessian: torch.Tensor, method: Method, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of a 2-D weight, as `rtn.quantize_weight` gives them; each group's scale
+    from its updated weights when the group starts."""
+    w = weight.detach().to(torch.float64).clone()
+    rows, cols = w.shape
+    h = hessian.clone()
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += DAMPING * h.diagonal().mean() * torch.eye(cols, dtype=h.dtype)
+    upper = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    low, high = method.code_range
+    codes = torch.zeros(rows, cols, dtype=torch.int8)
+    scales = torch.zeros(rows, cols // group_size, dtype=torch.float32)
+    for col in range(cols):
+        if col % group_size == 0:
+            group = w[:, col : col + group_size].abs().amax(dim=1) / high
+            scales[:, col // group_size] = group.to(torch.float32)
+        scale = scales[:, col // group_size].to(torch.float64)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(w[:, col] / safe).clamp(low, high)
+        codes[:, col] = q.to(torch.int8)
+        error = (w[:, col] - q * scale) / upper[col, col]
+        w[:, col + 1 :] -= error[:, None] * upper[col, col + 1 :][None, :]
+    return codes, scales
+
+
+def calibrate(
+    model: Any, method: Method, group_size: int, data: str, size: int, seed: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """GPTQ's (codes, scales) of every quantized linear layer of a reader's FullModel."""
+    if size < 1:
+        raise GigatronError(f"--calib-size {size}: must be at least 1; e.g. 128")
+    chunk, tokenizer = build_full_model(model)
+    seq = model.cfg.model.seq_length
+    samples = calibration_samples(data, tokenizer, seq, size, seed)
+    hessians = collect_hessians(chunk, samples)
+    weights = chunk.state_dict()
+    return {
+        layer: gptq(weights[f"{layer}.weight"], hessian, method, group_size)
+        for layer, hessian in hessians.items()
+    }

@@ -1,0 +1,165 @@
+"""Weight-only post-training quantization of a gigatron checkpoint.
+
+The output (`--save`) is a gigatron checkpoint in the source's layout whose linear weights are the quantized ones
+dequantized (so `evaluate`, `generate`, `serve` and `convert` run the fake-quantized model
+unchanged), with `quantization` (method, bits, group size, layers) in its header, plus
+`quantized.safetensors`: the integer codes (int4: two per byte) and scales of every quantized
+layer. It appears whole or not at all (written aside, then renamed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gigatron.checkpoint.pipeline import Target, read_gigatron, write_gigatron
+from gigatron.errors import GigatronError
+from gigatron.quantize.calibration import calibrate
+from gigatron.quantize.methods import METHODS, Method
+from gigatron.quantize.rtn import (
+    check_shape,
+    dequantize,
+    pack_int4,
+    quantize_weight,
+    quantized_layer,
+)
+
+PACKED_FILENAME = "quantized.safetensors"
+FAMILIES = ("gpt",)  # families whose linear layers are all `linear_*` (Mamba mixers are not)
+
+
+class MappedSource:
+    """A conversion source whose tensors come out through `transform(name, tensor)`."""
+
+    def __init__(self, source: Any, transform: Callable[[str, torch.Tensor], torch.Tensor]):
+        self.source, self.transform = source, transform
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.source
+
+    def meta(self, name: str) -> torch.Tensor:
+        return self.source.meta(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.transform(name, self.source.tensor(name))
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((name, self.transform(name, t)) for name, t in self.source.stream())
+
+
+class Quantizer:
+    """Quantizes each linear weight (round-to-nearest, or the codes and scales a calibration
+    computed, by layer, in `calibrated`), keeps its codes and scales in `packed` and returns it
+    dequantized."""
+
+    def __init__(
+        self, method: Method, group_size: int, calibrated: dict[str, tuple] | None = None
+    ) -> None:
+        self.method, self.group_size = method, group_size
+        self.calibrated = calibrated or {}
+        self.packed: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        layer = quantized_layer(name)
+        if layer is None:
+            return tensor
+        codes, scales = self.calibrated.get(layer) or quantize_weight(
+            tensor, self.method, self.group_size
+        )
+        stored = pack_int4(codes) if self.method.bits == 4 else codes
+        self.packed[f"{layer}.weight_packed"] = stored.contiguous()
+        self.packed[f"{layer}.weight_scale"] = scales.contiguous()
+        return dequantize(codes, scales, tensor.dtype)
+
+
+def plan_layers(source: Any, method: Method, group_size: int) -> list[str]:
+    """The layers to quantize, each shape checked before anything is written."""
+    layers = []
+    for name in source.names():
+        layer = quantized_layer(name)
+        if layer is not None:
+            check_shape(layer, tuple(source.meta(name).shape), group_size, method)
+            layers.append(layer)
+    return layers
+
+
+def check_new_directory(flag: str, path: str | Path) -> None:
+    """Refuse an output directory that holds something already."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise GigatronError(f"{flag} {path}: already exists and is not empty; give a new directory")
+
+
+def quantize_checkpoint(
+    load: str | Path,
+    save: str | Path,
+    method_name: str,
+    group_size: int = 128,
+    iteration: int | None = None,
+    log: Any = print,
+    calibration: dict[str, Any] | None = None,
+) -> Path:
+    """Quantize `load`'s checkpoint into the new directory `save`; returns `save`.
+    `calibration` (data, size, seed): GPTQ on that data, else round-to-nearest."""
+    method = METHODS[method_name]
+    if group_size < 1:
+        raise GigatronError(f"--group-size {group_size}: must be at least 1; e.g. 128")
+    save = Path(save)
+    check_new_directory("--save", save)
+    with read_gigatron(Path(load), iteration) as model:
+        if model.family not in FAMILIES:
+            raise GigatronError(
+                f"--load {load}: a '{model.family}' model; --method {method.name} quantizes the "
+                f"linear layers of {', '.join(FAMILIES)} models only"
+            )
+        layers = plan_layers(model.source, method, group_size)
+        if not layers:
+            raise GigatronError(f"--load {load}: the model has no linear layers to quantize")
+        info = {"method": method.name, "bits": method.bits, "group_size": group_size,
+                "algorithm": "gptq" if calibration else "rtn", **(calibration or {}),
+                "layers": layers}  # fmt: skip
+        calibrated = calibrate(model, method, group_size, **calibration) if calibration else None
+        quantizer = Quantizer(method, group_size, calibrated)
+        source = MappedSource(model.source, quantizer)
+        quantized = dataclasses.replace(model, source=source,
+                                        extra={**model.extra, "quantization": info})  # fmt: skip
+        tmp = save.parent / f".{save.name}.tmp-quantize"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            write_gigatron(quantized, tmp, Target(), lambda _: None)  # its paths are tmp's
+            _save_packed(quantizer.packed, tmp / PACKED_FILENAME, info)
+            os.replace(tmp, save)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(
+        f"quantized {len(layers)} linear layers ({method.name}, {info['algorithm']}, group size "
+        f"{group_size}) to {save}"
+    )
+    return save
+
+
+def _save_packed(packed: dict[str, torch.Tensor], path: Path, info: dict[str, Any]) -> None:
+    from safetensors.torch import save_file  # why: keep `gigatron quantize --help` fast
+
+    metadata = {key: json.dumps(value) for key, value in info.items()}
+    save_file(packed, str(path), metadata=metadata)
+
+
+def read_packed(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(codes and scales by name, the quantization info) of a quantized checkpoint directory."""
+    from safetensors import safe_open  # why: keep `gigatron quantize --help` fast
+
+    with safe_open(str(Path(directory) / PACKED_FILENAME), framework="pt") as handle:
+        info = {key: json.loads(value) for key, value in handle.metadata().items()}
+        return {name: handle.get_tensor(name) for name in handle.keys()}, info

@@ -1,0 +1,140 @@
+"""Export of a quantized checkpoint as a Hugging Face folder in the compressed-tensors format
+(transformers and vLLM read it): "pack-quantized" (int8: four codes per int32, int4: eight),
+one scale per group, `quantization_config` in config.json, sharded safetensors.
+
+The gigatron export (checkpoint/hf_convert.py) writes the fake-quantized weights under Hugging
+Face's names, and once more a checkpoint whose linear weights are their scales repeated over each
+group, so that the scales follow Hugging Face's renaming and splits (QKV, gate/up) exactly;
+compressed-tensors then compresses (codes = weight / scale, integers) and describes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gigatron.checkpoint.hf_convert import gigatron_to_hf
+from gigatron.checkpoint.pipeline import Target, read_gigatron, write_gigatron
+from gigatron.checkpoint.safetensors_io import SafetensorsFolder
+from gigatron.errors import GigatronError
+from gigatron.quantize.checkpoint import MappedSource, check_new_directory, read_packed
+from gigatron.quantize.rtn import quantized_layer
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")  # Llama-style: every linear layer an nn.Linear
+FORMATS = {8: "pack-quantized", 4: "pack-quantized"}  # vLLM reads weight-only ints so
+WEIGHT_FILES = (".safetensors", ".safetensors.index.json")
+
+
+def require_export_libraries() -> None:
+    """Refuse the export, before anything is written, when its libraries are missing."""
+    missing = [n for n in ("compressed_tensors", "transformers") if not importlib.util.find_spec(n)]
+    if missing:
+        raise GigatronError(
+            f"--hf-save: needs {' and '.join(missing)}, not installed; "
+            "pip install 'gigatron[quantize]'"
+        )
+
+
+def _scheme(bits: int, group_size: int) -> Any:
+    # why: compressed-tensors is an optional dependency, needed by the export only
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+
+    weights = QuantizationArgs(
+        num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    return QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+
+
+def _scales_folder(load: Path, tmp: Path, group_size: int) -> Path:
+    """A Hugging Face folder whose quantized weights hold their scales, repeated over each
+    group (in the checkpoint's precision)."""
+    packed, _ = read_packed(load)
+
+    def expanded(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        layer = quantized_layer(name)
+        if layer is None:
+            return tensor
+        scales = packed[f"{layer}.weight_scale"].repeat_interleave(group_size, dim=1)
+        return scales.to(tensor.dtype)
+
+    with read_gigatron(load) as model:
+        scaled = dataclasses.replace(model, source=MappedSource(model.source, expanded))
+        write_gigatron(scaled, tmp / "scales-ckpt", Target(), lambda _: None)
+    gigatron_to_hf(tmp / "scales-ckpt", tmp / "scales-hf", log=lambda _: None,
+                   tokenizer_mode="none")  # fmt: skip
+    return tmp / "scales-hf"
+
+
+def _set_scales(model: torch.nn.Module, scales_folder: Path, group_size: int) -> None:
+    """Each quantized linear layer's scales, from `scales_folder`; refused when the weight is
+    not its integer codes times them (a precision the export cannot keep)."""
+    with SafetensorsFolder(scales_folder) as folder:
+        for name, module in model.named_modules():
+            if not (isinstance(module, torch.nn.Linear) and hasattr(module, "weight_scale")):
+                continue
+            scales = folder.tensor(f"{name}.weight")[:, ::group_size].to(torch.float32)
+            ratio = module.weight.detach().float() / scales.repeat_interleave(group_size, 1)
+            if (ratio - ratio.round()).abs().nan_to_num(0.0).max() > 0.05:
+                raise GigatronError(
+                    f"{name}: its weights are not integer multiples of its scales in the "
+                    "checkpoint's precision; export a float32 checkpoint"
+                )
+            module.weight_scale.data = scales.to(module.weight_scale.dtype)
+
+
+def _compress(plain: Path, scales: Path, out: Path, info: dict, shard: int | None) -> None:
+    # why: transformers and compressed-tensors are heavy optional dependencies
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import apply_quantization_config
+    from transformers import AutoModelForCausalLM
+
+    bits, group_size = info["bits"], info["group_size"]
+    model = AutoModelForCausalLM.from_pretrained(plain, dtype="auto").eval()
+    apply_quantization_config(model, _scheme(bits, group_size), show_progress=False)
+    _set_scales(model, scales, group_size)
+    compressor = ModelCompressor.from_pretrained_model(model, FORMATS[bits])
+    compressor.compress_model(model)
+    model.save_pretrained(out, max_shard_size=shard or "5GB")
+    compressor.update_config(str(out))
+
+
+def export_compressed(
+    load: str | Path, save: str | Path, max_shard_bytes: int | None = None, log: Any = print
+) -> Path:
+    """Write the Hugging Face compressed-tensors folder of the quantized checkpoint `load`."""
+    load, save = Path(load), Path(save)
+    check_new_directory("--hf-save", save)
+    require_export_libraries()
+    _, info = read_packed(load)
+    tmp = save.parent / f".{save.name}.tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        gigatron_to_hf(load, tmp / "plain", log=lambda _: None)
+        model_type = json.loads((tmp / "plain" / "config.json").read_text()).get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise GigatronError(
+                f"--load {load}: a '{model_type}' model; the compressed-tensors export takes "
+                f"{', '.join(MODEL_TYPES)} models (linear layers as nn.Linear)"
+            )
+        scales = _scales_folder(load, tmp, info["group_size"])
+        _compress(tmp / "plain", scales, tmp / "out", info, max_shard_bytes)
+        for extra in (tmp / "plain").iterdir():  # tokenizer files
+            if not extra.name.endswith(WEIGHT_FILES) and extra.name != "config.json":
+                shutil.copy2(extra, tmp / "out" / extra.name)
+        os.replace(tmp / "out", save)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"exported {load} ({info['method']}, group size {info['group_size']}) to {save}")
+    return save

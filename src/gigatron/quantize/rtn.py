@@ -1,0 +1,79 @@
+"""Weight-only round-to-nearest quantization: symmetric integer codes with one scale per group of
+`group_size` consecutive input features of each output row.
+
+scale = max |w| of the group / (2^(bits-1) - 1) (127 for int8, 7 for int4), code =
+round-half-even(w / scale) clamped to [-2^(bits-1), 2^(bits-1) - 1]; |w - code x scale| <= scale/2.
+The largest |w| lands exactly on a code (+-127, +-7), so quantizing the dequantized weight again
+gives back the same codes and scales.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from gigatron.errors import GigatronError
+from gigatron.quantize.methods import Method
+
+# The linear layers of a transformer layer (attention, MLA projections, MLP): `linear_*` weights.
+_LINEAR = re.compile(r"(.*\.layers\.\d+\..*\blinear_[a-z0-9_]+)\.weight")
+
+
+def quantized_layer(name: str) -> str | None:
+    """The linear layer whose weight `name` is (None: not quantized: embeddings, norms, biases,
+    the output layer stay in their precision)."""
+    match = _LINEAR.fullmatch(name)
+    return match.group(1) if match else None
+
+
+def check_shape(layer: str, shape: tuple[int, ...], group_size: int, method: Method) -> None:
+    """Refuse, naming the layer, a weight the method cannot take."""
+    if len(shape) != 2:
+        raise GigatronError(
+            f"{layer}: a weight of shape {tuple(shape)}; --method {method.name} quantizes 2-D "
+            "linear weights only (grouped expert weights are not supported yet); quantize a "
+            "model without them"
+        )
+    if shape[1] % group_size:
+        raise GigatronError(
+            f"{layer}: {shape[1]} input features are not divisible by --group-size "
+            f"{group_size}; give a group size that divides every linear layer's input size"
+        )
+
+
+def quantize_weight(
+    weight: torch.Tensor, method: Method, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [out, in], scales float32 [out, in / group_size]) of a 2-D weight."""
+    rows, cols = weight.shape
+    groups = weight.detach().to(torch.float32).reshape(rows, cols // group_size, group_size)
+    low, high = method.code_range
+    scales = groups.abs().amax(dim=-1) / high
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(groups / safe[..., None]).clamp(low, high).to(torch.int8)
+    return codes.reshape(rows, cols), scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes x scales, each scale repeated over its group, in `dtype`."""
+    rows, cols = codes.shape
+    group_size = cols // scales.shape[1]
+    groups = codes.to(torch.float32).reshape(rows, -1, group_size) * scales[..., None]
+    return groups.reshape(rows, cols).to(dtype)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte (even column in the low nibble): half the bytes of int8."""
+    nibbles = (codes.to(torch.int16) & 0xF).to(torch.uint8)
+    if nibbles.shape[-1] % 2:
+        nibbles = torch.nn.functional.pad(nibbles, (0, 1))
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """The int8 codes `pack_int4` packed (sign-extended from 4 bits)."""
+    low = (packed & 0xF).to(torch.int16)
+    high = (packed >> 4).to(torch.int16)
+    nibbles = torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], -1)[..., :cols]
+    return torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8)

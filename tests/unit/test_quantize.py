@@ -1,0 +1,84 @@
+"""Round-to-nearest group-wise quantization: hand-computed codes, the error bound of each format,
+int4 packing, and the refusals of shapes a method cannot take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gigatron.errors import GigatronError
+from gigatron.quantize.methods import METHODS
+from gigatron.quantize.rtn import (
+    check_shape,
+    dequantize,
+    pack_int4,
+    quantize_weight,
+    quantized_layer,
+    unpack_int4,
+)
+
+
+def test_codes_and_scales_by_hand():
+    weight = torch.tensor([[7.0, -2.5, 1.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    codes, scales = quantize_weight(weight, METHODS["int4-weight"], group_size=4)
+    # scale = max |w| / 7 = 1: -2.5 rounds (half to even) to -2, 1.5 to 2.
+    assert scales[0, 0].item() == 1.0
+    assert codes[0].tolist() == [7, -2, 2, 0]
+    assert codes[1].tolist() == [0, 0, 0, 0] and scales[1, 0].item() == 0.0
+    codes8, scales8 = quantize_weight(weight, METHODS["int8-weight"], group_size=2)
+    assert scales8[0].tolist() == pytest.approx([7 / 127, 1.5 / 127])
+    assert codes8[0].tolist() == [127, -45, 127, 0]  # -2.5 x 127 / 7 = -45.36
+    back = dequantize(codes, scales, torch.float32)
+    assert back[0].tolist() == [7.0, -2.0, 2.0, 0.0]
+
+
+@pytest.mark.parametrize("method,group", [("int8-weight", 16), ("int8-weight", 64),
+                                          ("int4-weight", 8), ("int4-weight", 32)])  # fmt: skip
+def test_dequantization_error_within_the_format_bound(method, group):
+    torch.manual_seed(0)
+    weight = torch.randn(24, 64) * torch.rand(24, 1) * 3
+    codes, scales = quantize_weight(weight, METHODS[method], group)
+    low, high = METHODS[method].code_range
+    assert codes.min() >= low and codes.max() <= high
+    assert scales.shape == (24, 64 // group)
+    error = (weight - dequantize(codes, scales, torch.float32)).abs()
+    bound = scales.repeat_interleave(group, dim=1) / 2  # half a step of the group's scale
+    assert (error <= bound + weight.abs() * 1e-6).all()  # float32 rounding at max |w|
+    # Rounding to nearest: the error is not a coarser grid's (it uses most of the bound).
+    assert (error / bound).max() > 0.9
+    if method == "int4-weight":
+        assert torch.equal(unpack_int4(pack_int4(codes), 64), codes)
+    # Quantizing the dequantized weight again gives the same codes and (to rounding) scales.
+    again, rescales = quantize_weight(
+        dequantize(codes, scales, torch.float32), METHODS[method], group
+    )
+    assert torch.equal(again, codes)
+    assert torch.allclose(rescales, scales, rtol=1e-6, atol=0)
+
+
+def test_int4_packing_is_two_codes_per_byte():
+    codes = torch.tensor([[-8, 7, -1, 0, 3]], dtype=torch.int8)
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (1, 3)
+    assert packed[0].tolist() == [0x78, 0x0F, 0x03]
+    assert torch.equal(unpack_int4(packed, 5), codes)
+
+
+def test_only_linear_layers_of_transformer_layers_are_quantized():
+    assert (
+        quantized_layer("decoder.layers.3.mlp.linear_fc1.weight")
+        == "decoder.layers.3.mlp.linear_fc1"
+    )
+    assert quantized_layer("decoder.layers.0.self_attention.linear_qkv.bias") is None
+    assert quantized_layer("embedding.word_embeddings.weight") is None
+    assert quantized_layer("output_layer.weight") is None
+    assert quantized_layer("decoder.layers.0.input_layernorm.weight") is None
+
+
+def test_shapes_the_method_cannot_take_are_refused_naming_the_layer():
+    method = METHODS["int4-weight"]
+    with pytest.raises(GigatronError, match=r"^decoder.layers.1.mlp.linear_fc2: 96 input features"):
+        check_shape("decoder.layers.1.mlp.linear_fc2", (64, 96), 64, method)
+    with pytest.raises(GigatronError, match=r"^decoder.layers.0.mlp.experts.linear_fc1: .*2-D"):
+        check_shape("decoder.layers.0.mlp.experts.linear_fc1", (4, 64, 64), 64, method)
+    check_shape("decoder.layers.1.mlp.linear_fc2", (64, 96), 32, method)
