@@ -307,18 +307,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ckpt-step", type=int, default=None, help="iteration to export (default: the latest)"
     )
-    parser.add_argument(
-        "--ckpt-format",
-        choices=("torch", "torch_dist"),
-        default="torch",
-        help="--to megatron: Megatron-LM's checkpoint format to write",
-    )
-    parser.add_argument(
-        "--megatron-te-names",
-        action="store_true",
-        help="--to megatron: Transformer Engine layer names (norms fused into the next linear) "
-        "instead of the local spec's",
-    )
+    _add_megatron_target_flags(parser)
     parser.add_argument(
         "--max-shard-size",
         default=None,
@@ -352,6 +341,22 @@ def _parser() -> argparse.ArgumentParser:
         "tokenizer is written, or the export is refused)",
     )
     return parser
+
+
+def _add_megatron_target_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a `--to megatron` target."""
+    parser.add_argument(
+        "--ckpt-format",
+        choices=("torch", "torch_dist"),
+        default="torch",
+        help="--to megatron: Megatron-LM's checkpoint format to write",
+    )
+    parser.add_argument(
+        "--megatron-te-names",
+        action="store_true",
+        help="--to megatron: Transformer Engine layer names (norms fused into the next linear) "
+        "instead of the local spec's",
+    )
 
 
 _TARGET_FLAGS = (
