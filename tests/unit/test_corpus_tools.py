@@ -230,12 +230,20 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, tool, conten
     assert list(tmp_path.iterdir()) == [source]
 
 
-def test_bad_dump_and_flags(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "content",
+    [b"<mediawiki><page><title>x</title>", b"", b"<mediawiki><page><title>caf\xe9</title>"],
+    ids=["truncated", "empty", "not-utf8"],
+)
+def test_bad_dump_is_one_line_and_leaves_nothing(tmp_path, capsys, content):
     broken = tmp_path / "dump.xml"
-    broken.write_text("<mediawiki><page><title>x</title>")
+    broken.write_bytes(content)
     status = main(["data", "wikipedia", "--input", str(broken), "--output", str(tmp_path / "o")])
     assert status == 2 and "not a readable MediaWiki XML dump" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dump.xml"]
+
+
+def test_bad_flags(tmp_path, capsys):
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
     assert main(["data", "dedup", "--input", str(source), "--output", str(source)]) == 2
     assert "is also an input" in capsys.readouterr().err
