@@ -107,6 +107,9 @@ def gigatron_flags(spec: ModelSpec, device: str, iterations: int, log_interval: 
         str(log_interval), "--eval-iters", "0", "--num-workers", "0",
         "--no-create-attention-mask-in-dataloader", "--log-memory-to-tensorboard",
         "--device", device, "--cross-entropy-loss-fusion", "--seed", "1234",
+        # no per-step result validation: no host synchronisation inside a step (what
+        # Megatron-Core's side of the comparison does not do either)
+        "--rerun-mode", "disabled",
     ]  # fmt: skip
     if spec.llama:
         flags += [
