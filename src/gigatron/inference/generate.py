@@ -160,7 +160,10 @@ def main(argv: Sequence[str]) -> int:
 
 def _generate(args, loaded, prompts: list[str], params) -> int:
     from gigatron.inference.load import engine_from_args
+    from gigatron.models.t5 import T5Model  # why: torch only after parsing
 
+    if isinstance(loaded.chunks[0], T5Model):
+        return _generate_t5(args, loaded, prompts, params)
     engine = engine_from_args(loaded, args)
     if loaded.pctx.rank != 0:
         engine.runner.follow()
@@ -195,4 +198,38 @@ def _generate(args, loaded, prompts: list[str], params) -> int:
         print(prompt + completion.text)
         print(f"--- ({len(completion.output_ids)} tokens, {completion.finish_reason})", flush=True)
     sys.stdout.flush()
+    return 0
+
+
+def _generate_t5(args, loaded, prompts: list[str], params) -> int:
+    """A T5 checkpoint: greedy, every rank runs the same steps, rank 0 writes."""
+    from gigatron.inference import t5_generation  # why: torch only after parsing
+
+    t5_generation.refuse_unsupported(params, args)
+    tokenizer = loaded.tokenizer
+    start, eos = t5_generation.special_ids(tokenizer)
+    ids = [tokenizer.tokenize(prompt) for prompt in prompts]
+    completions = []
+    for first in range(0, len(ids), args.max_batch_size):
+        completions += t5_generation.t5_greedy(
+            loaded.chunks[0], loaded.pctx, ids[first : first + args.max_batch_size],
+            params.max_tokens, start, None if params.ignore_eos else eos, tokenizer.vocab_size,
+        )  # fmt: skip
+    if loaded.pctx.rank != 0:
+        return 0
+    records = [
+        {"prompt": prompt, "text": tokenizer.detokenize(c.output_ids), "prompt_tokens": p,
+         "tokens": c.output_ids, "finish_reason": c.finish_reason}
+        for prompt, p, c in zip(prompts, ids, completions)
+    ]  # fmt: skip
+    if args.output:
+        temporary = args.output + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(r) + "\n" for r in records)
+        os.replace(temporary, args.output)
+        print(f"wrote {len(records)} completion(s) to {args.output}")
+        return 0
+    for r in records:
+        print(f"{r['prompt']} -> {r['text']}")
+        print(f"--- ({len(r['tokens'])} tokens, {r['finish_reason']})", flush=True)
     return 0
