@@ -21,12 +21,12 @@ from gigatron.parallel.context import ParallelContext
 VOCAB, NEW = 50, 10
 
 
-def _mtp_model(depths: int):
+def _mtp_model(depths: int, positions: str = "rope"):
     cfg = GigatronConfig()
     m = cfg.model
     m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length = 2, 64, 4, 64
     m.attention_dropout = m.hidden_dropout = 0.0
-    m.mtp_num_layers, m.position_embedding_type = depths, "rope"
+    m.mtp_num_layers, m.position_embedding_type = depths, positions
     finalize_config(cfg)
     (model,) = build_model(cfg, ParallelContext.single(), vocab_size=VOCAB)
     return model.eval()
@@ -128,3 +128,9 @@ def test_generate_cli_speculates_with_the_checkpoints_mtp_heads(tmp_path):
         main([*base, "--num-speculative-tokens", "2", "--top-p", "0.5"])
     with pytest.raises(GigatronError, match="--num-speculative-tokens 3: the model has 2"):
         main([*base, "--num-speculative-tokens", "3"])
+
+
+def test_learned_positions_bound_the_request():
+    model = _mtp_model(depths=2, positions="learned_absolute")  # 64 positions
+    with pytest.raises(GigatronError, match="= 66 positions, past the model's 64"):
+        MTPSpeculator(model, 2, VOCAB).generate([1] * 54, 10)

@@ -124,6 +124,14 @@ class MTPSpeculator:
         """`max_tokens` tokens after `prompt` (fewer at `eos_id`, which is not included)."""
         if not prompt:
             raise GigatronError("speculative decoding: an empty prompt; give at least one token")
+        table = self.model.embedding.position_embeddings  # None with rotary positions
+        needed = len(prompt) + max_tokens + self.k  # the heads embed up to K positions ahead
+        if table is not None and needed > table.num_embeddings:
+            raise GigatronError(
+                f"speculative decoding: prompt + --max-tokens + --num-speculative-tokens = "
+                f"{needed} positions, past the model's {table.num_embeddings}; shorten the "
+                "prompt or lower --max-tokens"
+            )
         generator = torch.Generator().manual_seed(seed)
         cache = KVCache([self.model], 1, len(prompt) + max_tokens + self.k + 1)
         probs = functools.partial(

@@ -95,6 +95,14 @@ def t5_greedy(
         )
     if any(not ids for ids in prompts):
         raise GigatronError("T5 generation: an empty prompt; the encoder needs at least one token")
+    table = model.embedding.position_embeddings  # None with relative positions
+    longest = max(max(map(len, prompts)), max_tokens)
+    if table is not None and longest > table.num_embeddings:
+        raise GigatronError(
+            f"T5 generation: {longest} positions (the longest prompt, or --max-tokens) but the "
+            f"model has {table.num_embeddings} learned positions; shorten the prompt or lower "
+            "--max-tokens"
+        )
     device = next(model.parameters()).device
     enc_ids, enc_mask = _padded(prompts, 0, device)
     cache = T5DecoderCache(model.encode(enc_ids, enc_mask))
