@@ -268,6 +268,7 @@ def _generate_speculative(args, loaded, prompts: list[str], params) -> int:
             params.logprobs or params.prompt_logprobs or params.top_logprobs
         ),
         "--inference-dynamic-batching": bool(getattr(args, "inference_dynamic_batching", False)),
+        "--max-sequence-length": args.max_sequence_length is not None,
     }
     refused = [flag for flag, given in asked.items() if given]
     if refused:
