@@ -30,9 +30,15 @@ MODEL_FLAGS = [
 ]  # fmt: skip
 
 
-def save_tiny_checkpoint(directory: Path, ckpt_format: str = "torch") -> None:
-    """An untrained GPT with the GPT-2 tokenizer saved as a training checkpoint (iteration 1)."""
-    cfg = parse_pretrain_config(MODEL_FLAGS, world_size=1)
+def save_tiny_checkpoint(
+    directory: Path, ckpt_format: str = "torch", prompt_format: str | None = None
+) -> None:
+    """An untrained GPT with the GPT-2 tokenizer saved as a training checkpoint (iteration 1);
+    `prompt_format`: recorded as its fine-tuning's chat template (what `serve` chats with)."""
+    chat = (
+        [] if prompt_format is None else ["--sft", "--sft-tokenizer-prompt-format", prompt_format]
+    )
+    cfg = parse_pretrain_config(MODEL_FLAGS + chat, world_size=1)
     pctx = ParallelContext.single()
     tokenizer = build_tokenizer(cfg.tokenizer)
     chunks = build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)

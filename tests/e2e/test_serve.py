@@ -35,7 +35,7 @@ JSON = {"Content-Type": "application/json"}
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     directory = tmp_path_factory.mktemp("serve") / "ckpt"
-    save_tiny_checkpoint(directory)
+    save_tiny_checkpoint(directory, prompt_format="nemotron-h-aligned")  # chats use its template
     return directory
 
 
@@ -221,7 +221,9 @@ def test_openai_completions(client, reference):
 def test_openai_chat_and_streaming(client, reference):
     greedy, _ = reference
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    expected = greedy("system: Be brief.\nuser: Hi\nassistant:", 12)
+    expected = greedy(
+        "<SPECIAL_10>System\nBe brief.\n<SPECIAL_11>User\nHi\n<SPECIAL_11>Assistant\n", 12
+    )
     chat = client.chat.completions.create(
         model="gigatron", messages=messages, max_tokens=12, temperature=0
     )

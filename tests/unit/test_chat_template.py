@@ -220,3 +220,7 @@ def test_serve_renders_chats_with_the_same_template(tokenizer_dir, hf_tokenizer)
     )
     with pytest.raises(RequestError, match="the chat template failed \\(no tools\\)"):
         render_chat([("user", "x")], tokenizer, "{{ raise_exception('no tools') }}")
+    # A model without a template takes no chat request: 400 naming `messages`.
+    with pytest.raises(RequestError, match="messages: this model has no chat template") as error:
+        render_chat([("user", "x")], tokenizer, None)
+    assert error.value.param == "messages" and error.value.status == 400

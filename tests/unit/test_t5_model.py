@@ -16,7 +16,7 @@ from gigatron.parallel.context import ParallelContext
 VOCAB, ENC, DEC, HIDDEN, HEADS, KV = 99, 16, 12, 64, 4, 8
 
 
-def _hf_model(scale_outputs: bool) -> T5ForConditionalGeneration:
+def hf_t5_model(scale_outputs: bool) -> T5ForConditionalGeneration:
     torch.manual_seed(3)
     config = T5Config(
         vocab_size=VOCAB, d_model=HIDDEN, d_kv=KV, d_ff=96, num_layers=2, num_decoder_layers=3,
@@ -32,7 +32,7 @@ def _hf_model(scale_outputs: bool) -> T5ForConditionalGeneration:
     return model
 
 
-def _config(values: dict, *flags: str):
+def t5_config(values: dict, *flags: str):
     argv = [
         "--encoder-num-layers", str(values["encoder_num_layers"]),
         "--decoder-num-layers", str(values["decoder_num_layers"]),
@@ -69,10 +69,10 @@ def _relative_error(a, b) -> float:
 
 @pytest.mark.parametrize("scale_outputs", [False, True])
 def test_same_logits_as_hugging_face_and_the_map_round_trips(scale_outputs):
-    hf = _hf_model(scale_outputs)
+    hf = hf_t5_model(scale_outputs)
     adapter = T5HFAdapter()
     values = adapter.config_from_hf(hf.config)
-    (model,) = build_t5_model(_config(values), ParallelContext.single(), vocab_size=VOCAB)
+    (model,) = build_t5_model(t5_config(values), ParallelContext.single(), vocab_size=VOCAB)
     assert model.vocab_size == 104
     hf_state = hf.state_dict()
     state = adapter.from_hf(hf_state, None, HEADS, model.vocab_size, scale_outputs)
@@ -202,10 +202,10 @@ def test_flops_hand_count():
     ids=["full-uniform", "full-block", "selective"],
 )
 def test_recomputation_gives_the_same_gradients(recompute):
-    values = T5HFAdapter().config_from_hf(_hf_model(False).config)
+    values = T5HFAdapter().config_from_hf(hf_t5_model(False).config)
 
     def gradients(*flags):
-        cfg = _config(values, "--hidden-dropout", "0.1", *flags)
+        cfg = t5_config(values, "--hidden-dropout", "0.1", *flags)
         (model,) = build_t5_model(cfg, ParallelContext.single(), vocab_size=VOCAB)
         model.train()
         torch.manual_seed(0)  # the same dropout masks in both runs

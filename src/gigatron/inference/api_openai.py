@@ -217,12 +217,16 @@ def chat_template_of(tokenizer, prompt_format: str | None = None) -> str | None:
 
 
 def render_chat(messages: list[tuple[str, str]], tokenizer, template: str | None) -> str:
-    """The prompt text: the tokenizer's chat template when it has one (rendered as --sft
-    renders it for training, data/chat_template.py), else one `role: content` line per message
-    and an open `assistant:` line."""
+    """The prompt text: the model's chat template (rendered as --sft renders it for training,
+    data/chat_template.py); a model without one cannot take chat requests (RequestError, as
+    transformers and vLLM refuse to guess a template)."""
     if template is None:
-        lines = [f"{role}: {content}" for role, content in messages]
-        return "\n".join(lines) + "\nassistant:"
+        raise RequestError(
+            "messages: this model has no chat template (neither a fine-tuning "
+            "--sft-tokenizer-prompt-format nor a chat_template in its tokenizer's "
+            "tokenizer_config.json); send the text as a prompt to /v1/completions",
+            "messages",
+        )
     try:
         compiled = ChatTemplate(template, special_token_strings(tokenizer))
         return compiled.text([{"role": r, "content": c} for r, c in messages], True)

@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="one prompt per line, or JSON lines with a 'prompt' field (.jsonl)",
     )
     add_sampling_arguments(parser)
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="draft this many tokens with the model's MTP heads, verified in one forward "
+        "(<= --mtp-num-layers; one process; default 0: off)",
+    )
     parser.add_argument("--output", default=None, help="write JSON lines here instead of text")
     return parser
 
@@ -160,7 +167,12 @@ def main(argv: Sequence[str]) -> int:
 
 def _generate(args, loaded, prompts: list[str], params) -> int:
     from gigatron.inference.load import engine_from_args
+    from gigatron.models.t5 import T5Model  # why: torch only after parsing
 
+    if isinstance(loaded.chunks[0], T5Model):
+        return _generate_t5(args, loaded, prompts, params)
+    if args.num_speculative_tokens:
+        return _generate_speculative(args, loaded, prompts, params)
     engine = engine_from_args(loaded, args)
     if loaded.pctx.rank != 0:
         engine.runner.follow()
@@ -196,3 +208,83 @@ def _generate(args, loaded, prompts: list[str], params) -> int:
         print(f"--- ({len(completion.output_ids)} tokens, {completion.finish_reason})", flush=True)
     sys.stdout.flush()
     return 0
+
+
+def _generate_t5(args, loaded, prompts: list[str], params) -> int:
+    """A T5 checkpoint: greedy, every rank runs the same steps, rank 0 writes."""
+    from gigatron.inference import t5_generation  # why: torch only after parsing
+
+    t5_generation.refuse_unsupported(params, args)
+    tokenizer = loaded.tokenizer
+    start, eos = t5_generation.special_ids(tokenizer)
+    ids = [tokenizer.tokenize(prompt) for prompt in prompts]
+    completions = []
+    for first in range(0, len(ids), args.max_batch_size):
+        completions += t5_generation.t5_greedy(
+            loaded.chunks[0], loaded.pctx, ids[first : first + args.max_batch_size],
+            params.max_tokens, start, None if params.ignore_eos else eos, tokenizer.vocab_size,
+        )  # fmt: skip
+    if loaded.pctx.rank != 0:
+        return 0
+    return _emit(args, tokenizer, prompts, ids, completions)
+
+
+def _emit(args, tokenizer, prompts: list[str], ids: list[list[int]], completions) -> int:
+    """Print or write (--output) the T5 or speculative completions."""
+    records = [
+        {"prompt": prompt, "text": tokenizer.detokenize(c.output_ids), "prompt_tokens": p,
+         "tokens": c.output_ids, "finish_reason": c.finish_reason}
+        for prompt, p, c in zip(prompts, ids, completions)
+    ]  # fmt: skip
+    for r, c in zip(records, completions):
+        if hasattr(c, "drafted"):
+            r["speculative"] = {"drafted": c.drafted, "accepted": c.accepted}
+    if args.output:
+        temporary = args.output + ".tmp"
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(r) + "\n" for r in records)
+        os.replace(temporary, args.output)
+        print(f"wrote {len(records)} completion(s) to {args.output}")
+        return 0
+    for r in records:
+        print(f"{r['prompt']} -> {r['text']}")
+        print(f"--- ({len(r['tokens'])} tokens, {r['finish_reason']})", flush=True)
+    return 0
+
+
+def _generate_speculative(args, loaded, prompts: list[str], params) -> int:
+    """--num-speculative-tokens: one prompt at a time, drafted by the MTP heads."""
+    from gigatron.inference.speculative import MTPSpeculator  # why: torch only after parsing
+
+    asked = {
+        "--num-speculative-tokens: one process only (no tensor or pipeline parallelism)": (
+            loaded.pctx.tp_size * loaded.pctx.pp_size > 1
+        ),
+        "--top-p": params.top_p > 0,
+        "--stop / --stop-on-eol / --stop-on-double-eol": bool(
+            params.stop or params.stop_on_eol or params.stop_on_double_eol
+        ),
+        "--logprobs / --prompt-logprobs / --top-logprobs": bool(
+            params.logprobs or params.prompt_logprobs or params.top_logprobs
+        ),
+        "--inference-dynamic-batching": bool(getattr(args, "inference_dynamic_batching", False)),
+        "--max-sequence-length": args.max_sequence_length is not None,
+    }
+    refused = [flag for flag, given in asked.items() if given]
+    if refused:
+        raise GigatronError(
+            f"{', '.join(refused)}: not available with --num-speculative-tokens; drop them"
+        )
+    tokenizer = loaded.tokenizer
+    speculator = MTPSpeculator(loaded.chunks[0], args.num_speculative_tokens, tokenizer.vocab_size)
+    bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
+    ids = [
+        ([bos] if args.add_bos and bos is not None else []) + tokenizer.tokenize(p) for p in prompts
+    ]
+    eos = None if params.ignore_eos else tokenizer.eod
+    seed = params.seed if params.seed is not None else args.seed
+    completions = [
+        speculator.generate(p, params.max_tokens, params.temperature, params.top_k, seed + i, eos)
+        for i, p in enumerate(ids)
+    ]
+    return _emit(args, tokenizer, prompts, ids, completions)

@@ -29,6 +29,7 @@ from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
 from gigatron.inference.scheduler import BlockScheduler, DynamicSettings
 from gigatron.models.lora import LoRASpec, add_lora_adapters
+from gigatron.models.t5 import T5Model
 from gigatron.parallel.context import ParallelContext
 from gigatron.training.run import build_context
 
@@ -157,11 +158,12 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
 
 
 def _check_generates(family: str, load_dir: Path) -> None:
-    if not get_family(family).generation:
+    if family != "t5" and not get_family(family).generation:  # T5: inference/t5_generation.py
         raise GigatronError(
             f"--load {load_dir}: a '{family}' model, which does not generate text; generate, "
             "serve and evaluate (WikiText perplexity, LAMBADA accuracy) need a GPT or hybrid "
-            "Mamba (family 'mamba') language model; evaluate a BERT checkpoint on MNLI, QQP or "
+            "Mamba (family 'mamba') language model (generate also takes a T5); evaluate a BERT "
+            "checkpoint on MNLI, QQP or "
             "RACE with gigatron finetune"
         )
 
@@ -211,7 +213,9 @@ def _build_and_load(
     tokenizer = build_run_tokenizer(cfg)
     pctx = build_context(cfg)
     chunks = get_family(family).build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
-    load_checkpoint(load_dir, chunks, None, None, pctx, cfg, iteration=iteration)
+    # the step asked for, else the tracker's (a `release` checkpoint has no iter_ directory)
+    step = getattr(args, "ckpt_step", None)
+    load_checkpoint(load_dir, chunks, None, None, pctx, cfg, iteration=step)
     if getattr(args, "lora_checkpoint", None):
         add_saved_adapters(chunks, Path(args.lora_checkpoint), pctx, cfg)
     for chunk in chunks:
@@ -247,6 +251,11 @@ def add_saved_adapters(
 
 
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> InferenceEngine:
+    if isinstance(loaded.chunks[0], T5Model):
+        raise GigatronError(
+            f"--load {args.load}: a T5 model, which only `gigatron generate` runs (greedy); "
+            "serve and evaluate need a GPT or hybrid Mamba language model"
+        )
     return build_engine(
         loaded.chunks,
         loaded.pctx,

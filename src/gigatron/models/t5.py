@@ -143,14 +143,24 @@ class CrossAttention(Attention):
         self.core_attention = factory(not_causal, pctx, layer_number, rng)
         self.linear_proj = row_linear(config, pctx, q_size, hidden)
 
-    def forward(
-        self, x: torch.Tensor, memory: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        q = self.linear_q(x)
-        q = q.view(q.shape[0], q.shape[1], self.heads, self.kv_channels)
+    def keys_values(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [s_enc, b, groups, hn] of the encoder output (generation caches them)."""
         kv = self.linear_kv(memory)
         kv = kv.view(kv.shape[0], kv.shape[1], self.groups, 2, self.kv_channels)
         k, v = (t.squeeze(3) for t in torch.split(kv, [1, 1], dim=3))
+        return k, v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        keys_values: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`keys_values`: `keys_values(memory)` computed before (generation), else computed here."""
+        q = self.linear_q(x)
+        q = q.view(q.shape[0], q.shape[1], self.heads, self.kv_channels)
+        k, v = keys_values if keys_values is not None else self.keys_values(memory)
         return self.attend(q, k, v, attention_mask)
 
 
@@ -169,10 +179,20 @@ class T5DecoderLayer(TransformerLayer):
         self.pre_cross_attn_layernorm = parts.norm(config, pctx)
         self.cross_attention = CrossAttention(config, pctx, layer_number, rng, parts.core_attention)
 
-    def forward(self, x, self_mask, memory, cross_mask):  # type: ignore[override]
-        x = self.residual_add(x, self.self_attention(self.input_layernorm(x), self_mask))
+    def forward(self, x, self_mask, memory, cross_mask, inference_cache=None):  # type: ignore[override]
+        """`inference_cache` (generation, `inference.t5_generation.T5DecoderCache`): the
+        self-attention keys and values so far and the cross-attention ones of `memory`."""
+        if inference_cache is None:
+            attn = self.self_attention(self.input_layernorm(x), self_mask)
+            cross_kv = None
+        else:
+            attn = self.self_attention(
+                self.input_layernorm(x), self_mask, inference_cache=inference_cache
+            )
+            cross_kv = inference_cache.cross_keys_values(self.layer_number, self.cross_attention)
+        x = self.residual_add(x, attn)
         normed = self.pre_cross_attn_layernorm(x)
-        x = self.residual_add(x, self.cross_attention(normed, memory, cross_mask))
+        x = self.residual_add(x, self.cross_attention(normed, memory, cross_mask, cross_kv))
         return self.residual_add(x, self.mlp(self.pre_mlp_layernorm(x)))
 
 
@@ -299,6 +319,42 @@ class T5Model(LanguageModelStage):
             return [decoder_hidden, encoder_output]
         logits = self.output_layer(decoder_hidden, self.output_weight())
         return logits.transpose(0, 1)
+
+    def encode(self, input_ids: torch.Tensor, padding_mask: torch.Tensor) -> torch.Tensor:
+        """Generation (a chunk holding the whole model): the encoder output [s_enc, b, h] of
+        ids [b, s_enc] with their padding mask (1 = real token)."""
+        keys = (padding_mask == 0)[:, None, None, :]
+        hidden = self.embedding(input_ids, _positions(input_ids))
+        s_enc = keys.shape[-1]
+        return self.encoder(
+            hidden, self._bias_or_mask(keys, "encoder_relative_pos_emb", s_enc, s_enc)
+        )
+
+    def decode(
+        self,
+        token_ids: torch.Tensor,
+        start: int,
+        memory: torch.Tensor,
+        encoder_padding_mask: torch.Tensor,
+        inference_cache,
+    ) -> torch.Tensor:
+        """Generation: the decoder on tokens [b, s] at positions start .. start + s - 1 of every
+        row, attending to the cached ones before; logits [b, s, vocab/tp]."""
+        batch, seq = token_ids.shape
+        end = start + seq
+        positions = torch.arange(start, end, device=token_ids.device).expand(batch, seq)
+        hidden = self.embedding(token_ids, positions)
+        causal = torch.ones(end, end, dtype=torch.bool, device=token_ids.device).triu(1)
+        self_mask = causal[start:end][None, None]
+        if self.relative:
+            bias = self.decoder_relative_pos_emb(end, end)[:, :, start:end]
+            self_mask = bias.masked_fill(self_mask, torch.finfo(bias.dtype).min)
+        inference_cache.self_mask = self_mask
+        cross_mask = (encoder_padding_mask == 0)[:, None, None, :]
+        for layer in self.decoder.layers.values():
+            hidden = layer(hidden, self_mask, memory, cross_mask, inference_cache=inference_cache)
+        hidden = self.decoder.final_layernorm(hidden)
+        return self.output_layer(hidden, self.output_weight()).transpose(0, 1)
 
 
 def _positions(ids: torch.Tensor) -> torch.Tensor:
