@@ -49,8 +49,9 @@ def runs(tmp_path_factory) -> Path:
 
 def test_one_file_per_expert_parallel_rank(runs):
     iteration = runs / "full" / "iter_0000004"
-    names = sorted(p.name for p in iteration.iterdir())
+    names = sorted(p.name for p in iteration.iterdir() if p.is_dir())
     assert names == ["mp_rank_00_000", "mp_rank_00_001"]
+    assert (iteration / "checksums.json").is_file()  # the files' integrity record
     states = [
         torch.load(iteration / name / "model_optim_rng.pt", weights_only=True) for name in names
     ]

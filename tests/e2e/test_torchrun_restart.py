@@ -24,14 +24,14 @@ SCRIPT = textwrap.dedent(
     kill_at, every_round = int(sys.argv[1]), sys.argv[2] == "every-round"
     first_round = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
     if (first_round or every_round) and os.environ["RANK"] == "1":
-        step = loop.train_step
+        step = loop.step_on_device
 
         def dying(run, num_microbatches):
             if run.state.iteration + 1 == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             return step(run, num_microbatches)
 
-        loop.train_step = dying
+        loop.step_on_device = dying
     sys.exit(main(sys.argv[3:]))
     """
 )
