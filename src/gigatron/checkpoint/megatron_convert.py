@@ -29,6 +29,7 @@ from gigatron.checkpoint.megatron_dist import (
     save_megatron_dist,
 )
 from gigatron.checkpoint.megatron_format import megatron_te_name, model_to_gigatron
+from gigatron.checkpoint.megatron_legacy import core_state
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
     TMP_SUFFIX,
@@ -164,13 +165,8 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
         }
         if family is not None:
             out["gigatron_family"] = family  # --model-type: Megatron's files do not say
+        state = core_state(state)  # a legacy model-class file: Megatron-Core's names
         for key in [k for k in state if k == "model" or k.startswith("model")]:
-            if any(str(name).startswith("language_model.") for name in state[key]):
-                raise GigatronError(
-                    f"{path}: holds Megatron-LM's legacy model (language_model.* names), which "
-                    "gigatron does not read; turn it into a Megatron-Core checkpoint with "
-                    "Megatron-LM's own converter first (--loader legacy --saver core)"
-                )
             out[key] = model_to_gigatron(state[key])
         target = staged / iteration_dir.name / path.parent.name / CHECKPOINT_FILENAME
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from gigatron.checkpoint.megatron_buffers import distributed_entries
+from gigatron.checkpoint.megatron_legacy import core_state, is_legacy_model
 from gigatron.errors import GigatronError
 
 _TE_NORMS = {
@@ -46,12 +47,15 @@ _LOCAL_EXPERT = re.compile(
 _GROUPED_EXPERT = re.compile(
     r"^(?P<prefix>.*\.mlp\.experts)\.(?P<fc>linear_fc[12])\.weight(?P<e>\d+)$"
 )
+# Megatron-Core's second names of one parameter (BERT's pooler module, T5's head alias).
+_CORE_ALIASES = {"pooler.dense.": "pooler.", "lm_head.output_layer.": "output_layer."}
 # Buffers (not parameters) a Megatron model may save.
 _BUFFERS = re.compile(r"(_extra_state|\.expert_bias|\.local_tokens_per_expert)$")
 
 
 def is_megatron_state(state: dict[str, Any]) -> bool:
-    return isinstance(state.get("args"), argparse.Namespace)
+    """Written by Megatron-LM: its `args` Namespace, or a legacy model-class `model`."""
+    return isinstance(state.get("args"), argparse.Namespace) or is_legacy_model(state.get("model"))
 
 
 # ---- names --------------------------------------------------------------------------------------
@@ -62,6 +66,9 @@ def gigatron_name(name: str) -> str | None:
     for te, local in _TE_NORMS.items():
         if name.endswith(te):
             return name[: -len(te)] + local
+    for alias, own in _CORE_ALIASES.items():
+        if name.startswith(alias):
+            return own + name[len(alias) :]
     return name
 
 
@@ -110,7 +117,7 @@ def megatron_parameter_order(state: dict[str, Any]) -> list[str]:
         for name in state.get(key, {}):
             if not _BUFFERS.search(name):
                 target = gigatron_name(name)
-                if target is not None:
+                if target is not None and target not in names:  # an alias: one parameter
                     names.append(target)
     return names
 
@@ -316,7 +323,14 @@ def to_gigatron_state(
     load_optimizer: bool,
 ) -> dict[str, Any]:
     """A Megatron-LM file's content in the shape `load_checkpoint` reads."""
-    args = vars(state["args"])
+    legacy = is_legacy_model(state.get("model"))
+    state = core_state(state)
+    args = vars(state["args"]) if state.get("args") is not None else {}
+    if legacy and load_optimizer and optimizer is not None and state.get("optimizer") is not None:
+        raise GigatronError(
+            f"{path}: a legacy Megatron-LM model-class checkpoint: its weights load, its "
+            "optimizer state does not; start from it with --finetune (or --no-load-optim)"
+        )
     out = dict(state)
     for key in [k for k in state if k == "model" or re.fullmatch(r"model\d+", k)]:
         out[key] = model_to_gigatron(state[key])

@@ -1,0 +1,73 @@
+"""Megatron-LM's legacy model-class checkpoints (the layout of the NGC GPT-345M and BERT-345M
+downloads; tests/data/megatron-fixtures/legacy-*, made by tests/tools/make_legacy_fixtures.py)
+load as the same weights in Megatron-Core's layout: converted, the tensors are equal; started
+from with --finetune, the first loss is the one Megatron-LM recorded for those weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gigatron.checkpoint.convert import main as convert_checkpoint
+from gigatron.checkpoint.megatron_legacy import legacy_to_core, reorder_qkv
+from gigatron.checkpoint.torch_format import safe_load
+from gigatron.config import parse_config
+from gigatron.errors import GigatronError
+from gigatron.models.bert import build_bert_model
+from gigatron.parallel.context import ParallelContext
+from megatron_fixtures import FIXTURES, record, resume
+
+
+def _converted(tmp: Path, name: str, model_type: str) -> dict[str, torch.Tensor]:
+    out = tmp / name
+    convert_checkpoint(["--model-type", model_type, "--loader", "legacy",
+                        "--load", str(FIXTURES / name), "--save", str(out)])  # fmt: skip
+    (path,) = out.glob("*/mp_rank_00/model_optim_rng.pt")
+    return safe_load(path)["model"]
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def test_qkv_rows_of_each_checkpoint_version_come_in_core_order():
+    rows = torch.arange(6.0)  # 2 heads of head dim 1, version 0: [q0 q1 k0 k1 v0 v1]
+    assert reorder_qkv(rows, 0, heads=2).tolist() == [0, 2, 4, 1, 3, 5]
+    # 1 head of head dim 2, version 1: [q_d0 k_d0 v_d0 q_d1 k_d1 v_d1] -> [q_d0 q_d1 k_d0 ...]
+    assert reorder_qkv(rows, 1, heads=1).tolist() == [0, 3, 1, 4, 2, 5]
+    weight = torch.randn(12, 3)
+    assert torch.equal(reorder_qkv(weight, 2, heads=2), weight)  # from version 2: core's order
+
+
+def test_legacy_gpt_converts_to_megatrons_own_core_layout_weights(tmp_path):
+    legacy = _converted(tmp_path, "legacy-gpt", "GPT")  # version 0, transformer/attention names
+    _assert_same(legacy, _converted(tmp_path, "gpt2_tp1_torch", "GPT"))
+
+
+def test_legacy_gpt_finetune_gives_megatrons_loss_of_those_weights(tmp_path):
+    losses = resume("legacy-gpt", tmp_path, "--finetune", "--exit-interval", "1")
+    assert losses[1] == pytest.approx(record("gpt2_tp1_torch")["next_loss"], abs=1e-5)
+
+
+def test_legacy_bert_and_core_pooler_names_load_into_gigatrons_bert(tmp_path):
+    legacy = _converted(tmp_path, "legacy-bert", "BERT")  # version 1, encoder/self_attention
+    core = _converted(tmp_path, "legacy-bert-core", "BERT")  # pooler.dense.* of the core layout
+    _assert_same(legacy, core)
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "64",
+            "--make-vocab-size-divisible-by", "32"]  # fmt: skip
+    (model,) = build_bert_model(parse_config(argv), ParallelContext.single(), vocab_size=64)
+    expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    assert {k for k in legacy if not k.endswith("_extra_state")} == expected
+    assert torch.equal(legacy["pooler.weight"], core["pooler.weight"])
+
+
+def test_a_legacy_tensor_gigatron_does_not_know_is_named():
+    model = {
+        "language_model": {"encoder": {"layers.0.self_attention.rotary.weight": torch.ones(1)}}
+    }
+    with pytest.raises(GigatronError, match="layers.0.self_attention.rotary.weight"):
+        legacy_to_core(model, 3.0, heads=4)
