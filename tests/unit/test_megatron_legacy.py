@@ -5,6 +5,7 @@ from with --finetune, the first loss is the one Megatron-LM recorded for those w
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,19 @@ def test_a_legacy_tensor_gigatron_does_not_know_is_named():
     }
     with pytest.raises(GigatronError, match="layers.0.self_attention.rotary.weight"):
         legacy_to_core(model, 3.0, heads=4)
+
+
+def _generated(tmp: Path, name: str) -> dict:
+    from gigatron.inference.generate import main as generate
+
+    out = tmp / f"{name}.jsonl"
+    generate(["--load", str(FIXTURES / name), "--prompt", "5 9 12 40", "--greedy",
+              "--max-tokens", "6", "--prompt-logprobs", "--output", str(out)])  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def test_generate_reads_megatrons_legacy_and_core_files_alike(tmp_path):
+    legacy, core = _generated(tmp_path, "legacy-gpt"), _generated(tmp_path, "gpt2_tp1_torch")
+    assert legacy["tokens"] == core["tokens"] and len(core["tokens"]) == 6
+    assert len(core["prompt_logprobs"]) == 3  # the tokens after the first
+    assert legacy["prompt_logprobs"] == pytest.approx(core["prompt_logprobs"], abs=1e-6)

@@ -125,7 +125,7 @@ def gigatron_to_megatron(
     return final
 
 
-def _gigatron_config_dict(args: argparse.Namespace) -> dict[str, Any]:
+def gigatron_config_dict(args: argparse.Namespace) -> dict[str, Any]:
     """gigatron configuration values from Megatron-LM's `args` (same names; plain values)."""
 
     values = vars(args)
@@ -159,7 +159,7 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
         if not isinstance(state.get("args"), argparse.Namespace):
             raise GigatronError(f"{path}: was not written by Megatron-LM (no argparse args)")
         out = {
-            "args": _gigatron_config_dict(state["args"]),
+            "args": gigatron_config_dict(state["args"]),
             "iteration": iteration,
             "checkpoint_version": 3.0,
         }
@@ -178,7 +178,7 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
 def _stage_megatron_dist(located: tuple[Path, int, bool], staged: Path, family: str | None):
     """Megatron's torch_dist iteration as one tp = pp = 1 gigatron file (whole tensors)."""
     iteration_dir, iteration, release = located
-    args = _gigatron_config_dict(read_common(iteration_dir)["args"])
+    args = gigatron_config_dict(read_common(iteration_dir)["args"])
     for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         args["parallel"][size] = 1  # the tensors are read whole
     args["parallel"]["expert_model_parallel_size"] = 1

@@ -14,6 +14,7 @@ from torch import nn
 
 from gigatron.checkpoint.dist_format import COMMON_FILENAME, read_metadata
 from gigatron.checkpoint.formats import detect_format, load_checkpoint, saved_header
+from gigatron.checkpoint.megatron_convert import gigatron_config_dict
 from gigatron.checkpoint.torch_format import (
     locate_iteration,
     saved_layout,
@@ -127,6 +128,8 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
         )
     first = saved_header(iteration_dir)
     saved = first.get("args")
+    if isinstance(saved, argparse.Namespace):  # Megatron-LM's own file (core or legacy layout)
+        saved = gigatron_config_dict(saved)
     if not isinstance(saved, dict) or not saved:
         raise GigatronError(
             f"--load {load_dir}: the checkpoint holds no gigatron configuration ('args'); only "
@@ -211,7 +214,8 @@ def _build_and_load(
     tokenizer = build_run_tokenizer(cfg)
     pctx = build_context(cfg)
     chunks = get_family(family).build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
-    load_checkpoint(load_dir, chunks, None, None, pctx, cfg, iteration=iteration)
+    # --ckpt-step (None: the tracker's), so a release checkpoint is found as located above
+    load_checkpoint(load_dir, chunks, None, None, pctx, cfg, iteration=args.ckpt_step)
     if getattr(args, "lora_checkpoint", None):
         add_saved_adapters(chunks, Path(args.lora_checkpoint), pctx, cfg)
     for chunk in chunks:
