@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gigatron.checkpoint.convert import main as convert_checkpoint
-from gigatron.checkpoint.megatron_legacy import legacy_to_core, reorder_qkv
+from gigatron.checkpoint.megatron_legacy import core_state, legacy_to_core, reorder_qkv
 from gigatron.checkpoint.torch_format import safe_load
 from gigatron.config import parse_config
 from gigatron.errors import GigatronError
@@ -36,11 +36,11 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 def test_qkv_rows_of_each_checkpoint_version_come_in_core_order():
     rows = torch.arange(6.0)  # 2 heads of head dim 1, version 0: [q0 q1 k0 k1 v0 v1]
-    assert reorder_qkv(rows, 0, heads=2).tolist() == [0, 2, 4, 1, 3, 5]
+    assert reorder_qkv(rows, 0, head_dim=1).tolist() == [0, 2, 4, 1, 3, 5]
     # 1 head of head dim 2, version 1: [q_d0 k_d0 v_d0 q_d1 k_d1 v_d1] -> [q_d0 q_d1 k_d0 ...]
-    assert reorder_qkv(rows, 1, heads=1).tolist() == [0, 3, 1, 4, 2, 5]
+    assert reorder_qkv(rows, 1, head_dim=2).tolist() == [0, 3, 1, 4, 2, 5]
     weight = torch.randn(12, 3)
-    assert torch.equal(reorder_qkv(weight, 2, heads=2), weight)  # from version 2: core's order
+    assert torch.equal(reorder_qkv(weight, 2, head_dim=2), weight)  # from version 2: core's order
 
 
 def test_legacy_gpt_converts_to_megatrons_own_core_layout_weights(tmp_path):
@@ -71,7 +71,7 @@ def test_a_legacy_tensor_gigatron_does_not_know_is_named():
         "language_model": {"encoder": {"layers.0.self_attention.rotary.weight": torch.ones(1)}}
     }
     with pytest.raises(GigatronError, match="layers.0.self_attention.rotary.weight"):
-        legacy_to_core(model, 3.0, heads=4)
+        legacy_to_core(model, 3.0, head_dim=16)
 
 
 def _generated(tmp: Path, name: str) -> dict:
@@ -88,3 +88,13 @@ def test_generate_reads_megatrons_legacy_and_core_files_alike(tmp_path):
     assert legacy["tokens"] == core["tokens"] and len(core["tokens"]) == 6
     assert len(core["prompt_logprobs"]) == 3  # the tokens after the first
     assert legacy["prompt_logprobs"] == pytest.approx(core["prompt_logprobs"], abs=1e-6)
+
+
+def test_a_legacy_file_without_args_takes_the_head_size_of_the_model():
+    path = FIXTURES / "legacy-gpt" / "release" / "mp_rank_00" / "model_optim_rng.pt"
+    state = safe_load(path)
+    with_args = core_state(state)["model"]
+    without = core_state({"model": state["model"]}, head_dim=16)["model"]  # hidden 64 / 4 heads
+    _assert_same(without, with_args)
+    with pytest.raises(GigatronError, match="attention head size"):
+        core_state({"model": state["model"]})

@@ -314,6 +314,14 @@ def rng_to_gigatron(rng: Any, rng_tracker: Any) -> Any:
     return rng
 
 
+def _head_dim(model_chunks: list[Any]) -> int | None:
+    """The attention head size of the model being loaded into (None: not known)."""
+    if not model_chunks:
+        return None
+    config = getattr(getattr(model_chunks[0], "module", model_chunks[0]), "config", None)
+    return getattr(config, "kv_channels", None)
+
+
 def to_gigatron_state(
     state: dict[str, Any],
     model_chunks: list[Any],
@@ -324,7 +332,7 @@ def to_gigatron_state(
 ) -> dict[str, Any]:
     """A Megatron-LM file's content in the shape `load_checkpoint` reads."""
     legacy = is_legacy_model(state.get("model"))
-    state = core_state(state)
+    state = core_state(state, _head_dim(model_chunks))
     args = vars(state["args"]) if state.get("args") is not None else {}
     if legacy and load_optimizer and optimizer is not None and state.get("optimizer") is not None:
         raise GigatronError(

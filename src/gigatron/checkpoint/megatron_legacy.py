@@ -91,13 +91,13 @@ def core_name(name: str, block: str) -> str | None:
     return None
 
 
-def reorder_qkv(tensor: torch.Tensor, version: float, heads: int) -> torch.Tensor:
+def reorder_qkv(tensor: torch.Tensor, version: float, head_dim: int) -> torch.Tensor:
     """Fused QKV rows (weight or bias) of `checkpoint_version` `version` in [heads, 3, head dim]
-    order; `heads` is the attention heads of this tensor-parallel rank."""
+    order (the heads of this tensor-parallel rank)."""
     if version >= 2:
         return tensor
     rest = tuple(tensor.shape[1:])
-    head_dim = tensor.shape[0] // (3 * heads)
+    heads = tensor.shape[0] // (3 * head_dim)
     if version == 0:
         return tensor.view(3, heads, head_dim, *rest).transpose(0, 1).reshape(tensor.shape)
     if version == 1:
@@ -105,9 +105,9 @@ def reorder_qkv(tensor: torch.Tensor, version: float, heads: int) -> torch.Tenso
     raise GigatronError(f"checkpoint_version {version}: not a Megatron-LM checkpoint version")
 
 
-def legacy_to_core(model: dict[str, Any], version: float, heads: int | None) -> dict[str, Any]:
-    """A legacy model state (nested or dotted) with Megatron-Core's names and QKV order;
-    `heads`: attention heads per tensor-parallel rank (needed below version 2)."""
+def legacy_to_core(model: dict[str, Any], version: float, head_dim: int | None) -> dict[str, Any]:
+    """A legacy model state (nested or dotted) with Megatron-Core's names and QKV order
+    (`head_dim`, the attention head size, is needed below version 2)."""
     flat = flatten(model)
     block = (
         "encoder" if any(k.startswith(("lm_head.", "binary_head.")) for k in flat) else "decoder"
@@ -122,12 +122,13 @@ def legacy_to_core(model: dict[str, Any], version: float, heads: int | None) -> 
             unknown.append(name)
             continue
         if ".linear_qkv." in target and version < 2:
-            if heads is None:
+            if not head_dim:
                 raise GigatronError(
-                    f"{name}: checkpoint_version {version} needs the number of attention heads "
-                    "to reorder its QKV rows; give --num-attention-heads"
+                    f"{name}: checkpoint_version {version} needs the attention head size to "
+                    "reorder its QKV rows, and the file saved no args; give the model flags "
+                    "(--num-attention-heads, --hidden-size or --kv-channels)"
                 )
-            tensor = reorder_qkv(tensor, version, heads)
+            tensor = reorder_qkv(tensor, version, head_dim)
         out[target] = tensor
     if unknown:
         raise GigatronError(
@@ -138,17 +139,24 @@ def legacy_to_core(model: dict[str, Any], version: float, heads: int | None) -> 
     return out
 
 
-def core_state(state: dict[str, Any]) -> dict[str, Any]:
+def _head_dim(args: dict[str, Any]) -> int | None:
+    if args.get("kv_channels"):
+        return int(args["kv_channels"])
+    if args.get("hidden_size") and args.get("num_attention_heads"):
+        return int(args["hidden_size"]) // int(args["num_attention_heads"])
+    return None
+
+
+def core_state(state: dict[str, Any], head_dim: int | None = None) -> dict[str, Any]:
     """A Megatron-LM file's content with every legacy `model*` entry in Megatron-Core's layout
-    (the file itself when it has none)."""
+    (the file itself when it has none); `head_dim`: the attention head size when the file saved
+    no args (older NGC downloads)."""
     keys = [k for k in state if re.fullmatch(r"model\d*", str(k)) and is_legacy_model(state[k])]
     if not keys:
         return state
     args = vars(state["args"]) if state.get("args") is not None else {}
-    heads = args.get("num_attention_heads")
-    tp = args.get("tensor_model_parallel_size") or args.get("model_parallel_size") or 1
     version = float(state.get("checkpoint_version", 0) or 0)
     out = dict(state)
     for key in keys:
-        out[key] = legacy_to_core(state[key], version, heads // tp if heads else None)
+        out[key] = legacy_to_core(state[key], version, _head_dim(args) or head_dim)
     return out
