@@ -98,3 +98,21 @@ def test_a_legacy_file_without_args_takes_the_head_size_of_the_model():
     _assert_same(without, with_args)
     with pytest.raises(GigatronError, match="attention head size"):
         core_state({"model": state["model"]})
+
+
+def test_gigatrons_saved_args_read_as_megatrons_namespace_too(tmp_path):
+    """Megatron-LM's load_checkpoint reads `args.num_layers`, ... of a file without --finetune;
+    gigatron reads the same value as its nested configuration."""
+    save = tmp_path / "save"
+    resume("gpt2_tp1_torch", tmp_path, "--save", str(save), "--exit-interval", "4")
+    trained = torch.load(save / "iter_0000004/mp_rank_00/model_optim_rng.pt", weights_only=True)
+    converted = tmp_path / "converted"
+    convert_checkpoint(["--loader", "core", "--load", str(FIXTURES / "gpt2_tp1_torch"),
+                        "--save", str(converted)])  # fmt: skip
+    copy = torch.load(converted / "iter_0000003/mp_rank_00/model_optim_rng.pt", weights_only=True)
+    for args, iteration in ((trained["args"], 4), (copy["args"], 3)):
+        assert args["model"]["num_layers"] == 2 and args["model"]["hidden_size"] == 64
+        assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, 64, 4)
+        assert args.add_position_embedding and args.padded_vocab_size == 64
+        assert args.iteration == iteration and args.params_dtype == torch.float32
+    assert trained["args"].consumed_train_samples == 4 * 2  # global batch 2

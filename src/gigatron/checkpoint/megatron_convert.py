@@ -28,7 +28,7 @@ from gigatron.checkpoint.megatron_dist import (
     read_common,
     save_megatron_dist,
 )
-from gigatron.checkpoint.megatron_format import megatron_te_name, model_to_gigatron
+from gigatron.checkpoint.megatron_format import megatron_args, megatron_te_name, model_to_gigatron
 from gigatron.checkpoint.megatron_legacy import core_state
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -48,32 +48,6 @@ _TE_MODULES = (
     "mlp.linear_fc1",
     "mlp.linear_fc2",
 )
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def megatron_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> argparse.Namespace:
-    """Megatron-LM's flat arguments for a gigatron configuration (nested dict) and file."""
-    flat = {
-        k: v
-        for section in cfg_dict.values()
-        if isinstance(section, dict)
-        for k, v in section.items()
-    }
-    args = argparse.Namespace(**flat)
-    args.norm_epsilon = flat.get("layernorm_epsilon")
-    args.add_position_embedding = flat.get("position_embedding_type") == "learned_absolute"
-    dtype = next((d for flag, d in _DTYPES.items() if flat.get(flag)), torch.float32)
-    args.params_dtype = dtype
-    model = state.get("model") or state.get("model0") or {}
-    embedding = model.get("embedding.word_embeddings.weight")
-    if embedding is not None:
-        args.padded_vocab_size = embedding.shape[0] * int(
-            flat.get("tensor_model_parallel_size") or 1
-        )
-    for key in ("consumed_train_samples", "consumed_valid_samples"):
-        setattr(args, key, int(state.get(key, 0)))
-    args.iteration = int(state.get("iteration", 0))
-    return args
 
 
 def _te_model(model: dict[str, torch.Tensor], layers: set[str]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,45 @@ _BUFFERS = re.compile(r"(_extra_state|\.expert_bias|\.local_tokens_per_expert)$"
 def is_megatron_state(state: dict[str, Any]) -> bool:
     """Written by Megatron-LM: its `args` Namespace, or a legacy model-class `model`."""
     return isinstance(state.get("args"), argparse.Namespace) or is_legacy_model(state.get("model"))
+
+
+# ---- arguments --------------------------------------------------------------------------------
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def megatron_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> argparse.Namespace:
+    """Megatron-LM's flat arguments for a gigatron configuration (nested dict) and file."""
+    flat = {
+        k: v
+        for section in cfg_dict.values()
+        if isinstance(section, dict)
+        for k, v in section.items()
+    }
+    args = argparse.Namespace(**flat)
+    args.norm_epsilon = flat.get("layernorm_epsilon")
+    args.add_position_embedding = flat.get("position_embedding_type") == "learned_absolute"
+    dtype = next((d for flag, d in _DTYPES.items() if flat.get(flag)), torch.float32)
+    args.params_dtype = dtype
+    model = state.get("model") or state.get("model0") or {}
+    embedding = model.get("embedding.word_embeddings.weight")
+    if embedding is not None:
+        args.padded_vocab_size = embedding.shape[0] * int(
+            flat.get("tensor_model_parallel_size") or 1
+        )
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        setattr(args, key, int(state.get(key, 0)))
+    args.iteration = int(state.get("iteration", 0))
+    return args
+
+
+def saved_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> OrderedDict:
+    """The `args` gigatron's torch format saves: its configuration (a nested dict) whose
+    attributes are Megatron-LM's flat arguments, so Megatron's load_checkpoint reads a gigatron
+    file without --finetune (it reads `args.num_layers`); torch's weights-only loader keeps an
+    OrderedDict's attributes (as it keeps a state dict's `_metadata`)."""
+    args = OrderedDict(cfg_dict)
+    args.__dict__.update(vars(megatron_args(cfg_dict, state)))
+    return args
 
 
 # ---- names --------------------------------------------------------------------------------------
