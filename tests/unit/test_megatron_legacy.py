@@ -116,3 +116,13 @@ def test_gigatrons_saved_args_read_as_megatrons_namespace_too(tmp_path):
         assert args.add_position_embedding and args.padded_vocab_size == 64
         assert args.iteration == iteration and args.params_dtype == torch.float32
     assert trained["args"].consumed_train_samples == 4 * 2  # global batch 2
+
+
+def test_megatron_core_second_names_map_to_gigatrons_parameters():
+    from gigatron.checkpoint.megatron_format import gigatron_name, model_to_gigatron
+
+    bias = torch.arange(3.0)
+    t5 = model_to_gigatron({"output_layer.bias": bias, "lm_head.output_layer.bias": bias})
+    assert list(t5) == ["output_layer.bias"]  # T5's alias of the same tensor: one parameter
+    assert gigatron_name("pooler.dense.weight") == "pooler.weight"  # BERT's Pooler module
+    assert gigatron_name("encoder.layers.0.mlp.linear_fc1.weight").endswith("linear_fc1.weight")
