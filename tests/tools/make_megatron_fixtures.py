@@ -268,11 +268,16 @@ def run_fixture(out: Path, argv: list[str]) -> None:
 def verify_load(directory: Path, argv: list[str], expected: float) -> None:
     """Megatron's own load_checkpoint (strict; weights only) of `directory` (e.g. written by
     `gigatron convert --to megatron`): its loss on batch 4 must be `expected` within 1e-5."""
-    flags = [*argv, "--load", str(directory), "--finetune", "--no-load-optim", "--no-load-rng"]
+    resume = os.environ.get("FIXTURE_RESUME") == "1"  # a gigatron save: its args read too
+    weights = [] if resume else ["--finetune"]
+    flags = [*argv, "--load", str(directory), *weights, "--no-load-optim", "--no-load-rng"]
     args, model, optimizer, scheduler = _setup(flags)
     from megatron.training.checkpointing import load_checkpoint
 
-    load_checkpoint(model, optimizer, scheduler, strict=True)
+    iteration, _ = load_checkpoint(model, optimizer, scheduler, strict=True)
+    if resume:  # Megatron checked gigatron's saved args (check_checkpoint_args) and resumes
+        assert iteration == 3, f"iteration {iteration}"
+        print(f"resumed at iteration {iteration}, consumed samples {args.consumed_train_samples}")
     loss = _eval_loss(model, 4, args)
     assert abs(loss - expected) < 1e-5, f"Megatron's loss {loss}, expected {expected}"
     if torch.distributed.get_rank() == 0:
@@ -286,12 +291,14 @@ def _launch(procs: int, env: dict[str, str], port: int) -> None:
     subprocess.run(cmd, env=env, check=True)
 
 
-def verify(fixtures: Path, name: str, directory: Path) -> None:
-    """`--verify NAME DIR`: DIR (a conversion of fixture NAME) loads in Megatron with its loss."""
+def verify(fixtures: Path, name: str, directory: Path, resume: bool = False) -> None:
+    """`--verify NAME DIR [--resume]`: DIR (a conversion of fixture NAME) loads in Megatron with
+    its loss; `--resume`: without --finetune (Megatron reads the saved args and iteration)."""
     record = json.loads((fixtures / name / "fixture.json").read_text())
     fmt = "torch_dist" if (next(directory.glob("iter_*")) / "metadata.json").is_file() else "torch"
     env = dict(os.environ, FIXTURE_VERIFY=str(directory), FIXTURE_EXPECTED=str(record["next_loss"]))
     env["FIXTURE_ARGV"] = json.dumps([*record["megatron_flags"], "--ckpt-format", fmt])
+    env["FIXTURE_RESUME"] = "1" if resume else "0"
     _launch(FIXTURES[name][0], env, 29700)
 
 
@@ -304,7 +311,8 @@ def main() -> None:
         run_fixture(Path(os.environ["FIXTURE_OUT"]), json.loads(os.environ["FIXTURE_ARGV"]))
         return
     if sys.argv[1:2] == ["--verify"]:
-        verify(Path("tests/data/megatron-fixtures"), sys.argv[2], Path(sys.argv[3]))
+        resume = sys.argv[4:5] == ["--resume"]
+        verify(Path("tests/data/megatron-fixtures"), sys.argv[2], Path(sys.argv[3]), resume)
         return
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "tests/data/megatron-fixtures")
     names = sys.argv[2:] or list(FIXTURES)

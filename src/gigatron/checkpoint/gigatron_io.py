@@ -27,6 +27,7 @@ from gigatron.checkpoint.layout import (
     TargetLayout,
     build_target_layout,
 )
+from gigatron.checkpoint.megatron_format import saved_args
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
     CHECKPOINT_VERSION,
@@ -381,6 +382,7 @@ def write_checkpoint(
             "args": config_as_dict(layout.cfg),
             **extra,
         }
+        header["args"] = saved_args(header["args"], header)  # Megatron-LM reads its attributes
         _save_rank_files(tmp, layout, written, header)
         shutil.rmtree(tmp / "scratch")
         if check is not None:

@@ -78,7 +78,8 @@ def stored_megatron_args(load_dir: str | Path, iteration: int | None) -> dict[st
     if not files:
         return stored_args(located[0])  # Megatron's torch_dist: common.pt
     state = safe_load(files[0], mmap=True)
-    return vars(state["args"]) if is_megatron_state(state) else None
+    args = state.get("args") if is_megatron_state(state) else None
+    return vars(args) if args is not None else None  # a legacy file may hold no args
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -28,7 +28,8 @@ from gigatron.checkpoint.megatron_dist import (
     read_common,
     save_megatron_dist,
 )
-from gigatron.checkpoint.megatron_format import megatron_te_name, model_to_gigatron
+from gigatron.checkpoint.megatron_format import megatron_args, megatron_te_name, model_to_gigatron
+from gigatron.checkpoint.megatron_legacy import core_state
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
     TMP_SUFFIX,
@@ -47,32 +48,6 @@ _TE_MODULES = (
     "mlp.linear_fc1",
     "mlp.linear_fc2",
 )
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def megatron_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> argparse.Namespace:
-    """Megatron-LM's flat arguments for a gigatron configuration (nested dict) and file."""
-    flat = {
-        k: v
-        for section in cfg_dict.values()
-        if isinstance(section, dict)
-        for k, v in section.items()
-    }
-    args = argparse.Namespace(**flat)
-    args.norm_epsilon = flat.get("layernorm_epsilon")
-    args.add_position_embedding = flat.get("position_embedding_type") == "learned_absolute"
-    dtype = next((d for flag, d in _DTYPES.items() if flat.get(flag)), torch.float32)
-    args.params_dtype = dtype
-    model = state.get("model") or state.get("model0") or {}
-    embedding = model.get("embedding.word_embeddings.weight")
-    if embedding is not None:
-        args.padded_vocab_size = embedding.shape[0] * int(
-            flat.get("tensor_model_parallel_size") or 1
-        )
-    for key in ("consumed_train_samples", "consumed_valid_samples"):
-        setattr(args, key, int(state.get(key, 0)))
-    args.iteration = int(state.get("iteration", 0))
-    return args
 
 
 def _te_model(model: dict[str, torch.Tensor], layers: set[str]) -> dict[str, Any]:
@@ -124,7 +99,7 @@ def gigatron_to_megatron(
     return final
 
 
-def _gigatron_config_dict(args: argparse.Namespace) -> dict[str, Any]:
+def gigatron_config_dict(args: argparse.Namespace) -> dict[str, Any]:
     """gigatron configuration values from Megatron-LM's `args` (same names; plain values)."""
 
     values = vars(args)
@@ -158,19 +133,14 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
         if not isinstance(state.get("args"), argparse.Namespace):
             raise GigatronError(f"{path}: was not written by Megatron-LM (no argparse args)")
         out = {
-            "args": _gigatron_config_dict(state["args"]),
+            "args": gigatron_config_dict(state["args"]),
             "iteration": iteration,
             "checkpoint_version": 3.0,
         }
         if family is not None:
             out["gigatron_family"] = family  # --model-type: Megatron's files do not say
+        state = core_state(state)  # a legacy model-class file: Megatron-Core's names
         for key in [k for k in state if k == "model" or k.startswith("model")]:
-            if any(str(name).startswith("language_model.") for name in state[key]):
-                raise GigatronError(
-                    f"{path}: holds Megatron-LM's legacy model (language_model.* names), which "
-                    "gigatron does not read; turn it into a Megatron-Core checkpoint with "
-                    "Megatron-LM's own converter first (--loader legacy --saver core)"
-                )
             out[key] = model_to_gigatron(state[key])
         target = staged / iteration_dir.name / path.parent.name / CHECKPOINT_FILENAME
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -182,7 +152,7 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
 def _stage_megatron_dist(located: tuple[Path, int, bool], staged: Path, family: str | None):
     """Megatron's torch_dist iteration as one tp = pp = 1 gigatron file (whole tensors)."""
     iteration_dir, iteration, release = located
-    args = _gigatron_config_dict(read_common(iteration_dir)["args"])
+    args = gigatron_config_dict(read_common(iteration_dir)["args"])
     for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         args["parallel"][size] = 1  # the tensors are read whole
     args["parallel"]["expert_model_parallel_size"] = 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from gigatron.checkpoint.megatron_buffers import distributed_entries
+from gigatron.checkpoint.megatron_legacy import core_state, is_legacy_model
 from gigatron.errors import GigatronError
 
 _TE_NORMS = {
@@ -46,12 +48,54 @@ _LOCAL_EXPERT = re.compile(
 _GROUPED_EXPERT = re.compile(
     r"^(?P<prefix>.*\.mlp\.experts)\.(?P<fc>linear_fc[12])\.weight(?P<e>\d+)$"
 )
+# Megatron-Core's second names of one parameter (BERT's pooler module, T5's head alias).
+_CORE_ALIASES = {"pooler.dense.": "pooler.", "lm_head.output_layer.": "output_layer."}
 # Buffers (not parameters) a Megatron model may save.
 _BUFFERS = re.compile(r"(_extra_state|\.expert_bias|\.local_tokens_per_expert)$")
 
 
 def is_megatron_state(state: dict[str, Any]) -> bool:
-    return isinstance(state.get("args"), argparse.Namespace)
+    """Written by Megatron-LM: its `args` Namespace, or a legacy model-class `model`."""
+    return isinstance(state.get("args"), argparse.Namespace) or is_legacy_model(state.get("model"))
+
+
+# ---- arguments --------------------------------------------------------------------------------
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def megatron_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> argparse.Namespace:
+    """Megatron-LM's flat arguments for a gigatron configuration (nested dict) and file."""
+    flat = {
+        k: v
+        for section in cfg_dict.values()
+        if isinstance(section, dict)
+        for k, v in section.items()
+    }
+    args = argparse.Namespace(**flat)
+    args.norm_epsilon = flat.get("layernorm_epsilon")
+    args.add_position_embedding = flat.get("position_embedding_type") == "learned_absolute"
+    dtype = next((d for flag, d in _DTYPES.items() if flat.get(flag)), torch.float32)
+    args.params_dtype = dtype
+    model = state.get("model") or state.get("model0") or {}
+    embedding = model.get("embedding.word_embeddings.weight")
+    if embedding is not None:
+        args.padded_vocab_size = embedding.shape[0] * int(
+            flat.get("tensor_model_parallel_size") or 1
+        )
+    for key in ("consumed_train_samples", "consumed_valid_samples"):
+        setattr(args, key, int(state.get(key, 0)))
+    args.iteration = int(state.get("iteration", 0))
+    return args
+
+
+def saved_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> OrderedDict:
+    """The `args` gigatron's torch format saves: its configuration (a nested dict) whose
+    attributes are Megatron-LM's flat arguments, so Megatron's load_checkpoint reads a gigatron
+    file without --finetune (it reads `args.num_layers`); torch's weights-only loader keeps an
+    OrderedDict's attributes (as it keeps a state dict's `_metadata`)."""
+    args = OrderedDict(cfg_dict)
+    args.__dict__.update(vars(megatron_args(cfg_dict, state)))
+    return args
 
 
 # ---- names --------------------------------------------------------------------------------------
@@ -62,6 +106,9 @@ def gigatron_name(name: str) -> str | None:
     for te, local in _TE_NORMS.items():
         if name.endswith(te):
             return name[: -len(te)] + local
+    for alias, own in _CORE_ALIASES.items():
+        if name.startswith(alias):
+            return own + name[len(alias) :]
     return name
 
 
@@ -110,7 +157,7 @@ def megatron_parameter_order(state: dict[str, Any]) -> list[str]:
         for name in state.get(key, {}):
             if not _BUFFERS.search(name):
                 target = gigatron_name(name)
-                if target is not None:
+                if target is not None and target not in names:  # an alias: one parameter
                     names.append(target)
     return names
 
@@ -307,6 +354,14 @@ def rng_to_gigatron(rng: Any, rng_tracker: Any) -> Any:
     return rng
 
 
+def _head_dim(model_chunks: list[Any]) -> int | None:
+    """The attention head size of the model being loaded into (None: not known)."""
+    if not model_chunks:
+        return None
+    config = getattr(getattr(model_chunks[0], "module", model_chunks[0]), "config", None)
+    return getattr(config, "kv_channels", None)
+
+
 def to_gigatron_state(
     state: dict[str, Any],
     model_chunks: list[Any],
@@ -316,7 +371,14 @@ def to_gigatron_state(
     load_optimizer: bool,
 ) -> dict[str, Any]:
     """A Megatron-LM file's content in the shape `load_checkpoint` reads."""
-    args = vars(state["args"])
+    legacy = is_legacy_model(state.get("model"))
+    state = core_state(state, _head_dim(model_chunks))
+    args = vars(state["args"]) if state.get("args") is not None else {}
+    if legacy and load_optimizer and optimizer is not None and state.get("optimizer") is not None:
+        raise GigatronError(
+            f"{path}: a legacy Megatron-LM model-class checkpoint: its weights load, its "
+            "optimizer state does not; start from it with --finetune (or --no-load-optim)"
+        )
     out = dict(state)
     for key in [k for k in state if k == "model" or re.fullmatch(r"model\d+", k)]:
         out[key] = model_to_gigatron(state[key])

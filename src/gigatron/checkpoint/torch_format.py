@@ -13,7 +13,9 @@ Each file is a dict of tensors and plain Python values only: `checkpoint_version
 `iteration`, `model` (or `model0`, `model1`, ... one per virtual pipeline chunk), `optimizer`,
 `opt_param_scheduler`, `rng_state`, `consumed_train_samples`, `consumed_valid_samples`,
 `num_floating_point_operations_so_far`, and `args` = the gigatron config as a nested dict (not an
-argparse Namespace, so that `torch.load(weights_only=True)` reads it).
+argparse Namespace, so that `torch.load(weights_only=True)` reads it): an OrderedDict whose
+attributes are Megatron-LM's flat arguments (`megatron_format.saved_args`), so Megatron's own
+load_checkpoint reads a gigatron file without --finetune.
 
 Saving is atomic: every rank writes into `iter_XXXXXXX.tmp/`; after a barrier rank 0 renames it
 to `iter_XXXXXXX/` and then replaces `latest_checkpointed_iteration.txt` (temp file +
@@ -40,6 +42,7 @@ from torch import nn
 from gigatron.checkpoint.integrity import write_manifest
 from gigatron.checkpoint.megatron_format import (
     is_megatron_state,
+    saved_args,
     to_gigatron_state,
 )
 from gigatron.checkpoint.state import (
@@ -231,6 +234,7 @@ def _rank_state(state: TrainingState, cfg: Any, with_optim: bool, with_rng: bool
     }
     saved.update(state.extra)
     saved.update(_model_state(state.model_chunks))
+    saved["args"] = saved_args(saved["args"], saved)  # Megatron-LM reads its attributes
     if with_optim:
         if state.optimizer is not None:
             saved["optimizer"] = state.optimizer.state_dict()

@@ -14,6 +14,7 @@ from torch import nn
 
 from gigatron.checkpoint.dist_format import COMMON_FILENAME, read_metadata
 from gigatron.checkpoint.formats import detect_format, load_checkpoint, saved_header
+from gigatron.checkpoint.megatron_convert import gigatron_config_dict
 from gigatron.checkpoint.torch_format import (
     locate_iteration,
     saved_layout,
@@ -128,6 +129,8 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
         )
     first = saved_header(iteration_dir)
     saved = first.get("args")
+    if isinstance(saved, argparse.Namespace):  # Megatron-LM's own file (core or legacy layout)
+        saved = gigatron_config_dict(saved)
     if not isinstance(saved, dict) or not saved:
         raise GigatronError(
             f"--load {load_dir}: the checkpoint holds no gigatron configuration ('args'); only "
