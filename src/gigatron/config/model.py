@@ -332,6 +332,18 @@ class ModelConfig(Section):
     mup_attn_scale_power: float = flag_field(
         1.0, "µP: power of kv_channels in the softmax scale (0.5: standard attention)"
     )
+    fine_grained_activation_offloading: bool = flag_field(
+        False, "offload the activations saved by --offload-modules to host memory"
+    )
+    offload_modules: list[str] = flag_field(
+        [],
+        "with --fine-grained-activation-offloading: attn_norm, qkv_linear, core_attn, attn_proj, "
+        "mlp_norm (docs/activation_offload.md)",
+        nargs="+",
+    )
+    min_offloaded_tensor_size: int = flag_field(
+        1024 * 1024, "offload only saved tensors of at least this many elements"
+    )
 
     def problems(self) -> list[str]:
         """The shape's own rules, then the attention and MLP variants', then LoRA's and µP's."""
