@@ -449,6 +449,11 @@ class ModelConfig(Section):
                 "--rope-type yarn selects the RoPE of multi-latent attention; for other "
                 "attention use --position-embedding-type yarn"
             )
+        if "mla_up_proj" in (self.recompute_modules or []) and not self.multi_latent_attention:
+            found.append(
+                "--recompute-modules mla_up_proj recomputes multi-latent attention's up "
+                "projections; add --multi-latent-attention or drop mla_up_proj"
+            )
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
             found.append(f"--mtp-num-layers {self.mtp_num_layers} must be at least 1")
         if self.rotary_scaling_factor <= 0:
