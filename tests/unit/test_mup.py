@@ -12,6 +12,7 @@ import torch
 from gigatron.config.root import parse_config
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
+from gigatron.models.mup import refuse_hf_export
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.optim.build import build_optimizer
 from gigatron.optim.lr_schedule import build_lr_scheduler
@@ -112,9 +113,12 @@ def test_per_layer_learning_rates(optimizer):
 def test_refusals():
     with pytest.raises(GigatronError, match="add --use-mup"):
         parse_config(_argv(64, "--mup-output-mult", "0.5"))
-    for extra in (["--num-experts", "2"], ["--optimizer", "muon"]):
+    for extra in (["--num-experts", "2"], ["--optimizer", "muon"], ["--save-hf", "hf"]):
         with pytest.raises(GigatronError, match="µP is implemented for dense GPT"):
             _build(_argv(64, "--use-mup", *extra))
+    refuse_hf_export(parse_config(_argv(64)), "ckpt")  # a standard model exports
+    with pytest.raises(GigatronError, match="ckpt: a µP model"):
+        refuse_hf_export(parse_config(_argv(64, "--use-mup")), "ckpt")
 
 
 def _coordinates(width: int, mup: bool, steps: int = 3) -> dict[str, float]:

@@ -61,10 +61,23 @@ def check_mup(cfg: Any, family: str = "gpt") -> None:
         reasons.append("multi-token prediction")
     if cfg.optimizer.optimizer == "muon":
         reasons.append("--optimizer muon")
+    if cfg.checkpoint.save_hf:
+        reasons.append("--save-hf (Hugging Face models have no µP multipliers)")
     if reasons:
         raise GigatronError(
             f"--use-mup with {', '.join(reasons)}: µP is implemented for dense GPT models "
-            "trained with Adam or SGD; drop --use-mup or those settings"
+            "trained with Adam or SGD, not exported to Hugging Face; drop --use-mup or those "
+            "settings"
+        )
+
+
+def refuse_hf_export(cfg: Any, where: str) -> None:
+    """A µP model's multipliers and attention scale have no Hugging Face equivalent."""
+    if cfg.model.use_mup:
+        raise GigatronError(
+            f"{where}: a µP model (--use-mup); its logit, embedding and attention multipliers "
+            "have no Hugging Face equivalent, so it cannot be exported; use its gigatron "
+            "checkpoint"
         )
 
 
