@@ -87,6 +87,15 @@ def test_offload_equals_no_offload_and_moves_activations():
             ],
             "choose one",
         ),  # fmt: skip
+        (
+            [
+                "--fine-grained-activation-offloading",
+                "--offload-modules",
+                "core_attn",
+                "--torch-compile",
+            ],
+            "with --torch-compile",
+        ),  # fmt: skip
     ],
 )
 def test_refusals(extra, message):

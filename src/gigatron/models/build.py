@@ -71,7 +71,7 @@ def build_model_chunks(
             pctx.etp_size,
         )
         apply_fp8(chunk, cfg, pctx.device.type, micro_batch_tokens(cfg, pctx))
-        install_activation_offload(chunk, cfg.model)
+        install_activation_offload(chunk, cfg)
         chunks.append(chunk)
     return chunks
 

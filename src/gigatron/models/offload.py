@@ -92,8 +92,10 @@ def _submodule(layer: nn.Module, path: str) -> nn.Module | None:
     return module
 
 
-def check_offload(model: Any) -> None:
-    """Megatron's rules for the flags, and gigatron's: no offloading with recomputation."""
+def check_offload(cfg: Any) -> None:
+    """Megatron's rules for the flags, and gigatron's: no offloading with recomputation or
+    --torch-compile."""
+    model = cfg.model
     names = model.offload_modules or []
     if not model.fine_grained_activation_offloading:
         if names:
@@ -115,10 +117,10 @@ def check_offload(model: Any) -> None:
             "--offload-modules attn_proj: its input is core_attn's output, which core_attn's "
             "backward keeps anyway; add core_attn"
         )
-    if model.recompute_granularity is not None:
+    if model.recompute_granularity is not None or cfg.training.torch_compile:
+        other = "--recompute-granularity" if model.recompute_granularity else "--torch-compile"
         raise GigatronError(
-            "--fine-grained-activation-offloading with --recompute-granularity: not combined "
-            "yet; choose one"
+            f"--fine-grained-activation-offloading with {other}: not combined yet; choose one"
         )
     if model.min_offloaded_tensor_size < 0:
         raise GigatronError(
@@ -126,9 +128,10 @@ def check_offload(model: Any) -> None:
         )
 
 
-def install_activation_offload(chunk: nn.Module, model: Any) -> OffloadCounter | None:
+def install_activation_offload(chunk: nn.Module, cfg: Any) -> OffloadCounter | None:
     """Hooks on the chosen modules of every transformer layer of `chunk` (None: not asked)."""
-    check_offload(model)
+    check_offload(cfg)
+    model = cfg.model
     if not model.fine_grained_activation_offloading:
         return None
     counter = OffloadCounter()
