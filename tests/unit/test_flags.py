@@ -172,7 +172,6 @@ def test_refusals_name_real_fields_and_are_enforced():
         "moe_router_force_load_balancing": ["--moe-router-force-load-balancing"],
         "moe_flex_dispatcher_backend": ["--moe-flex-dispatcher-backend", "hybridep"],
         "moe_token_dispatcher_type": ["--moe-token-dispatcher-type", "flex"],
-        "recompute_modules": ["--recompute-modules", "mla_up_proj"],
         "muon_scalar_optimizer": ["--muon-scalar-optimizer", "lion"],
         "muon_use_syrk": ["--muon-use-syrk"],
         "exp_avg_dtype": ["--exp-avg-dtype", "fp8"],

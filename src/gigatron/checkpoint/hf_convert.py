@@ -53,6 +53,7 @@ from gigatron.config import config_from_dict
 from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
+from gigatron.models.mup import refuse_hf_export
 
 CONFIG_FILE = "config.json"
 # Hugging Face tensors that are not weights (buffers some versions saved).
@@ -228,6 +229,7 @@ def gigatron_to_hf(
         raise GigatronError(f"--load {load}: no latest_checkpointed_iteration.txt there")
     iteration_dir = located[0]
     cfg, family, hf_config, _ = _checkpoint_config(iteration_dir)
+    refuse_hf_export(cfg, str(iteration_dir))
 
     adapter = get_family(family).hf_adapter
     if adapter is None:

@@ -316,10 +316,59 @@ class ModelConfig(Section):
     lora_rank: int = flag_field(32, "LoRA: rank of the adapters")
     lora_alpha: float = flag_field(32.0, "LoRA: the adapters' output is scaled by alpha / rank")
     lora_dropout: float = flag_field(0.0, "LoRA: dropout on the adapters' input")
+    use_mup: bool = flag_field(
+        False, "maximal update parametrization: width-scaled init, learning rates and output"
+    )
+    mup_base_hidden_size: Optional[int] = flag_field(
+        None, "µP: the base (proxy) model's hidden size", default_help="--hidden-size"
+    )
+    mup_embedding_mult: float = flag_field(1.0, "µP: multiplier on the embedding output")
+    mup_output_mult: float = flag_field(
+        1.0, "µP: multiplier on the logits (1.0 with --use-mup: base / hidden size)"
+    )
+    mup_base_head_dim: Optional[float] = flag_field(
+        None, "µP: softmax scale sqrt(this) / kv_channels**power (None: 1 / kv_channels**power)"
+    )
+    mup_attn_scale_power: float = flag_field(
+        1.0, "µP: power of kv_channels in the softmax scale (0.5: standard attention)"
+    )
+    fine_grained_activation_offloading: bool = flag_field(
+        False, "offload the activations saved by --offload-modules to host memory"
+    )
+    offload_modules: list[str] = flag_field(
+        [],
+        "with --fine-grained-activation-offloading: attn_norm, qkv_linear, core_attn, attn_proj, "
+        "mlp_norm (docs/activation_offload.md)",
+        nargs="+",
+    )
+    min_offloaded_tensor_size: int = flag_field(
+        1024 * 1024, "offload only saved tensors of at least this many elements"
+    )
 
     def problems(self) -> list[str]:
-        """The shape's own rules, then the attention and MLP variants', then LoRA's."""
-        return self.shape_problems() + self.variant_problems() + self.lora_problems()
+        """The shape's own rules, then the attention and MLP variants', then LoRA's and µP's."""
+        found = self.shape_problems() + self.variant_problems() + self.lora_problems()
+        return found + self.mup_problems()
+
+    def mup_problems(self) -> list[str]:
+        """µP's base width (docs/mup.md)."""
+        base = self.mup_base_hidden_size
+        if base is not None and base <= 0:
+            return [f"--mup-base-hidden-size {base} must be positive"]
+        given = [
+            flag
+            for flag, value, default in (
+                ("--mup-base-hidden-size", base, None),
+                ("--mup-embedding-mult", self.mup_embedding_mult, 1.0),
+                ("--mup-output-mult", self.mup_output_mult, 1.0),
+                ("--mup-base-head-dim", self.mup_base_head_dim, None),
+                ("--mup-attn-scale-power", self.mup_attn_scale_power, 1.0),
+            )
+            if value != default
+        ]
+        if given and not self.use_mup:
+            return [f"{', '.join(given)}: µP settings; add --use-mup (or drop them)"]
+        return []
 
     def lora_problems(self) -> list[str]:
         """LoRA's rank and dropout (docs/lora.md)."""
@@ -399,6 +448,11 @@ class ModelConfig(Section):
             found.append(
                 "--rope-type yarn selects the RoPE of multi-latent attention; for other "
                 "attention use --position-embedding-type yarn"
+            )
+        if "mla_up_proj" in (self.recompute_modules or []) and not self.multi_latent_attention:
+            found.append(
+                "--recompute-modules mla_up_proj recomputes multi-latent attention's up "
+                "projections; add --multi-latent-attention or drop mla_up_proj"
             )
         if self.mtp_num_layers is not None and self.mtp_num_layers < 1:
             found.append(f"--mtp-num-layers {self.mtp_num_layers} must be at least 1")

@@ -25,9 +25,6 @@ class Refusal:
     fix: str
 
 
-# --recompute-modules values gigatron recomputes (docs/frontier.md).
-RECOMPUTABLE = {"core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts"}
-
 REFUSALS: dict[str, Refusal] = {
     "transformer_impl": Refusal(
         lambda value: value == "inference_optimized",
@@ -86,11 +83,6 @@ REFUSALS: dict[str, Refusal] = {
         lambda value: value is not None,
         "the flex token dispatcher (DeepEP / HybridEP kernels) is not available; use "
         "--moe-token-dispatcher-type alltoall and drop this flag",
-    ),
-    "recompute_modules": Refusal(
-        lambda value: bool(value) and not set(value) <= RECOMPUTABLE,
-        f"only {', '.join(sorted(RECOMPUTABLE))} can be recomputed so far (mla_up_proj cannot); "
-        "drop the others",
     ),
     "muon_scalar_optimizer": Refusal(
         lambda value: value == "lion",

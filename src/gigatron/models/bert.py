@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gigatron.models import mup
 from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
 from gigatron.models.language_model import LanguageModelStage
@@ -149,6 +150,7 @@ def build_bert_model(
     cfg, pctx: ParallelContext, vocab_size: int | None = None, parts: LayerParts | None = None
 ) -> list[BertModel]:
     """This rank's BERT chunks, initialised identically to the one-process model."""
+    mup.check_mup(cfg, "BERT")
     config = TransformerConfig.from_config(cfg, causal_attention=False)
     if parts is None:
         parts = LayerParts(post_norm=cfg.model.post_layernorm)

@@ -12,6 +12,7 @@ from gigatron.errors import GigatronError
 from gigatron.models.embedding import resolve_vocab_size
 from gigatron.models.fp8 import apply_fp8
 from gigatron.models.meta_init import materialize, parameters_on_meta
+from gigatron.models.offload import install_activation_offload
 from gigatron.models.transformer import LayerParts
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import context_parallel_core_attention
@@ -70,6 +71,7 @@ def build_model_chunks(
             pctx.etp_size,
         )
         apply_fp8(chunk, cfg, pctx.device.type, micro_batch_tokens(cfg, pctx))
+        install_activation_offload(chunk, cfg)
         chunks.append(chunk)
     return chunks
 

@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from gigatron.models import mup
 from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
 from gigatron.models.language_model import LanguageModelStage
@@ -90,7 +91,7 @@ class GPTModel(LanguageModelStage):
         the per-token losses [batch, seq] (float32) instead of the logits, through the fused
         linear cross entropy when it runs (`--cross-entropy-loss-fusion`, models/fused.py)."""
         if self.pre_process:
-            hidden = self.embedding(tokens, position_ids)
+            hidden = mup.scale(self.embedding(tokens, position_ids), self.config.mup_embedding_mult)
         else:
             hidden = self.stage_input()
 
@@ -109,6 +110,7 @@ class GPTModel(LanguageModelStage):
             return hidden
         if inference_cache is not None:
             hidden = inference_cache.select_hidden(hidden)
+        hidden = mup.scale(hidden, mup.output_mult(self.config))  # µP: logits * output_mult
         if labels is not None and self.mtp is None and inference_cache is None:
             return self.token_losses(hidden, labels)
         logits = self.output_layer(hidden, self.output_weight())  # [s, b, vocab/tp]
@@ -140,6 +142,7 @@ def build_model(
     `vocab_size` is the tokenizer's vocabulary (unpadded); see `resolve_vocab_size`.
     """
 
+    mup.check_mup(cfg)
     config = TransformerConfig.from_config(cfg)
     parts = layer_parts_for_run(cfg, pctx, moe_layer_parts(cfg, parts))
     if config.multi_latent_attention and parts.self_attention is None:

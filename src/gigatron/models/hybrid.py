@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from gigatron.models import mup
 from gigatron.models.build import build_model_chunks
 from gigatron.models.gpt import GPTModel
 from gigatron.models.hybrid_layout import ATTENTION, MAMBA, MLP, resolve_pattern
@@ -84,6 +85,7 @@ def hybrid_layer_builder(pattern: str, mamba: MambaSpec):
 def build_model(cfg, pctx: ParallelContext, vocab_size: int | None = None) -> list[GPTModel]:
     """This rank's chunks of the hybrid model, initialised identically to the one-process model
     (the pipeline split is GPT's: by layer count, whatever the kinds)."""
+    mup.check_mup(cfg, "hybrid (Mamba)")
     pattern = hybrid_pattern(cfg)
     config = TransformerConfig.from_config(cfg)
     builder = hybrid_layer_builder(pattern, MambaSpec.from_config(cfg))

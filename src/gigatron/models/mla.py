@@ -35,6 +35,7 @@ from gigatron.models.transformer import (
     apply_rotary,
     column_linear,
     row_linear,
+    selective_recompute_modules,
 )
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.models.yarn import yarn_mscale
@@ -43,7 +44,7 @@ from gigatron.parallel.collectives import (
     gather_from_sequence_parallel_region,
 )
 from gigatron.parallel.context import ParallelContext
-from gigatron.parallel.random import ModelParallelRNG
+from gigatron.parallel.random import ModelParallelRNG, recompute
 from gigatron.parallel.tensor_parallel import (
     ColumnParallelLinear,
     divide,
@@ -127,6 +128,7 @@ class MLASelfAttention(Attention):
         self.linear_proj = row_linear(
             config, pctx, total_heads * self.v_head_dim, config.hidden_size
         )
+        self.recompute_up_proj = "mla_up_proj" in selective_recompute_modules(config)
 
     def kv_cache_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """(heads, key channels), (heads, value channels) of this rank's KV-cache entries."""
@@ -136,13 +138,18 @@ class MLASelfAttention(Attention):
         """(1, latent + rotary key channels): one cache entry per position in a latent cache."""
         return (1, self.kv_lora_rank + self.pe_dim)
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def _query_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The full query (no query latent), or the (normed) query latent."""
         if hasattr(self, "linear_q_proj"):
             return self.linear_q_proj(x)
         latent = self.linear_q_down_proj(x)
-        if self.q_layernorm is not None:
-            latent = self.q_layernorm(latent)
-        return self.linear_q_up_proj(latent)
+        return self.q_layernorm(latent) if self.q_layernorm is not None else latent
+
+    def _query_heads(self, q_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q without RoPE, q's RoPE part) [s, b, heads, ...] from `_query_input`."""
+        q = q_in if hasattr(self, "linear_q_proj") else self.linear_q_up_proj(q_in)
+        seq, batch = q.shape[:2]
+        return q.view(seq, batch, self.heads, -1).split([self.qk_head_dim, self.pe_dim], dim=-1)
 
     def forward(
         self,
@@ -151,16 +158,24 @@ class MLASelfAttention(Attention):
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         inference_cache=None,
     ) -> torch.Tensor:
-        q = self._query(x)
-        seq, batch = q.shape[:2]
-        q_nope, q_pe = q.view(seq, batch, self.heads, -1).split(
-            [self.qk_head_dim, self.pe_dim], dim=-1
-        )
+        q_in = self._query_input(x)
         latent, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.pe_dim], -1)
         if self.kv_layernorm is not None:
             latent = self.kv_layernorm(latent)
         if getattr(inference_cache, "stores_latents", False):
+            q_nope, q_pe = self._query_heads(q_in)
             return self._attend_latents(q_nope, q_pe, latent, k_pe, rotary, inference_cache)
+        if self.recompute_up_proj and self.training:
+            # --recompute-modules mla_up_proj: keep the latents, redo the up projections and RoPE.
+            q, k, v = recompute(self._up_project, q_in, latent, k_pe, rotary, rng=self.rng)
+        else:
+            q, k, v = self._up_project(q_in, latent, k_pe, rotary)
+        return self.attend(q, k, v, attention_mask, inference_cache)
+
+    def _up_project(self, q_in, latent, k_pe, rotary) -> tuple[torch.Tensor, ...]:
+        """(q, k, v) [s, b, heads, ...] from the latents: up projections, then RoPE."""
+        q_nope, q_pe = self._query_heads(q_in)
+        seq, batch = q_nope.shape[:2]
         kv = self.linear_kv_up_proj(latent).view(seq, batch, self.heads, -1)
         k_nope, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
         # The rotary key is shared by this rank's heads: the whole sequence, and its gradient
@@ -174,7 +189,7 @@ class MLASelfAttention(Attention):
             q_pe, k_pe = apply_rotary(q_pe, *rotary), apply_rotary(k_pe, *rotary)
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, self.heads, -1)], dim=-1)
-        return self.attend(q, k, v, attention_mask, inference_cache)
+        return q, k, v
 
     def _attend_latents(self, q_nope, q_pe, latent, k_pe, rotary, cache) -> torch.Tensor:
         """Generation with a latent cache: store [latent, rope(k_pe)], attend over every cached

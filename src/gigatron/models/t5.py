@@ -31,6 +31,7 @@ import math
 import torch
 from torch import nn
 
+from gigatron.models import mup
 from gigatron.models.embedding import LanguageModelEmbedding, resolve_vocab_size
 from gigatron.models.language_model import LanguageModelStage
 from gigatron.models.meta_init import materialize, parameters_on_meta
@@ -391,6 +392,7 @@ def _even_split(num_layers: int, parts: int) -> list[range]:
 
 def t5_configs(cfg) -> tuple[TransformerConfig, TransformerConfig]:
     """The encoder's and the decoder's TransformerConfig (layer counts, causality)."""
+    mup.check_mup(cfg, "T5")
     m = cfg.model
     encoder_layers = m.encoder_num_layers or m.num_layers
     decoder_layers = m.decoder_num_layers or m.num_layers

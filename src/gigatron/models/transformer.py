@@ -367,7 +367,7 @@ def column_linear(
     defaults to --add-bias-linear)."""
     options = _linear_options(config, bias)
     return ColumnParallelLinear(
-        input_size, output_size, pctx, init_std=config.init_method_std, stride=stride, **options
+        input_size, output_size, pctx, init_std=config.hidden_init_std, stride=stride, **options
     )
 
 

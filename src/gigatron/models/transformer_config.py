@@ -21,6 +21,7 @@ import torch
 from gigatron.config.model import ModelConfig, parse_window_size, parse_window_skip_freq
 from gigatron.config.validate import finalize_config, params_dtype
 from gigatron.errors import GigatronError
+from gigatron.models import mup
 from gigatron.models.fused import PYTORCH, Kernels, select_kernels
 from gigatron.parallel.context import resolve_device
 
@@ -103,6 +104,7 @@ class TransformerOptions:
             sequence_parallel=cfg.parallel.sequence_parallel
             and cfg.parallel.tensor_model_parallel_size > 1,
             params_dtype=params_dtype(cfg),
+            softmax_scale=mup.softmax_scale(m, m.kv_channels),
             seed=cfg.training.seed,
             kernels=select_kernels(
                 m,
@@ -131,9 +133,14 @@ class TransformerOptions:
         return bool(freq[layer_number - 1])
 
     @property
+    def hidden_init_std(self) -> float:
+        """Std of the hidden matrices (µP: init_method_std / sqrt(width multiplier))."""
+        return self.init_method_std / math.sqrt(mup.width_mult(self))
+
+    @property
     def output_init_std(self) -> float:
         """Std of the layers that write into the residual stream (linear_proj, linear_fc2)."""
-        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
+        return self.hidden_init_std / math.sqrt(2.0 * self.num_layers)
 
 
 # The ModelConfig fields the layers read as they are: TransformerConfig takes their types and
@@ -184,6 +191,12 @@ MODEL_FIELDS = (
     "qk_pos_emb_head_dim",
     "v_head_dim",
     "mtp_num_layers",
+    "use_mup",
+    "mup_base_hidden_size",
+    "mup_embedding_mult",
+    "mup_output_mult",
+    "mup_base_head_dim",
+    "mup_attn_scale_power",
 )
 
 

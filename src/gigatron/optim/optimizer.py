@@ -28,6 +28,7 @@ from gigatron.errors import GigatronError
 from gigatron.optim import clip_grads
 from gigatron.optim.grad_scaler import GradScaler
 from gigatron.optim.muon import QKV_ATTRIBUTE, Muon, MuonSettings, Orthogonalize, is_muon_matrix
+from gigatron.optim.mup import mup_param_groups
 from gigatron.optim.offload import DTYPES, PrecisionAwareAdamW
 from gigatron.parallel.context import ParallelContext
 
@@ -110,11 +111,13 @@ def get_param_groups(
 
 
 def param_groups_for(cfg: Any, model_chunks: Iterable[nn.Module]) -> list[dict[str, Any]]:
-    """`get_param_groups` with the run's --decoupled-lr / --decoupled-min-lr."""
+    """`get_param_groups` with the run's --decoupled-lr / --decoupled-min-lr (and µP's rates)."""
     o = cfg.optimizer
-    return get_param_groups(
+    model_chunks = list(model_chunks)
+    groups = get_param_groups(
         model_chunks, o.decoupled_lr, o.decoupled_min_lr, muon=o.optimizer == "muon"
     )
+    return mup_param_groups(cfg, groups, model_chunks)
 
 
 def make_torch_optimizer(
