@@ -6,10 +6,15 @@ its weights), compilation stays quick, and what runs between layers stays eager:
 recompute, pipeline send/recv, the data-parallel hooks. The compiled function replaces the
 layer's `forward` on the instance, so module hooks (FSDP2's unshard/reshard, DDP's parameter
 gather) run around it, outside the graph, and the state dict keeps its names.
+
+MoE layers trace into one graph too: their routing-dependent sizes (the token permutation's
+`nonzero`, the per-expert split sizes) are traced as symbolic sizes (`compile_settings`), and
+the router counts its statistics through an operator, not a Python branch (moe/aux_loss.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -34,5 +39,14 @@ def compile_layers(chunks: Iterable[nn.Module], backend: str | Callable = "induc
     layers compiled. `backend` is torch.compile's (tests use cheaper ones where they say why)."""
     layers = transformer_layers(chunks)
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, backend=backend)
+        layer.forward = compile_settings()(torch.compile(layer.forward, backend=backend))
     return len(layers)
+
+
+def compile_settings() -> contextlib.AbstractContextManager:
+    """Dynamo's settings a layer is traced under (a context manager, also a decorator): sizes
+    read from tensors (`.tolist()`) and operators whose output size depends on the data
+    (`nonzero`) become symbolic sizes in the graph instead of graph breaks (MoE's dispatch)."""
+    return torch._dynamo.config.patch(
+        capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True
+    )

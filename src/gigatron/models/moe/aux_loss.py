@@ -56,7 +56,21 @@ def attach_aux_loss(
     return _InjectAuxLossGradient.apply(carrier, aux_loss, scale.value)
 
 
-def in_backward_pass() -> bool:
-    """True while autograd runs a backward pass (e.g. recomputing a checkpointed forward):
-    routing statistics must not be counted twice."""
-    return torch._C._current_graph_task_id() != -1
+def first_pass_weight(like: torch.Tensor) -> torch.Tensor:
+    """1.0 (0-d, `like`'s device, float64) in a forward pass, 0.0 while autograd runs a backward
+    pass (recomputing a checkpointed forward): routing statistics are multiplied by it so that a
+    recomputation does not count them twice. An opaque operator, not a Python branch, so that a
+    compiled layer (--torch-compile) asks at run time in its one graph; `like` ties it to the
+    data, so the compiler neither folds it to a constant nor moves it out of its pass."""
+    return _first_pass_weight(like.detach())
+
+
+@torch.library.custom_op("gigatron::first_pass_weight", mutates_args=())
+def _first_pass_weight(like: torch.Tensor) -> torch.Tensor:
+    in_backward = torch._C._current_graph_task_id() != -1
+    return torch.tensor(0.0 if in_backward else 1.0, dtype=torch.float64, device=like.device)
+
+
+@_first_pass_weight.register_fake
+def _(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty((), dtype=torch.float64, device=like.device)

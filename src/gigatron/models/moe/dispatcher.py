@@ -6,9 +6,11 @@ Experts are split over the expert-parallel group "ep": rank r holds experts
 also split over "expert_tp", and every rank of that group computes its slice for all tokens its
 group received; the partial outputs are summed on the way back.
 
-`dispatch(tokens [T, h], probs [T, E], routing_map [T, E])` returns the expert input [N, h],
-sorted by local expert, the token count of each local expert, and a handle for
-`combine(expert_output [N, h], handle) -> [T, h]`.
+`dispatch(tokens [T, h], probs [T, E], routing_map [T, E], copies)` returns the expert input
+[N, h], sorted by local expert, the token count of each local expert, and a handle for
+`combine(expert_output [N, h], handle) -> [T, h]`. `copies` is the number of routed (token,
+expert) pairs of the routing map when the routing fixes it (the router's `routed_copies`): the
+permutation then has sizes known before the data (what a compiled layer prefers).
 
 - `AllToAllDispatcher` ("alltoall"): tokens are permuted by expert (so they are grouped by
   destination rank), exchanged with one all-to-all over "ep" with the exact per-rank counts
@@ -38,13 +40,23 @@ from gigatron.parallel.context import ParallelContext
 
 # ---- permutation ----------------------------------------------------------------------------
 def permute(
-    tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    routing_map: torch.Tensor,
+    copies: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copies of the routed tokens grouped by expert (in token order within an expert), their
-    probabilities, and the source row of each copy."""
+    probabilities, and the source row of each copy. `copies`: how many pairs `routing_map`
+    routes, if known; then a stable sort puts them first (the same order) in static sizes
+    instead of `nonzero`'s data-dependent ones."""
     expert_major = routing_map.t()
-    rows = expert_major.nonzero()[:, 1]
-    return tokens.index_select(0, rows), probs.t()[expert_major], rows
+    if copies is None:
+        rows = expert_major.nonzero()[:, 1]
+        return tokens.index_select(0, rows), probs.t()[expert_major], rows
+    unrouted = (~expert_major).reshape(-1).to(torch.uint8)
+    order = torch.argsort(unrouted, stable=True)[:copies]
+    rows = order % routing_map.shape[0]
+    return tokens.index_select(0, rows), probs.t().reshape(-1)[order], rows
 
 
 def unpermute(
@@ -100,11 +112,15 @@ class AllToAllDispatcher(_Dispatcher):
     """See the module docstring."""
 
     def dispatch(
-        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+        copies: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
         pctx, ep, local = self.pctx, self.ep_size, self.num_local_experts
         counts = routing_map.sum(dim=0)  # [E]
-        permuted, permuted_probs, rows = permute(tokens, probs, routing_map)
+        permuted, permuted_probs, rows = permute(tokens, probs, routing_map, copies)
         # Tokens for rank r are the contiguous block of its experts (sorted by expert).
         input_splits = counts.view(ep, local).sum(dim=1).tolist()
         all_counts = all_gather_tensor(counts, pctx, "ep")  # [ep, E]
@@ -151,7 +167,11 @@ class AllGatherDispatcher(_Dispatcher):
         return gather_along_first_dim(x, self.pctx, "expert_tp")
 
     def dispatch(
-        self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map: torch.Tensor,
+        copies: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AllGatherHandle]:
         all_tokens = self._gather(tokens)
         all_probs = self._gather(probs)
@@ -159,8 +179,11 @@ class AllGatherDispatcher(_Dispatcher):
             all_map = self._gather(routing_map.to(torch.uint8)).bool()
         first, local = self.first_local_expert, self.num_local_experts
         local_map = all_map[:, first : first + local]
+        # With one expert-parallel rank every gathered pair is local: etp x `copies` of them.
+        if copies is not None:
+            copies = copies * self.pctx.size("expert_tp") if self.ep_size == 1 else None
         x, permuted_probs, rows = permute(
-            all_tokens, all_probs[:, first : first + local], local_map
+            all_tokens, all_probs[:, first : first + local], local_map, copies
         )
         handle = AllGatherHandle(rows, permuted_probs, all_tokens.shape[0])
         return x, local_map.sum(dim=0), handle

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from gigatron.errors import GigatronError
 from gigatron.models.activations import Activation, mlp_activation
@@ -142,7 +143,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         b1, b2 = self.linear_fc1.bias, self.linear_fc2.bias
-        if self.grouped_gemm_used and x.shape[0] > 0 and _grouped_mm_traceable(x):
+        # guard_or_false: a data-dependent row count (capacity drops, compiled) takes the loop.
+        if self.grouped_gemm_used and _grouped_mm_traceable(x) and guard_or_false(x.shape[0] > 0):
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             h = _ContiguousGrad.apply(torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets))
             if b1 is not None:

@@ -89,7 +89,7 @@ class MoELayer(nn.Module):
         tokens = local.reshape(seq * batch, hidden)
         probs, routing_map = self.router(tokens, batch)
         expert_input, tokens_per_expert, handle = self.dispatcher.dispatch(
-            tokens, probs, routing_map
+            tokens, probs, routing_map, self.router.routed_copies(tokens.shape[0])
         )
         expert_output = self.experts(expert_input, tokens_per_expert)
         out = self.dispatcher.combine(expert_output, handle).view(seq, batch, hidden)

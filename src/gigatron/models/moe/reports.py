@@ -38,30 +38,44 @@ _EXPERTS = _ROUTED + 1
 class RoutingStats:
     """One router's accumulators for the current iteration (its share of the token group)."""
 
-    def __init__(self, num_experts: int, token_group_size: int) -> None:
+    def __init__(
+        self, num_experts: int, token_group_size: int, device: torch.device | None = None
+    ) -> None:
+        """`device`: where the row is allocated now (else at the first use); a row that exists
+        from the start keeps a compiled layer (--torch-compile) to one variant of its graph."""
         self.num_experts = num_experts
         self.token_group_size = token_group_size
         self.row: torch.Tensor | None = None
+        if device is not None and torch.device(device).type != "meta":
+            self.row = self._zeros(device)
+
+    def _zeros(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(_EXPERTS + self.num_experts, dtype=torch.float64, device=device)
 
     def _row(self, device: torch.device) -> torch.Tensor:
         if self.row is None:
-            self.row = torch.zeros(_EXPERTS + self.num_experts, dtype=torch.float64, device=device)
+            self.row = self._zeros(device)
         return self.row
 
-    def add_loss(self, name: str, value: torch.Tensor) -> None:
-        """This rank's share of one micro-batch's loss (shares sum to it over the token group)."""
+    def add_loss(self, name: str, value: torch.Tensor, weight: torch.Tensor | float = 1.0) -> None:
+        """This rank's share of one micro-batch's loss (shares sum to it over the token group),
+        times `weight` (the router's float64 0-d tensor: 0 in a recomputed forward)."""
         row = self._row(value.device)
-        row[_LOSSES + LOSS_NAMES.index(name)] += value.detach().to(torch.float64)
+        row[_LOSSES + LOSS_NAMES.index(name)] += value.detach().to(torch.float64) * weight
 
-    def add_routing(self, routing_map: torch.Tensor, routed_before_drop: int) -> None:
+    def add_routing(
+        self, routing_map: torch.Tensor, routed_before_drop: int, weight: torch.Tensor | float = 1.0
+    ) -> None:
         row = self._row(routing_map.device)
         # Each rank of the token group holds 1 / size of the micro-batch.
-        row[_WEIGHT] += 1.0 / self.token_group_size
-        row[_ROUTED] += routed_before_drop
-        row[_EXPERTS:] += routing_map.sum(dim=0).to(torch.float64)
+        row[_WEIGHT] += weight / self.token_group_size
+        row[_ROUTED] += weight * routed_before_drop
+        row[_EXPERTS:] += routing_map.sum(dim=0).to(torch.float64) * weight
 
     def pop(self) -> torch.Tensor | None:
-        row, self.row = self.row, None
+        """The iteration's row (None if never allocated); the next iteration starts at zero."""
+        row = self.row
+        self.row = None if row is None else torch.zeros_like(row)
         return row
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gigatron.models.moe import routing
-from gigatron.models.moe.aux_loss import AuxLossScale, attach_aux_loss, in_backward_pass
+from gigatron.models.moe.aux_loss import AuxLossScale, attach_aux_loss, first_pass_weight
 from gigatron.models.moe.reports import RoutingStats
 from gigatron.models.moe.spec import MoESpec
 from gigatron.parallel.context import ParallelContext
@@ -63,7 +63,7 @@ class TopKRouter(AuxLossModule):
             self.bias.sequence_parallel = pctx.tp_size > 1
         self.token_group_size = pctx.size(TOKEN_GROUP)
         self.aux_loss_scale = AuxLossScale()
-        self.stats = RoutingStats(moe.num_experts, self.token_group_size)
+        self.stats = RoutingStats(moe.num_experts, self.token_group_size, pctx.device)
         if moe.enable_expert_bias:
             zeros = torch.zeros(moe.num_experts, dtype=torch.float32, device=pctx.device)
             self.register_buffer("expert_bias", zeros.clone())
@@ -83,17 +83,18 @@ class TopKRouter(AuxLossModule):
         routing_map [T, E])."""
         moe = self.moe
         # Auxiliary losses belong to training passes. A checkpointed forward recomputed in
-        # backward must rebuild the same graph, but its statistics are not counted again.
+        # backward must rebuild the same graph, but its statistics are not counted again: they
+        # are multiplied by `counted`, 0 in a recomputation (no Python branch: one compiled graph).
         training = self.training and torch.is_grad_enabled()
-        recording = training and not in_backward_pass()
         if moe.input_jitter_eps is not None and self.training:
             eps = moe.input_jitter_eps
             tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - eps, 1.0 + eps)
         dtype = moe.router_dtype or tokens.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
         logits = F.linear(tokens.to(dtype), self.weight.to(dtype), bias)
+        counted = first_pass_weight(logits) if training else None
         if moe.z_loss_coeff is not None and training:
-            logits = self._apply_z_loss(logits, recording)
+            logits = self._apply_z_loss(logits, counted)
 
         if moe.load_balancing_type == "sinkhorn":
             probs, routing_map = routing.sinkhorn_routing(logits, moe.topk, self.training)
@@ -116,12 +117,26 @@ class TopKRouter(AuxLossModule):
                 probs, routing_map, capacity, moe.drop_policy, moe.pad_to_capacity
             )
         if moe.aux_loss_name is not None and training:
-            probs = self._apply_load_balancing_loss(logits, probs, num_sequences, recording)
-        if recording:
-            self.stats.add_routing(routing_map, tokens.shape[0] * moe.topk)
+            probs = self._apply_load_balancing_loss(logits, probs, num_sequences, counted)
+        if counted is not None:
+            self.stats.add_routing(routing_map, tokens.shape[0] * moe.topk, counted)
             if self.local_tokens_per_expert is not None:
-                self.local_tokens_per_expert += routing_map.sum(dim=0).float()
+                self.local_tokens_per_expert += routing_map.sum(dim=0).float() * counted.float()
         return probs, routing_map
+
+    def routed_copies(self, num_tokens: int) -> int | None:
+        """The number of (token, expert) pairs the routing map of `num_tokens` tokens holds when
+        the routing fixes it (top-k per token; every expert padded to its capacity), else None
+        (which pairs a capacity drops depends on the data)."""
+        moe = self.moe
+        if moe.capacity_factor is None:
+            return num_tokens * moe.topk
+        capacity = routing.expert_capacity(
+            num_tokens, moe.num_experts, moe.topk, moe.capacity_factor
+        )
+        if moe.pad_to_capacity:
+            return moe.num_experts * min(capacity, num_tokens)
+        return num_tokens * moe.topk if capacity >= num_tokens else None
 
     # ---- auxiliary losses ------------------------------------------------------------------
     def _per_token_factor(self, num_tokens: int) -> int:
@@ -129,11 +144,10 @@ class TopKRouter(AuxLossModule):
         # later: weigh by this micro-batch's tokens (all of the token group's) to compensate.
         return num_tokens * self.token_group_size if self.moe.per_token_loss else 1
 
-    def _apply_z_loss(self, logits: torch.Tensor, recording: bool) -> torch.Tensor:
+    def _apply_z_loss(self, logits: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
         # The mean over the whole micro-batch is the average of the group's equal-size shares.
         share = routing.z_loss(logits) / self.token_group_size
-        if recording:
-            self.stats.add_loss("z_loss", share)
+        self.stats.add_loss("z_loss", share, counted)
         weight = self.moe.z_loss_coeff * self._per_token_factor(logits.shape[0])
         return attach_aux_loss(logits, share * weight, self.aux_loss_scale)
 
@@ -144,7 +158,7 @@ class TopKRouter(AuxLossModule):
         return tensor
 
     def _apply_load_balancing_loss(
-        self, logits: torch.Tensor, probs: torch.Tensor, num_sequences: int, recording: bool
+        self, logits: torch.Tensor, probs: torch.Tensor, num_sequences: int, counted: torch.Tensor
     ) -> torch.Tensor:
         moe = self.moe
         routing_map, scores = routing.scores_for_aux_loss(logits, moe.topk, moe.score_function)
@@ -159,8 +173,7 @@ class TopKRouter(AuxLossModule):
         share = routing.load_balancing_loss(scores, counts, total, moe.topk, moe.num_experts)
         if moe.load_balancing_type == "seq_aux_loss":
             share = share / num_sequences
-        if recording:
-            self.stats.add_loss(moe.aux_loss_name, share)
+        self.stats.add_loss(moe.aux_loss_name, share, counted)
         weight = moe.aux_loss_coeff * self._per_token_factor(num_tokens)
         return attach_aux_loss(probs, share * weight, self.aux_loss_scale)
 
