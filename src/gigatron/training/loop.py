@@ -252,7 +252,7 @@ def step_on_device(run: Run, num_microbatches: int) -> DeviceStep:
     otherwise (but fp16's overflow check, per-token loss scaling, MoE's token counts and the
     flags that ask for a number: --log-num-zeros-in-grad)."""
     pctx = run.pctx
-    totals = reduce_loss_totals(_validated_reports(run, num_microbatches), pctx, run.loss_names)
+    totals = _validated_totals(run, num_microbatches)
     level = run.cfg.training.empty_unused_memory_level
     run.timers("optimizer").start()
     success, grad_norm, num_zeros = run.optimizer.step_on_device()
@@ -261,21 +261,24 @@ def step_on_device(run: Run, num_microbatches: int) -> DeviceStep:
     return DeviceStep(totals, bool(success), grad_norm, num_zeros)
 
 
-def _validated_reports(run: Run, num_microbatches: int) -> list[dict[str, Any]]:
-    """This rank's loss reports of the iteration. When the result is validated every step
-    (`ResultValidator.per_step`: one host synchronisation), a rejected result is re-run from
-    the same state and the re-run's reports (and gradients) are the iteration's."""
+def _validated_totals(run: Run, num_microbatches: int) -> torch.Tensor:
+    """The iteration's reduced loss totals (`reduce_loss_totals`). When the result is validated
+    every step (`ResultValidator.per_step`: one host synchronisation), a rejected result is
+    re-run from the same state and the re-run's totals (and gradients) are the iteration's."""
     validator = run.validator
     if validator is None or not validator.per_step:
-        return _compute_gradients(run, num_microbatches)
+        reports = _compute_gradients(run, num_microbatches)
+        return reduce_loss_totals(reports, run.pctx, run.loss_names)
 
     def computed() -> Computed:
         reports = _compute_gradients(run, num_microbatches)
-        losses = mean_losses(reduce_loss_reports(reports, run.pctx, run.loss_names))
-        return Computed(losses, reports)
+        totals = reduce_loss_totals(reports, run.pctx, run.loss_names)
+        rows = totals.tolist()  # the validator needs the numbers: the step's one read
+        losses = mean_losses({name: tuple(rows[i]) for i, name in enumerate(run.loss_names)})
+        return Computed(losses, reports, totals)
 
     validator.begin(run.train_iterator)
-    return validator.validate(run.state.iteration + 1, computed(), computed).reports
+    return validator.validate(run.state.iteration + 1, computed(), computed).totals
 
 
 def _compute_gradients(run: Run, num_microbatches: int) -> list[dict[str, Any]]:

@@ -154,6 +154,7 @@ class Computed:
 
     losses: dict[str, float]
     reports: list[dict[str, Any]]
+    totals: Any = None  # the loop's reduced [names, 2] (sum, count) tensor the losses came from
 
 
 @dataclass(frozen=True)
