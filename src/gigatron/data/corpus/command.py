@@ -24,10 +24,10 @@ from gigatron.data.corpus import blacklist, clean, decontaminate, minhash, wikip
 from gigatron.data.corpus.records import (
     atomic_output,
     check_output,
-    decode_line,
     open_text,
     parallel_map,
     read_records,
+    text_lines,
     write_record,
 )
 from gigatron.errors import GigatronError
@@ -202,9 +202,7 @@ def _evaluation_texts(paths: Sequence[str], key: str) -> Iterator[str]:
             yield from (record[key] for _, record in read_records(path, key))
             continue
         with open_text(path) as stream:
-            for number, raw in enumerate(stream, 1):
-                if line := decode_line(raw, path, number).strip():
-                    yield line
+            yield from (line.strip() for line in text_lines(stream, path) if line.strip())
 
 
 def _present(texts: list[str], ngrams: set, lengths: list[int]) -> list[set]:
@@ -272,8 +270,8 @@ def _urls(args: argparse.Namespace) -> Iterator[tuple[str, Any]]:
     """(url, what to write) of each input line: a URL list (.txt) or JSON lines."""
     if args.input.endswith((".txt", ".txt.gz")):
         with open_text(args.input) as stream:
-            for number, raw in enumerate(stream, 1):
-                if url := decode_line(raw, args.input, number).strip():
+            for line in text_lines(stream, args.input):
+                if url := line.strip():
                     yield url, url
         return
     for _, record in read_records(args.input, args.url_key):
@@ -284,7 +282,7 @@ def _blacklist(args: argparse.Namespace) -> Counter:
     domains: frozenset[str] = frozenset()
     if args.domains:
         with open_text(args.domains) as stream:
-            lines = [decode_line(raw, args.domains, n) for n, raw in enumerate(stream, 1)]
+            lines = list(text_lines(stream, args.domains))
         domains = blacklist.read_domains(lines)
     extensions = tuple(args.extensions.split(",")) if args.extensions else ()
     url_filter = blacklist.URLFilter(domains, extensions or blacklist.DEFAULT_EXTENSIONS)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from typing import IO, Any
 
+from gigatron.data.json_lines import json_lines
 from gigatron.errors import GigatronError
 
 # Items (chunks of documents) queued per worker: enough to keep it busy, bounded for memory.
@@ -40,16 +41,23 @@ def decode_line(raw: bytes, path: str, number: int) -> str:
         ) from None
 
 
+def text_lines(stream: IO[bytes], path: str) -> Iterator[str]:
+    """The lines of a byte stream as text (a UTF-8 error names the line; a BOM is dropped)."""
+    for number, raw in enumerate(stream, 1):
+        yield decode_line(raw, path, number).lstrip("\ufeff")
+
+
 def read_records(path: str, key: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number from 1, record) of every non-blank line of a JSON-lines file; `key`, when
     given, must be a string field of every record."""
     count = 0
     with open_text(path) as stream:
-        for number, raw in enumerate(stream, 1):
-            text = decode_line(raw, path, number).lstrip("\ufeff")
-            if not text.strip():
-                continue
-            record = parse_record(text, path, number)
+        for number, record in json_lines(text_lines(stream, path), path):
+            if not isinstance(record, dict):
+                raise GigatronError(
+                    f"{path}: line {number} is a JSON {type(record).__name__}, not an object; "
+                    'give one object per line, e.g. {"text": "..."}'
+                )
             if key is not None and not isinstance(record.get(key), str):
                 present = ", ".join(list(record)[:8])
                 raise GigatronError(
@@ -60,22 +68,6 @@ def read_records(path: str, key: str | None = None) -> Iterator[tuple[int, dict[
             yield number, record
     if count == 0:
         raise GigatronError(f"{path}: holds no records; give a non-empty JSON-lines file")
-
-
-def parse_record(text: str, path: str, number: int) -> dict[str, Any]:
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise GigatronError(
-            f"{path}: line {number} is not JSON ({error.msg} at column {error.colno}); "
-            "give one JSON object per line"
-        ) from None
-    if not isinstance(record, dict):
-        raise GigatronError(
-            f"{path}: line {number} is a JSON {type(record).__name__}, not an object; "
-            'give one object per line, e.g. {"text": "..."}'
-        )
-    return record
 
 
 def check_output(output: str, inputs: Iterable[str]) -> None:
