@@ -30,3 +30,18 @@ def wordpiece_corpus(tmp_path_factory) -> str:
     """300 LAMBADA passages, sentence-split and WordPiece-tokenised (the BERT and T5 runs'
     --data-path), preprocessed once for the session."""
     return wordpiece_sentences(tmp_path_factory.mktemp("wordpiece-data"))
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer(shared_data):
+    """The GPT-2 BPE tokenizer of tests/data's vocabulary and merges."""
+    from gigatron.config.tokenizer import TokenizerConfig
+    from gigatron.data.tokenizers import build_tokenizer
+
+    return build_tokenizer(
+        TokenizerConfig(
+            tokenizer_type="GPT2BPETokenizer",
+            vocab_file=str(shared_data / "gpt2-vocab.json"),
+            merge_file=str(shared_data / "gpt2-merges.txt"),
+        )
+    )

@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 
 import helpers
-from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.data.indexed import IndexedDataset
 from gigatron.data.preprocess import training_text
 from gigatron.data.sentences import sentence_splitter
-from gigatron.data.tokenizers import build_tokenizer
 
 EXTRA_DOCUMENTS = [
     {"text": "Mr. Smith went to Washington. He arrived at 3.30 p.m. on Monday. It rained!"},
@@ -51,14 +49,8 @@ def corpus(tmp_path_factory, shared_data):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(shared_data):
-    return build_tokenizer(
-        TokenizerConfig(
-            tokenizer_type="GPT2BPETokenizer",
-            vocab_file=str(shared_data / "gpt2-vocab.json"),
-            merge_file=str(shared_data / "gpt2-merges.txt"),
-        )
-    )
+def tokenizer(gpt2_tokenizer):
+    return gpt2_tokenizer
 
 
 def test_documents_match_direct_tokenization(tmp_path, shared_data, corpus, tokenizer):
@@ -172,20 +164,18 @@ BAD_LINES = [
 ]
 
 
+def _preprocess(path, prefix, shared_data, *flags: str):
+    return gigatron(
+        "preprocess", "--input", str(path), "--output-prefix", str(prefix), *flags,
+        *gpt2_flags(shared_data),
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(("content", "message", "workers"), BAD_LINES, ids=["json", "key", "utf8"])
 def test_bad_line_stops_with_file_and_line(tmp_path, shared_data, content, message, workers):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"text": "first"}\n' + content)
-    result = gigatron(
-        "preprocess",
-        "--input",
-        str(path),
-        "--output-prefix",
-        str(tmp_path / "out"),
-        "--workers",
-        workers,
-        *gpt2_flags(shared_data),
-    )
+    result = _preprocess(path, tmp_path / "out", shared_data, "--workers", workers)
     assert result.returncode == 2
     assert f"{path}:3: {message}" in result.stderr
     assert "Traceback" not in result.stderr
@@ -203,17 +193,7 @@ def test_skip_invalid_counts(tmp_path, shared_data, tokenizer):
         b"\n"
         b'{"text": "good two"}\n'
     )
-    result = gigatron(
-        "preprocess",
-        "--input",
-        str(path),
-        "--output-prefix",
-        str(tmp_path / "out"),
-        "--skip-invalid",
-        "--workers",
-        "1",
-        *gpt2_flags(shared_data),
-    )
+    result = _preprocess(path, tmp_path / "out", shared_data, "--skip-invalid", "--workers", "1")
     assert result.returncode == 0, result.stderr
     assert "skipped invalid:  4" in result.stdout
     assert "skipped empty:    1" in result.stdout

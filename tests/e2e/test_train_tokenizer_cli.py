@@ -37,19 +37,16 @@ def flags_from(stdout: str) -> TokenizerConfig:
     )
 
 
+def _train(corpus, tokenizer_type: str, vocab_size: int, output_dir):
+    return gigatron(
+        "train-tokenizer", "--input", str(corpus), "--tokenizer-type", tokenizer_type,
+        "--vocab-size", str(vocab_size), "--output-dir", str(output_dir),
+    )  # fmt: skip
+
+
 def test_byte_level_bpe(tmp_path, corpus):
     out = tmp_path / "bpe"
-    result = gigatron(
-        "train-tokenizer",
-        "--input",
-        str(corpus),
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--vocab-size",
-        "600",
-        "--output-dir",
-        str(out),
-    )
+    result = _train(corpus, "GPT2BPETokenizer", 600, out)
     assert result.returncode == 0, result.stderr
     assert sorted(os.listdir(out)) == ["merges.txt", "vocab.json"]
     vocab = json.loads((out / "vocab.json").read_text())
@@ -67,17 +64,7 @@ def test_byte_level_bpe(tmp_path, corpus):
 
 def test_wordpiece(tmp_path, corpus):
     out = tmp_path / "wp"
-    result = gigatron(
-        "train-tokenizer",
-        "--input",
-        str(corpus),
-        "--tokenizer-type",
-        "BertWordPieceLowerCase",
-        "--vocab-size",
-        "800",
-        "--output-dir",
-        str(out),
-    )
+    result = _train(corpus, "BertWordPieceLowerCase", 800, out)
     assert result.returncode == 0, result.stderr
     lines = (out / "vocab.txt").read_text().splitlines()
     assert lines[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -98,31 +85,11 @@ def test_wordpiece(tmp_path, corpus):
 def test_bad_line_and_small_vocab(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"text": \n')
-    result = gigatron(
-        "train-tokenizer",
-        "--input",
-        str(path),
-        "--tokenizer-type",
-        "BertWordPieceCase",
-        "--vocab-size",
-        "100",
-        "--output-dir",
-        str(tmp_path / "o"),
-    )
+    result = _train(path, "BertWordPieceCase", 100, tmp_path / "o")
     assert result.returncode == 2
     assert f"{path}:2: malformed JSON" in result.stderr
     assert os.listdir(tmp_path / "o") == []
-    result = gigatron(
-        "train-tokenizer",
-        "--input",
-        str(path),
-        "--tokenizer-type",
-        "GPT2BPETokenizer",
-        "--vocab-size",
-        "100",
-        "--output-dir",
-        str(tmp_path / "o"),
-    )
+    result = _train(path, "GPT2BPETokenizer", 100, tmp_path / "o")
     assert result.returncode == 2
     assert "--vocab-size 100: too small" in result.stderr
 
@@ -130,10 +97,7 @@ def test_bad_line_and_small_vocab(tmp_path):
 def test_fewer_tokens_than_asked_and_empty_input_warn(tmp_path):
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text('{"text": "a tiny corpus, a tiny corpus"}\n')
-    result = gigatron(
-        "train-tokenizer", "--input", str(tiny), "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-size", "1000", "--output-dir", str(tmp_path / "o"),
-    )  # fmt: skip
+    result = _train(tiny, "GPT2BPETokenizer", 1000, tmp_path / "o")
     assert result.returncode == 0, result.stderr
     size = len(json.loads((tmp_path / "o" / "vocab.json").read_text()))
     assert 257 <= size < 1000
@@ -144,10 +108,7 @@ def test_fewer_tokens_than_asked_and_empty_input_warn(tmp_path):
     ]
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    result = gigatron(
-        "train-tokenizer", "--input", str(empty), "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-size", "1000", "--output-dir", str(tmp_path / "e"),
-    )  # fmt: skip
+    result = _train(empty, "GPT2BPETokenizer", 1000, tmp_path / "e")
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines() == [
         f"warning: --input {empty}: no text found under --json-keys text; the vocabulary holds "

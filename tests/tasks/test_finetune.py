@@ -241,6 +241,22 @@ def _synthetic_mnli(path: Path, rows: list[tuple[str, str]]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def _final_accuracy(task_name, tmp_path, seq, train, valid, epochs, seed=None) -> float:
+    """Fine-tune a fresh model on tmp_path/train, the mean accuracy of the last epoch."""
+    flags = finetune_flags(
+        task_name, None, tmp_path / "out", seq, train_data=str(tmp_path / train),
+        valid_data=str(tmp_path / valid), epochs=epochs, micro_batch_size="4",
+        global_batch_size="4",
+    )  # fmt: skip
+    flags += ["--lr", "2e-3", "--metrics-file", str(tmp_path / "m.jsonl")]
+    cfg, task = ft.parse_finetune_args(flags, world_size=1)
+    if seed is not None:
+        torch.manual_seed(seed)
+    with open(tmp_path / "log.txt", "w") as log:
+        result = ft.finetune(cfg, task, stream=log)
+    return result["epochs"][-1]["mean_accuracy"]
+
+
 def _separable_run(tmp_path: Path, shuffle_labels: bool) -> float:
     rng = random.Random(0)
     pairs = [(colour, noun) for colour in COLOURS for noun in NOUNS]
@@ -254,17 +270,7 @@ def _separable_run(tmp_path: Path, shuffle_labels: bool) -> float:
     tmp_path.mkdir()
     _synthetic_mnli(tmp_path / "train.tsv", train)
     _synthetic_mnli(tmp_path / "valid.tsv", valid)
-    flags = finetune_flags(
-        "MNLI", None, tmp_path / "out", 12, train_data=str(tmp_path / "train.tsv"),
-        valid_data=str(tmp_path / "valid.tsv"), epochs="8", micro_batch_size="4",
-        global_batch_size="4",
-    )  # fmt: skip
-    flags += ["--lr", "2e-3", "--metrics-file", str(tmp_path / "m.jsonl")]
-    cfg, task = ft.parse_finetune_args(flags, world_size=1)
-    torch.manual_seed(0)
-    with open(tmp_path / "log.txt", "w") as log:
-        result = ft.finetune(cfg, task, stream=log)
-    return result["epochs"][-1]["mean_accuracy"]
+    return _final_accuracy("MNLI", tmp_path, 12, "train.tsv", "valid.tsv", "8", seed=0)
 
 
 def test_a_separable_task_is_learned_from_its_labels(tmp_path):
@@ -323,16 +329,7 @@ def _separable_race_run(tmp_path: Path, shuffle_labels: bool) -> float:
         train = [(options, rng.randrange(4)) for options, _ in train]
     _synthetic_race(tmp_path / "train", train)
     _synthetic_race(tmp_path / "dev", valid)
-    flags = finetune_flags(
-        "RACE", None, tmp_path / "out", 16, train_data=str(tmp_path / "train"),
-        valid_data=str(tmp_path / "dev"), epochs="6", micro_batch_size="4",
-        global_batch_size="4",
-    )  # fmt: skip
-    flags += ["--lr", "2e-3", "--metrics-file", str(tmp_path / "m.jsonl")]
-    cfg, task = ft.parse_finetune_args(flags, world_size=1)
-    with open(tmp_path / "log.txt", "w") as log:
-        result = ft.finetune(cfg, task, stream=log)
-    return result["epochs"][-1]["mean_accuracy"]
+    return _final_accuracy("RACE", tmp_path, 16, "train", "dev", "6")
 
 
 def test_a_separable_multiple_choice_task_is_learned_from_its_labels(tmp_path):

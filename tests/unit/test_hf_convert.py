@@ -238,6 +238,18 @@ def test_flags_without_meaning_for_the_pair_are_refused(tmp_path):
         main(["--from", "hf", "--to", "gigatron", *base, "--max-shard-size", "1GB"])
 
 
+def _round_trip_at_tp2(hf, tmp_path, family: str) -> None:
+    """HF -> gigatron at tp 2 -> HF gives back every weight exactly."""
+    hf.save_pretrained(tmp_path / "hf")
+    hf_to_gigatron(tmp_path / "hf", tmp_path / "ckpt", tp=2, log=lambda _: None)
+    state = safe_load(tmp_path / "ckpt" / "release" / "mp_rank_01" / "model_optim_rng.pt")
+    assert state["gigatron_family"] == family
+    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
+    original, exported = _weights(tmp_path / "hf"), _weights(tmp_path / "back")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["t5-v1.1", "t5-tied-scaled"])
 def test_t5_through_tensor_parallel_and_back(tmp_path, tied):
     torch.manual_seed(4)
@@ -246,14 +258,7 @@ def test_t5_through_tensor_parallel_and_back(tmp_path, tied):
         feed_forward_proj="gated-gelu", tie_word_embeddings=tied, dropout_rate=0.0,
     )  # fmt: skip
     hf = transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    hf_to_gigatron(tmp_path / "hf", tmp_path / "ckpt", tp=2, log=lambda _: None)
-    state = safe_load(tmp_path / "ckpt" / "release" / "mp_rank_01" / "model_optim_rng.pt")
-    assert state["gigatron_family"] == "t5"
-    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
-    original, exported = _weights(tmp_path / "hf"), _weights(tmp_path / "back")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)
+    _round_trip_at_tp2(hf, tmp_path, "t5")
     reloaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "back").eval()
     tokens, _ = _inputs()
     with torch.no_grad():
@@ -269,11 +274,4 @@ def test_mamba2_through_tensor_parallel_and_back(tmp_path):
         n_groups=2, num_hidden_layers=2, chunk_size=16,
     )  # fmt: skip
     hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-    hf.save_pretrained(tmp_path / "hf")
-    hf_to_gigatron(tmp_path / "hf", tmp_path / "ckpt", tp=2, log=lambda _: None)
-    state = safe_load(tmp_path / "ckpt" / "release" / "mp_rank_01" / "model_optim_rng.pt")
-    assert state["gigatron_family"] == "mamba"
-    gigatron_to_hf(tmp_path / "ckpt", tmp_path / "back", log=lambda _: None)
-    original, exported = _weights(tmp_path / "hf"), _weights(tmp_path / "back")
-    assert exported.keys() == original.keys()
-    assert all(torch.equal(exported[k], original[k]) for k in original)
+    _round_trip_at_tp2(hf, tmp_path, "mamba")

@@ -22,21 +22,11 @@ TEXTS = [
 ]
 
 
-def gpt2(shared_data):
-    return build_tokenizer(
-        TokenizerConfig(
-            tokenizer_type="GPT2BPETokenizer",
-            vocab_file=str(shared_data / "gpt2-vocab.json"),
-            merge_file=str(shared_data / "gpt2-merges.txt"),
-        )
-    )
-
-
-def test_gpt2_reproduces_reference(shared_data):
+def test_gpt2_reproduces_reference(shared_data, gpt2_tokenizer):
     reference = json.loads(
         (shared_data / "tokenizer-reference/gpt2_encoded_tokens.json").read_text()
     )
-    tokenizer = gpt2(shared_data)
+    tokenizer = gpt2_tokenizer
     assert tokenizer.tokenize(reference["text"]) == reference["token_ids"]
     assert tokenizer.detokenize(reference["token_ids"]) == reference["decoded_text"]
     assert tokenizer.vocab_size == 50257
@@ -52,8 +42,8 @@ def test_gpt2_reproduces_reference(shared_data):
     assert tokenizer.tokenize_batch(TEXTS) == [tokenizer.tokenize(t) for t in TEXTS]
 
 
-def test_gpt2_identifiers(shared_data):
-    ids = gpt2(shared_data).unique_identifiers
+def test_gpt2_identifiers(gpt2_tokenizer):
+    ids = gpt2_tokenizer.unique_identifiers
     assert ids["class"] == "GPT2BPETokenizer"
     assert ids["vocab_file"].endswith("gpt2-vocab.json")
     assert ids["merge_file"].endswith("gpt2-merges.txt")

@@ -100,31 +100,17 @@ def _pctx(pctx: Any, name: str) -> int:
 
 
 def build_data_iterator(
-    dataset: Sized | None,
-    micro_batch_size: int,
-    consumed_samples: int,
-    pctx: Any = None,
-    num_workers: int = 0,
-    data_parallel_size: int | None = None,
-    data_parallel_rank: int | None = None,
-    cycle: bool = False,
+    dataset: Sized | None, *loader_args: Any, cycle: bool = False, **loader_kwargs: Any
 ) -> Iterator[dict[str, torch.Tensor]] | None:
     """Iterator of this rank's micro-batches (dicts of stacked tensors); None without a dataset.
+    `loader_args`, `loader_kwargs`: `build_data_loader`'s.
 
     `cycle=True` (validation) starts over at `consumed_samples` when the data runs out, like
     Megatron's cyclic iterator, so evaluation never stops for lack of samples.
     """
     if dataset is None:
         return None
-    loader = build_data_loader(
-        dataset,
-        micro_batch_size,
-        consumed_samples,
-        pctx,
-        num_workers,
-        data_parallel_size,
-        data_parallel_rank,
-    )
+    loader = build_data_loader(dataset, *loader_args, **loader_kwargs)
     if not cycle:
         return iter(loader)
     if len(loader.batch_sampler) == 0:  # type: ignore[arg-type]

@@ -62,6 +62,21 @@ class ModelFamily:
     default_tokenizer_type: str | None = None
     accepted_fields: frozenset[str] = frozenset()
 
+    @classmethod
+    def from_namespace(cls, namespace: dict[str, Any], **fields: Any) -> ModelFamily:
+        """The family a family module declares by its own names: `ModelFamily.from_namespace(
+        globals(), description=...)`. A function field is the module's function of that name
+        (`build_model`, `make_forward_step`, ..., `validate`), any other field the upper-case
+        constant (`ACCEPTED_FIELDS`, `HF_ADAPTER`, ...); the name is the module's (families/<name>).
+        `fields` gives the rest and overrides."""
+        found: dict[str, Any] = {"name": namespace["__name__"].rsplit(".", 1)[-1]}
+        for name in cls.__dataclass_fields__:
+            if callable(namespace.get(name)):
+                found[name] = namespace[name]
+            elif name.upper() in namespace:
+                found[name] = namespace[name.upper()]
+        return cls(**{**found, **fields})
+
 
 _FAMILIES: dict[str, ModelFamily] = {}
 

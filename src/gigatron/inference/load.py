@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -268,3 +269,18 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Inference
         seed=args.seed,
         dynamic=dynamic_settings(args),
     )
+
+
+def run_on_engine(
+    loaded: LoadedModel, args: argparse.Namespace, work: Callable[[InferenceEngine], int]
+) -> int:
+    """Build the engine `args` ask for and run `work(engine)` on rank 0; the other ranks follow
+    (run the forward passes rank 0 asks for) until `work` returns."""
+    engine = engine_from_args(loaded, args)
+    if loaded.pctx.rank != 0:
+        engine.runner.follow()
+        return 0
+    try:
+        return work(engine)
+    finally:
+        engine.runner.stop_followers()

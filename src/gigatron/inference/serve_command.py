@@ -53,7 +53,7 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     resolve_batch_size(args)
     # why here: torch-heavy modules load after the flags are parsed (a quick --help)
-    from gigatron.inference.load import engine_from_args, load_for_inference
+    from gigatron.inference.load import load_for_inference, run_on_engine
 
     if not 0 < args.port < 65536:
         raise GigatronError(f"--port {args.port}: not a TCP port; use 1-65535")
@@ -70,11 +70,8 @@ def main(argv: Sequence[str]) -> int:
     from gigatron.parallel.context import destroy
 
     loaded = load_for_inference(args)
-    try:
-        engine = engine_from_args(loaded, args)
-        if loaded.pctx.rank != 0:
-            engine.runner.follow()
-            return 0
+
+    def serve(engine) -> int:
         from gigatron.inference.server import create_app
 
         prompt_format = loaded.cfg.data.sft_tokenizer_prompt_format  # the fine-tuning's
@@ -89,5 +86,8 @@ def main(argv: Sequence[str]) -> int:
         )
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
         return 0
+
+    try:
+        return run_on_engine(loaded, args, serve)
     finally:
         destroy(loaded.pctx)

@@ -9,6 +9,8 @@ The model returns logits; the losses are the family's (families/bert/).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +23,6 @@ from gigatron.models.transformer import LayerParts, Norm, TransformerBlock
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.collectives import gather_from_sequence_parallel_region
 from gigatron.parallel.context import ParallelContext
-from gigatron.parallel.random import ModelParallelRNG
 from gigatron.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 NUM_TOKENTYPES = 2
@@ -65,29 +66,21 @@ class BertModel(LanguageModelStage):
     """One pipeline chunk of a BERT (see the module docstring and docs/architecture.md)."""
 
     def __init__(
-        self,
-        config: TransformerConfig,
-        pctx: ParallelContext,
-        vocab_size: int,
-        pre_process: bool = True,
-        post_process: bool = True,
-        layer_numbers: range | None = None,
-        rng: ModelParallelRNG | None = None,
-        parts: LayerParts | None = None,
-        add_binary_head: bool = True,
+        self, *stage: Any, parts: LayerParts | None = None, add_binary_head: bool = True, **stage_kw
     ) -> None:
-        super().__init__(config, pctx, vocab_size, pre_process, post_process, rng)
+        """`stage`, `stage_kw`: `LanguageModelStage`'s arguments."""
+        super().__init__(*stage, **stage_kw)
+        config, pctx = self.config, self.pctx
+        pre_process, post_process = self.pre_process, self.post_process
         parts = parts or LayerParts()
         self.add_binary_head = add_binary_head
-        layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
-        self.layer_numbers = layer_numbers
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(
-                config, pctx, vocab_size, self.rng, NUM_TOKENTYPES, norm=parts.post_norm
+                config, pctx, self.vocab_size, self.rng, NUM_TOKENTYPES, norm=parts.post_norm
             )
         self.encoder = TransformerBlock(
-            config, pctx, layer_numbers, post_process and not parts.post_norm, self.rng, parts
+            config, pctx, self.layer_numbers, post_process and not parts.post_norm, self.rng, parts
         )
         if post_process:
             self.lm_head = BertLMHead(config, pctx)
@@ -158,7 +151,7 @@ def build_bert_model(
 
     def make_chunk(padded, pre_process, post_process, layers, rng):
         return BertModel(
-            config, pctx, padded, pre_process, post_process, layers, rng, parts,
+            config, pctx, padded, pre_process, post_process, layers, rng, parts=parts,
             add_binary_head=cfg.model.bert_binary_head,
         )  # fmt: skip
 

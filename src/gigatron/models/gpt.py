@@ -9,6 +9,7 @@ their global index. The model returns logits; the loss is the family's (families
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -24,7 +25,6 @@ from gigatron.models.transformer_config import TransformerConfig
 from gigatron.models.yarn import rotary_embedding
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.context_parallel import sequence_positions
-from gigatron.parallel.random import ModelParallelRNG
 from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
 
@@ -32,30 +32,21 @@ class GPTModel(LanguageModelStage):
     """One pipeline chunk of a GPT (see the module docstring and docs/architecture.md)."""
 
     def __init__(
-        self,
-        config: TransformerConfig,
-        pctx: ParallelContext,
-        vocab_size: int,
-        pre_process: bool = True,
-        post_process: bool = True,
-        layer_numbers: range | None = None,
-        rng: ModelParallelRNG | None = None,
-        parts: LayerParts | None = None,
-        layer_builder=None,
+        self, *stage: Any, parts: LayerParts | None = None, layer_builder=None, **stage_kw: Any
     ) -> None:
-        super().__init__(config, pctx, vocab_size, pre_process, post_process, rng)
+        """`stage`, `stage_kw`: `LanguageModelStage`'s arguments."""
+        super().__init__(*stage, **stage_kw)
+        config, pctx = self.config, self.pctx
+        pre_process, post_process = self.pre_process, self.post_process
         self.share_embeddings = not config.untie_embeddings_and_output_weights
-        layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
-        self.layer_numbers = layer_numbers
-
         # Multi-token prediction embeds tokens on the last stage too (Megatron's mtp_process):
         # there the chunk holds its own copy of the word embedding.
         mtp = bool(post_process and config.mtp_num_layers)
         if pre_process or mtp:
-            self.embedding = LanguageModelEmbedding(config, pctx, vocab_size, self.rng)
+            self.embedding = LanguageModelEmbedding(config, pctx, self.vocab_size, self.rng)
         self.rotary = rotary_embedding(config)
         self.decoder = TransformerBlock(
-            config, pctx, layer_numbers, post_process, self.rng, parts, layer_builder
+            config, pctx, self.layer_numbers, post_process, self.rng, parts, layer_builder
         )
         self.mtp = None
         if mtp:
@@ -149,6 +140,6 @@ def build_model(
         parts = dataclasses.replace(parts, self_attention=MLASelfAttention)
 
     def make_chunk(padded, pre_process, post_process, layers, rng):
-        return GPTModel(config, pctx, padded, pre_process, post_process, layers, rng, parts)
+        return GPTModel(config, pctx, padded, pre_process, post_process, layers, rng, parts=parts)
 
     return build_model_chunks(cfg, pctx, vocab_size, make_chunk)

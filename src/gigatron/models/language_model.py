@@ -23,16 +23,18 @@ WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 class LanguageModelStage(PipelineStage):
     """One pipeline chunk of a language model: `pre_process` (it embeds the tokens),
-    `post_process` (it ends the model: final norm and output layer), `vocab_size` (padded)."""
+    `post_process` (it ends the model: final norm and output layer), `vocab_size` (padded),
+    `layer_numbers` (the global numbers of its layers; default all)."""
 
     def __init__(
         self,
         config: TransformerConfig,
         pctx: ParallelContext,
         vocab_size: int,
-        pre_process: bool,
-        post_process: bool,
-        rng: ModelParallelRNG | None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_numbers: range | None = None,
+        rng: ModelParallelRNG | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -40,6 +42,7 @@ class LanguageModelStage(PipelineStage):
         self.vocab_size = vocab_size
         self.pre_process = pre_process
         self.post_process = post_process
+        self.layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
         self.rng = rng or ModelParallelRNG.for_rank(config.seed, pctx)
 
     def add_output_layer(self, bias: bool, tied: bool, holds_embedding: bool) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from gigatron.errors import GigatronError
 from gigatron.models.ssd import (
@@ -34,7 +34,7 @@ from gigatron.models.ssd import (
     ssd_chunked_scan,
     ssd_sequential_scan,
 )
-from gigatron.models.transformer import Norm, ResidualLayer
+from gigatron.models.transformer import Mask, Norm, ResidualLayer, Rotary
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.random import ModelParallelRNG
@@ -312,10 +312,6 @@ class MambaLayer(ResidualLayer):
         self.mixer = MambaMixer(config, mamba, pctx)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        inference_cache=None,
-    ) -> torch.Tensor:
+        self, x: Tensor, attention_mask: Mask = None, rotary: Rotary = None, inference_cache=None
+    ) -> Tensor:
         return self.residual_add(x, self.mixer(self.norm(x), inference_cache, self.layer_number))

@@ -26,12 +26,14 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from gigatron.models.transformer import (
     Attention,
     CoreAttention,
+    Mask,
     Norm,
+    Rotary,
     apply_rotary,
     column_linear,
     row_linear,
@@ -152,12 +154,8 @@ class MLASelfAttention(Attention):
         return q.view(seq, batch, self.heads, -1).split([self.qk_head_dim, self.pe_dim], dim=-1)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        inference_cache=None,
-    ) -> torch.Tensor:
+        self, x: Tensor, attention_mask: Mask = None, rotary: Rotary = None, inference_cache=None
+    ) -> Tensor:
         q_in = self._query_input(x)
         latent, k_pe = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.pe_dim], -1)
         if self.kv_layernorm is not None:

@@ -233,7 +233,7 @@ class T5Model(LanguageModelStage):
         rng: ModelParallelRNG,
         parts: LayerParts | None = None,
     ) -> None:
-        super().__init__(decoder_config, pctx, vocab_size, pre_process, post_process, rng)
+        super().__init__(decoder_config, pctx, vocab_size, pre_process, post_process, rng=rng)
         parts = parts or LayerParts()
         self.encoder_config = encoder_config
         self.relative = decoder_config.position_embedding_type == "relative"

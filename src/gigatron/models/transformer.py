@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from gigatron.errors import GigatronError
 from gigatron.models.activations import mlp_activation
@@ -35,6 +35,10 @@ from gigatron.parallel.tensor_parallel import (
     divide,
     set_tensor_parallel_attributes,
 )
+
+# The arguments of every layer's forward: `(x, attention_mask, rotary, inference_cache)`.
+Mask = Tensor | None
+Rotary = tuple[Tensor, Tensor] | None
 
 
 class Norm(nn.Module):
@@ -451,12 +455,8 @@ class SelfAttention(Attention):
         self.rotate = config.kernels.rope or rotate_query_key
 
     def forward(
-        self,
-        x: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        inference_cache=None,
-    ) -> torch.Tensor:
+        self, x: Tensor, attention_mask: Mask = None, rotary: Rotary = None, inference_cache=None
+    ) -> Tensor:
         """`inference_cache`: see `Attention.attend`."""
         qkv = self.linear_qkv(x)
         seq, batch = qkv.shape[:2]
@@ -583,12 +583,8 @@ class TransformerLayer(ResidualLayer):
         self.recompute_norm = "layernorm" in modules
 
     def forward(
-        self,
-        x: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        inference_cache=None,
-    ) -> torch.Tensor:
+        self, x: Tensor, attention_mask: Mask = None, rotary: Rotary = None, inference_cache=None
+    ) -> Tensor:
         first = self._maybe_recompute(getattr(self, self.first_norm_name), self.recompute_norm)
         second = self._maybe_recompute(getattr(self, self.second_norm_name), self.recompute_norm)
         mlp = self._maybe_recompute(self.mlp, self.recompute_mlp)
@@ -645,12 +641,8 @@ class TransformerBlock(nn.Module):
         self.recompute_num_layers = config.recompute_num_layers or 1
 
     def forward(
-        self,
-        x: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        inference_cache=None,
-    ) -> torch.Tensor:
+        self, x: Tensor, attention_mask: Mask = None, rotary: Rotary = None, inference_cache=None
+    ) -> Tensor:
         """`inference_cache` (generation) is passed to every layer as a keyword argument; layers
         from a `layer_builder` that cannot take it are training-only."""
         if inference_cache is None:

@@ -143,6 +143,16 @@ class TransformerOptions:
         return self.hidden_init_std / math.sqrt(2.0 * self.num_layers)
 
 
+# Multi-latent attention's ModelConfig fields (the GPT family accepts them).
+MLA_FIELDS = (
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+)
+
 # The ModelConfig fields the layers read as they are: TransformerConfig takes their types and
 # defaults from ModelConfig (one declaration, config/model.py).
 MODEL_FIELDS = (
@@ -183,13 +193,8 @@ MODEL_FIELDS = (
     "mscale",
     "mscale_all_dim",
     "yarn_correction_range_round_to_int",
-    "multi_latent_attention",
     "rope_type",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_head_dim",
-    "qk_pos_emb_head_dim",
-    "v_head_dim",
+    *MLA_FIELDS,
     "mtp_num_layers",
     "use_mup",
     "mup_base_hidden_size",

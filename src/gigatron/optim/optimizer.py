@@ -323,16 +323,10 @@ class MixedPrecisionOptimizer(GigatronOptimizer):
     fp32 model params (if any) are stepped directly, as in FP32Optimizer.
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        cfg: Any,
-        model_chunks: list[nn.Module],
-        pctx: ParallelContext,
-        grad_scaler: GradScaler | None = None,
-    ) -> None:
-        super().__init__(optimizer, cfg, model_chunks, pctx, grad_scaler)
-        if cfg.training.fp16 and grad_scaler is None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Takes `GigatronOptimizer`'s arguments."""
+        super().__init__(*args, **kwargs)
+        if self.cfg.training.fp16 and self.grad_scaler is None:
             raise GigatronError("--fp16 needs a loss scaler (dynamic by default, or --loss-scale)")
         # (model param, main param) for every trainable parameter, in param-group order.
         self.param_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -240,14 +240,7 @@ def _contaminating_ngrams(args: argparse.Namespace, rules) -> set:
 
 
 def _decontaminate(args: argparse.Namespace) -> Counter:
-    rules = decontaminate.NgramRules(
-        max_ngram=args.max_ngram_size,
-        min_ngram=args.min_ngram_size,
-        remove_char_each_side=args.remove_char_each_side,
-        min_piece_chars=args.filter_text_char_len,
-        max_splits=args.splits_count,
-        key_threshold=args.key_threshold,
-    )
+    rules = decontaminate.NgramRules.from_args(args)
     ngrams = _contaminating_ngrams(args, rules)
     worker = functools.partial(_decontaminate_chunk, key=args.json_key, ngrams=ngrams, rules=rules)
     # Large chunks: each one carries the n-gram set to its worker.
@@ -342,25 +335,7 @@ def _decontaminate_parser(parser: FlagParser) -> None:
         help="evaluation sets: JSON lines (field --eval-key) or text files (one text a line)",
     )
     parser.add_argument("--eval-key", default="text", help="text field of JSON-lines eval sets")
-    parser.add_argument("--max-ngram-size", type=int, default=13, help="words in an n-gram")
-    parser.add_argument(
-        "--min-ngram-size", type=int, default=8, help="shorter eval texts count whole from here"
-    )
-    parser.add_argument(
-        "--remove-char-each-side", type=int, default=200, help="characters cut around a match"
-    )
-    parser.add_argument(
-        "--filter-text-char-len", type=int, default=200, help="pieces this short are dropped"
-    )
-    parser.add_argument(
-        "--splits-count", type=int, default=10, help="documents cut into more pieces are dropped"
-    )
-    parser.add_argument(
-        "--key-threshold",
-        type=int,
-        default=10,
-        help="n-grams in this many training documents or more are common language, not leaks",
-    )
+    decontaminate.NgramRules.add_flags(parser)
 
 
 def _blacklist_parser(parser: FlagParser) -> None:

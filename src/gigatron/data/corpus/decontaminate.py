@@ -14,20 +14,45 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 _WORD = re.compile(r"\w+")
 SENTENCE_MARKS = ".!?"
 
 
+def _rule(default: int, flag: str, help: str) -> Any:
+    return field(default=default, metadata={"flag": flag, "help": help})
+
+
 @dataclass(frozen=True)
 class NgramRules:
-    max_ngram: int = 13
-    min_ngram: int = 8
-    remove_char_each_side: int = 200
-    min_piece_chars: int = 200
-    max_splits: int = 10
-    key_threshold: int = 10
+    """Megatron's filter_ngrams rules, each with its command-line flag (its defaults)."""
+
+    max_ngram: int = _rule(13, "--max-ngram-size", "words in an n-gram")
+    min_ngram: int = _rule(8, "--min-ngram-size", "shorter eval texts count whole from here")
+    remove_char_each_side: int = _rule(
+        200, "--remove-char-each-side", "characters cut around a match"
+    )
+    min_piece_chars: int = _rule(200, "--filter-text-char-len", "pieces this short are dropped")
+    max_splits: int = _rule(10, "--splits-count", "documents cut into more pieces are dropped")
+    key_threshold: int = _rule(
+        10,
+        "--key-threshold",
+        "n-grams in this many training documents or more are common language, not leaks",
+    )
+
+    @staticmethod
+    def add_flags(parser: Any) -> None:
+        for rule in fields(NgramRules):
+            meta = rule.metadata
+            parser.add_argument(
+                meta["flag"], dest=rule.name, type=int, default=rule.default, help=meta["help"]
+            )
+
+    @classmethod
+    def from_args(cls, args: Any) -> NgramRules:
+        return cls(**{rule.name: getattr(args, rule.name) for rule in fields(cls)})
 
 
 def words_and_spans(text: str) -> tuple[list[str], list[tuple[int, int]]]:

@@ -109,16 +109,12 @@ def validate(cfg) -> None:
         )
 
 
-FAMILY = ModelFamily(
-    name="bert",
+HF_ADAPTER = BertHFAdapter()
+DEFAULT_TOKENIZER_TYPE = "BertWordPieceLowerCase"
+
+
+FAMILY = ModelFamily.from_namespace(
+    globals(),
     description="bidirectional encoder, masked-LM + sentence-order prediction (BERT)",
     build_model=build_bert_model,
-    make_forward_step=make_forward_step,
-    loss_names=loss_names,
-    build_datasets=build_datasets,
-    flops_per_iteration=flops_per_iteration,
-    validate=validate,
-    hf_adapter=BertHFAdapter(),
-    default_tokenizer_type="BertWordPieceLowerCase",
-    accepted_fields=ACCEPTED_FIELDS,
 )

@@ -22,6 +22,7 @@ from gigatron.models.gpt import build_model
 from gigatron.models.moe import MoESpec, collect_moe_reports, update_expert_bias
 from gigatron.models.moe import report_names as moe_report_names
 from gigatron.models.mtp import shift_left
+from gigatron.models.transformer_config import MLA_FIELDS
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -173,13 +174,8 @@ def iteration_reports(cfg, pctx: ParallelContext, model_chunks: list[nn.Module])
 # averaging (the other families refuse these when set).
 ACCEPTED_FIELDS = frozenset(
     {
+        *MLA_FIELDS,
         "num_experts",
-        "multi_latent_attention",
-        "q_lora_rank",
-        "kv_lora_rank",
-        "qk_head_dim",
-        "qk_pos_emb_head_dim",
-        "v_head_dim",
         "mtp_num_layers",
         "mtp_loss_scaling_factor",
         "sft",
@@ -190,17 +186,13 @@ ACCEPTED_FIELDS = frozenset(
 )
 
 
-FAMILY = ModelFamily(
-    name="gpt",
+HF_ADAPTER = GPTHFAdapter()
+GENERATION = True
+DEFAULT_TOKENIZER_TYPE = "GPT2BPETokenizer"
+
+
+FAMILY = ModelFamily.from_namespace(
+    globals(),
     description="decoder-only language model (GPT-2/3, Llama, Mistral, Qwen style)",
     build_model=build_model,
-    make_forward_step=make_forward_step,
-    loss_names=loss_names,
-    build_datasets=build_datasets,
-    flops_per_iteration=flops_per_iteration,
-    hf_adapter=GPTHFAdapter(),
-    generation=True,
-    iteration_reports=iteration_reports,
-    default_tokenizer_type="GPT2BPETokenizer",
-    accepted_fields=ACCEPTED_FIELDS,
 )

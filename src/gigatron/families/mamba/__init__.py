@@ -90,17 +90,16 @@ def validate(cfg) -> None:
         )
 
 
-FAMILY = ModelFamily(
-    name="mamba",
+HF_ADAPTER = Mamba2HFAdapter()
+GENERATION = True
+DEFAULT_TOKENIZER_TYPE = "GPT2BPETokenizer"
+
+
+FAMILY = ModelFamily.from_namespace(
+    globals(),
     description="hybrid Mamba-2 / attention / MLP language model (Megatron's hybrid models)",
     build_model=build_model,
     make_forward_step=gpt.make_forward_step,
     loss_names=lambda cfg: ("lm_loss",),
     build_datasets=gpt.build_datasets,
-    flops_per_iteration=flops_per_iteration,
-    validate=validate,
-    hf_adapter=Mamba2HFAdapter(),
-    generation=True,
-    default_tokenizer_type="GPT2BPETokenizer",
-    accepted_fields=ACCEPTED_FIELDS,
 )

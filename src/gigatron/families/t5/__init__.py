@@ -224,17 +224,12 @@ def pipeline_stage_shapes(cfg, pctx: ParallelContext):
     return stage_shapes
 
 
-FAMILY = ModelFamily(
-    name="t5",
+HF_ADAPTER = T5HFAdapter()
+DEFAULT_TOKENIZER_TYPE = "BertWordPieceLowerCase"  # Megatron's pretrain_t5.py
+
+
+FAMILY = ModelFamily.from_namespace(
+    globals(),
     description="encoder-decoder, span-corruption pre-training (T5)",
     build_model=build_t5_model,
-    make_forward_step=make_forward_step,
-    loss_names=loss_names,
-    build_datasets=build_datasets,
-    flops_per_iteration=flops_per_iteration,
-    validate=validate,
-    hf_adapter=T5HFAdapter(),
-    pipeline_stage_shapes=pipeline_stage_shapes,
-    default_tokenizer_type="BertWordPieceLowerCase",  # Megatron's pretrain_t5.py
-    accepted_fields=ACCEPTED_FIELDS,
 )

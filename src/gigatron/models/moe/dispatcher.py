@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from gigatron.parallel.collectives import (
     all_gather_tensor,
@@ -112,12 +113,8 @@ class AllToAllDispatcher(_Dispatcher):
     """See the module docstring."""
 
     def dispatch(
-        self,
-        tokens: torch.Tensor,
-        probs: torch.Tensor,
-        routing_map: torch.Tensor,
-        copies: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AllToAllHandle]:
+        self, tokens: Tensor, probs: Tensor, routing_map: Tensor, copies: int | None = None
+    ) -> tuple[Tensor, Tensor, AllToAllHandle]:
         pctx, ep, local = self.pctx, self.ep_size, self.num_local_experts
         counts = routing_map.sum(dim=0)  # [E]
         permuted, permuted_probs, rows = permute(tokens, probs, routing_map, copies)
@@ -167,12 +164,8 @@ class AllGatherDispatcher(_Dispatcher):
         return gather_along_first_dim(x, self.pctx, "expert_tp")
 
     def dispatch(
-        self,
-        tokens: torch.Tensor,
-        probs: torch.Tensor,
-        routing_map: torch.Tensor,
-        copies: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AllGatherHandle]:
+        self, tokens: Tensor, probs: Tensor, routing_map: Tensor, copies: int | None = None
+    ) -> tuple[Tensor, Tensor, AllGatherHandle]:
         all_tokens = self._gather(tokens)
         all_probs = self._gather(probs)
         with torch.no_grad():

@@ -41,20 +41,13 @@ def _generation_flags(parser: FlagParser, max_tokens: int) -> None:
 
 def _loaded_engine(args: argparse.Namespace, work: Callable[[Any, Any], int]) -> int:
     """Load the checkpoint and run `work(engine, tokenizer)` on rank 0 (others follow)."""
-    from gigatron.inference.load import engine_from_args, load_for_inference  # why: torch
+    from gigatron.inference.load import load_for_inference, run_on_engine  # why: torch
     from gigatron.parallel.context import destroy
 
     resolve_batch_size(args)
     loaded = load_for_inference(args)
     try:
-        engine = engine_from_args(loaded, args)
-        if loaded.pctx.rank != 0:
-            engine.runner.follow()
-            return 0
-        try:
-            return work(engine, loaded.tokenizer)
-        finally:
-            engine.runner.stop_followers()
+        return run_on_engine(loaded, args, lambda engine: work(engine, loaded.tokenizer))
     finally:
         destroy(loaded.pctx)
 
