@@ -49,6 +49,11 @@ KINDS = {
     "llama": (build_model, LLAMA),
     "mamba-hybrid": (build_hybrid, MAMBA),
     "moe": (build_model, MOE),
+    "moe-sinkhorn": (
+        build_model,
+        "--num-experts 4 --moe-router-topk 1 --moe-ffn-hidden-size 32 "
+        "--moe-router-load-balancing-type sinkhorn".split(),
+    ),
     "moe-capacity-grouped-gemm-recompute": (
         build_model,
         [

@@ -87,9 +87,11 @@ def topk_routing(
     return routing_probs, routing_map
 
 
+@torch.library.custom_op("gigatron::sinkhorn", mutates_args=())
 def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
     """Sinkhorn-Knopp balancing of exp(cost): rows and columns alternately rescaled until the
-    column factors move less than `tol` on average (S-BASE routing)."""
+    column factors move less than `tol` on average (S-BASE routing). An opaque operator: its loop
+    stops on a value read from the data, which would break a compiled layer's graph."""
     cost = torch.exp(cost)
     d0 = torch.ones(cost.shape[0], device=cost.device, dtype=cost.dtype)
     d1 = torch.ones(cost.shape[1], device=cost.device, dtype=cost.dtype)
@@ -101,6 +103,11 @@ def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
         error = torch.mean(torch.abs(d1_old - d1)).item()
         d1_old = d1
     return d1 * cost * d0.unsqueeze(1)
+
+
+@sinkhorn.register_fake
+def _(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    return torch.empty_like(cost)
 
 
 def sinkhorn_routing(
