@@ -35,12 +35,13 @@ from gigatron.training.timers import Timers
 
 @dataclass
 class TrainState:
-    """Where training stands; saved in and restored from checkpoints."""
+    """Where training stands; saved in and restored from checkpoints (Megatron's names)."""
 
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
+    """Iterations whose update was skipped (a loss-scale overflow or a gradient not finite)."""
     floating_point_operations_so_far: float = 0.0
 
 
