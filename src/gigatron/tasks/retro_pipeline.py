@@ -9,6 +9,7 @@ neighbors embeds every split's sample chunks with the same BERT model and search
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +40,11 @@ from gigatron.errors import GigatronError
 from gigatron.families import get_family
 from gigatron.parallel.context import ParallelContext, destroy
 from gigatron.tasks.retro_embedder import BertChunkEmbedder, load_bert_embedder
-from gigatron.tasks.retro_preprocess import fraction_count
+
+
+def fraction_count(total: int, fraction: float) -> int:
+    """The chunks a load fraction keeps (at least one of a non-empty database)."""
+    return max(1, math.floor(total * fraction)) if total else 0
 
 
 def data_prefixes(cfg: Any) -> list[str]:

@@ -10,7 +10,6 @@ ones. The GPT side is given with the flags of `pretrain gpt` (--data-path, --spl
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -231,7 +230,3 @@ def main(argv: Sequence[str]) -> int:
 
     run_tasks(args, cfg, tasks, sample_counts)
     return 0
-
-
-def fraction_count(total: int, fraction: float) -> int:
-    return max(1, math.floor(total * fraction)) if total else 0
