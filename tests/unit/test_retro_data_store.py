@@ -124,3 +124,27 @@ def test_chunk_length_must_divide_seq_length(project):
     _, prefix, _, train, _ = project
     with pytest.raises(GigatronError, match="--seq-length 128: not a multiple of .* 48"):
         SampleChunks(train, [prefix], SEQ, 48)
+
+
+def test_blocks_resume_after_a_kill_and_are_dealt_to_ranks(tmp_path):
+    from gigatron.data.retro.blocks import read_blocks, run_blocks
+
+    computed = []
+
+    def compute(a, b):
+        if len(computed) == 2 and not (tmp_path / "killed").exists():
+            (tmp_path / "killed").touch()
+            raise KeyboardInterrupt  # the run is killed while computing its third block
+        computed.append((a, b))
+        return np.arange(a, b) * 10
+
+    with pytest.raises(KeyboardInterrupt):
+        run_blocks(tmp_path / "blocks", 23, 5, compute)
+    assert run_blocks(tmp_path / "blocks", 23, 5, compute) == 3  # only the missing blocks
+    assert computed == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 23)]
+    np.testing.assert_array_equal(
+        np.concatenate(read_blocks(tmp_path / "blocks", 23, 5)), np.arange(23) * 10
+    )
+    assert not list((tmp_path / "blocks").glob(".*"))  # no half-written file left
+    ranks = [run_blocks(tmp_path / f"r{r}", 23, 5, lambda a, b: np.zeros(1), r, 2) for r in (0, 1)]
+    assert ranks == [3, 2]

@@ -40,6 +40,7 @@ from gigatron.errors import GigatronError
 from gigatron.families import get_family
 from gigatron.parallel.context import ParallelContext, destroy
 from gigatron.tasks.retro_embedder import BertChunkEmbedder, load_bert_embedder
+from gigatron.training.run import apply_thread_choice
 
 
 def fraction_count(total: int, fraction: float) -> int:
@@ -226,6 +227,7 @@ def run_tasks(
     args: argparse.Namespace, cfg: Any, tasks: list[str], sample_counts: Callable[[Any], Any]
 ) -> None:
     """Run `tasks` in this process (one rank of torchrun, or alone)."""
+    apply_thread_choice()  # the command's edge: one thread choice for the process
     p = cfg.parallel
     pctx = ParallelContext.from_sizes(device=p.device, backend=p.distributed_backend)
     try:
