@@ -100,7 +100,13 @@ def test_store_errors_name_file_and_fix(project, tmp_path):
         RetroNeighbourStore.open(tmp_path, "train")
     with pytest.raises(GigatronError, match="--retro-num-neighbors 4: .* holds 3"):
         RetroNeighbourStore.open(root.root, "train", num_neighbors=4)
-    store = RetroNeighbourStore.open(root.root, "train")
+    with pytest.raises(
+        GigatronError, match="--seq-length 256: .*meta.json holds neighbours for seq length 128"
+    ):
+        RetroNeighbourStore.open(root.root, "train", seq_length=256)
+    with pytest.raises(GigatronError, match="--retro-gpt-chunk-length 64: .* chunk length 32"):
+        RetroNeighbourStore.open(root.root, "train", seq_length=SEQ, chunk_length=64)
+    store = RetroNeighbourStore.open(root.root, "train", seq_length=SEQ, chunk_length=CHUNK)
     _, valid, _ = build_gpt_datasets(gpt_config(train.path, SEQ), gpt_tokenizer(), (20, 2, 0))
     with pytest.raises(GigatronError, match="another GPT dataset"):
         store.check_dataset(valid)

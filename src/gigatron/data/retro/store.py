@@ -99,14 +99,18 @@ class RetroNeighbourStore:
         split: str,
         num_neighbors: int = 2,
         num_retrieved_chunks: int = 2,
+        seq_length: int | None = None,
+        chunk_length: int | None = None,
     ) -> RetroNeighbourStore:
-        """The store of `split` ('train', 'valid' or 'test') in `project_dir`."""
+        """The store of `split` ('train', 'valid' or 'test') in `project_dir`; `seq_length` and
+        `chunk_length`, when given, must be the ones the neighbours were computed for."""
         project = ProjectDir(project_dir)
         read_json(project.config, f"give the --retro-project-dir that {DB_FIX} wrote")
         database = ChunkDatabase(project)
         meta = read_json(project.query_meta(split), QUERY_FIX)
         neighbors = read_array(project.neighbors(split), QUERY_FIX)
         check_query(project, split, meta, neighbors, database)
+        check_lengths(project.query_meta(split), meta, seq_length, chunk_length)
         saved = int(neighbors.shape[2])
         if not 0 < num_neighbors <= saved:
             raise GigatronError(
@@ -181,3 +185,18 @@ def check_query(
             f"for {meta['num_samples']} samples of {seq_length} tokens in {chunk_length}-token "
             f"chunks; the file is damaged, {QUERY_FIX.replace('run', 'rerun')}"
         )
+
+
+def check_lengths(
+    where: Path, meta: dict[str, Any], seq_length: int | None, chunk_length: int | None
+) -> None:
+    """The run's --seq-length and --retro-gpt-chunk-length are the project's."""
+    for flag, given, key in (
+        ("--seq-length", seq_length, "seq_length"),
+        ("--retro-gpt-chunk-length", chunk_length, "chunk_length"),
+    ):
+        if given is not None and int(given) != int(meta[key]):
+            raise GigatronError(
+                f"{flag} {given}: {where} holds neighbours for {key.replace('_', ' ')} "
+                f"{meta[key]}; give {flag} {meta[key]}, or {QUERY_FIX} and {flag} {given}"
+            )
