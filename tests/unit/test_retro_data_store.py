@@ -124,6 +124,9 @@ def test_store_refuses_neighbours_of_another_database(project, tmp_path):
     with pytest.raises(GigatronError, match="another chunk database"):
         RetroNeighbourStore.open(copy.root, "train")
     assert copy.neighbors("train").read_bytes() == before
+    copy.db_meta.write_text(meta.replace('"fingerprint": "', '"fingerprint": "0'))
+    with pytest.raises(GigatronError, match="wiki_text_document: changed since the Retro database"):
+        RetroNeighbourStore.open(copy.root, "train")
 
 
 def test_chunk_length_must_divide_seq_length(project):

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from gigatron.data.indexed import IndexedDataset, missing_files
-from gigatron.data.retro.project import ProjectDir, read_array, read_json
+from gigatron.data.retro.project import ProjectDir, dataset_fingerprint, read_array, read_json
 from gigatron.errors import GigatronError
 
 QUERY_FIX = (
@@ -40,7 +40,7 @@ class ChunkDatabase:
                 f"{project.chunks}: {len(self.chunks)} chunks but {project.db_meta} says "
                 f"{self.meta['num_chunks']}; the database is damaged, {DB_FIX} again"
             )
-        self.datasets = [open_dataset(entry["prefix"]) for entry in self.meta["datasets"]]
+        self.datasets = [open_dataset(entry) for entry in self.meta["datasets"]]
 
     def __len__(self) -> int:
         return int(self.chunks.shape[0])
@@ -60,12 +60,19 @@ class ChunkDatabase:
         return out
 
 
-def open_dataset(prefix: str) -> IndexedDataset:
+def open_dataset(entry: dict[str, str]) -> IndexedDataset:
+    """A dataset the database was built from, unchanged since (its fingerprint)."""
+    prefix = entry["prefix"]
     missing = missing_files(prefix)
     if missing:
         raise GigatronError(
             f"{prefix}: {' and '.join(missing)} not found, but the Retro database was built "
             "from it; put the dataset back or rebuild the project with --retro-tasks build"
+        )
+    if dataset_fingerprint(prefix) != entry["fingerprint"]:
+        raise GigatronError(
+            f"{prefix}: changed since the Retro database was built from it; put the original "
+            "back, or build a new project (another --retro-project-dir) from the new data"
         )
     return IndexedDataset(prefix)
 
