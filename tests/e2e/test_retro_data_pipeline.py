@@ -184,3 +184,35 @@ def test_two_data_parallel_ranks_give_the_one_process_project(built):
     np.testing.assert_array_equal(np.load(dp2.chunks), np.load(project.chunks))
     for split in ("train", "valid"):
         np.testing.assert_array_equal(np.load(dp2.neighbors(split)), flat[split])
+
+
+def test_hugging_face_bert_through_convert_embeds_as_transformers(built, tmp_path, capsys):
+    """A Hugging Face BERT converted with `gigatron convert` embeds each chunk as the mean of
+    transformers' last hidden state between [CLS] and [SEP]."""
+    import transformers
+
+    from gigatron.cli import main as gigatron_main
+
+    _, _, _, project, _ = built
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128,
+                                     max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.BertModel(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    assert gigatron_main(["convert", "--from", "hf", "--to", "gigatron", "--load",
+                          str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")]) == 0  # fmt: skip
+    capsys.readouterr()
+    load = (str(tmp_path / "ckpt"), ParallelContext.single(), gpt_tokenizer(), 128, 4)
+    with pytest.raises(GigatronError, match="names no tokenizer; give --retro-bert-tokenizer-type"):
+        load_bert_embedder(*load, {})
+    flags = {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": str(BERT_VOCAB)}
+    embedder = load_bert_embedder(*load, flags)
+    database = ChunkDatabase(project)
+    chunks = [database.real_tokens(i) for i in (0, 7, 42, 100, 150)]
+    got = embedder(chunks)
+    with torch.no_grad():
+        for row, chunk in zip(got, chunks):
+            ids = torch.tensor([embedder.token_ids(chunk)])
+            expected = hf(ids).last_hidden_state[0, 1:-1].mean(0).numpy()
+            np.testing.assert_allclose(row, expected, rtol=1e-4, atol=1e-5)
