@@ -61,6 +61,7 @@ def test_neighbour_tokens_are_neighbour_and_continuation(project):
     root, _, tokenizer, train, database = project
     store = RetroNeighbourStore.open(root.root, "train")
     assert (store.chunk_length, store.num_neighbors, store.num_retrieved_chunks) == (CHUNK, 2, 2)
+    assert store.eod == tokenizer.eod
     assert len(store) == len(train)
     store.check_dataset(train)
     for sample in (0, 7, len(store) - 1):
@@ -157,3 +158,31 @@ def test_blocks_resume_after_a_kill_and_are_dealt_to_ranks(tmp_path):
     assert not list((tmp_path / "blocks").glob(".*"))  # no half-written file left
     ranks = [run_blocks(tmp_path / f"r{r}", 23, 5, lambda a, b: np.zeros(1), r, 2) for r in (0, 1)]
     assert ranks == [3, 2]
+
+
+def test_blend_samples_name_their_dataset_and_documents(tmp_path):
+    """A blended split: each sample's chunks are the blend's tokens, its documents are
+    (the member's database dataset, that member's sequences)."""
+    from gigatron.data.indexed import IndexedDataset
+
+    tokenizer = gpt_tokenizer()
+    first, second = write_corpus(tmp_path, 15, "a"), write_corpus(tmp_path, 15, "b", skip=15)
+    cfg = gpt_config(first, SEQ)
+    cfg.data.data_path = ["0.3", first, "0.7", second]
+    train, _, _ = build_gpt_datasets(cfg, tokenizer, (30, 2, 0))
+    chunks = SampleChunks(train, [second, first], SEQ, CHUNK)  # database order: b, a
+    datasets = {0: IndexedDataset(second), 1: IndexedDataset(first)}
+    seen = set()
+    for sample in range(len(train)):
+        tokens, dataset_id, documents = chunks.sample(sample)
+        np.testing.assert_array_equal(tokens, train[sample]["tokens"])
+        member = train.datasets[int(train.dataset_index[sample])]
+        assert dataset_id == (0 if member.path == second else 1)
+        stream = np.concatenate([datasets[dataset_id].get(int(d)) for d in documents])
+        assert np.isin(tokens, stream).all()  # the sample's tokens come from those documents
+        seen.add(dataset_id)
+    assert seen == {0, 1}
+    assert (
+        np.concatenate(chunks.tokens(0, 8)).tolist()
+        == np.concatenate([train[0]["tokens"], train[1]["tokens"]]).tolist()
+    )

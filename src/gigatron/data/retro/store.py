@@ -94,6 +94,7 @@ class RetroNeighbourStore:
         self.neighbors = neighbors
         self.meta = meta
         self.chunk_length = database.chunk_length
+        self.eod = database.eod  # the GPT tokenizer's eod id: short chunks and empty slots
         self.seq_length = int(meta["seq_length"])
         self.num_neighbors = num_neighbors
         self.num_retrieved_chunks = num_retrieved_chunks
