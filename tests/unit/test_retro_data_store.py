@@ -186,3 +186,17 @@ def test_blend_samples_name_their_dataset_and_documents(tmp_path):
         np.concatenate(chunks.tokens(0, 8)).tolist()
         == np.concatenate([train[0]["tokens"], train[1]["tokens"]]).tolist()
     )
+
+
+def test_filter_keeps_the_first_allowed_and_pads_with_minus_one(project):
+    from gigatron.data.retro.query import filter_neighbors
+
+    _, _, tokenizer, _, database = project
+    owners = np.array([[0, 3], [0, 3], [0, 4], [0, 5], [0, 6]])  # chunk -> (dataset, document)
+    found = np.array([[0, 2, 1, 3, -1], [1, 0, -1, -1, -1]])
+    banned = [{(0, 3), (0, 5)}, {(0, 3)}]
+    np.testing.assert_array_equal(
+        filter_neighbors(found, banned, owners, 3), [[2, -1, -1], [-1, -1, -1]]
+    )
+    np.testing.assert_array_equal(filter_neighbors(found[:1], [set()], owners, 2), [[0, 2]])
+    assert (database.tokens(-1) == tokenizer.eod).all() and len(database.tokens(-1)) == CHUNK
