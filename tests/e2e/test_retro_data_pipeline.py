@@ -117,6 +117,8 @@ def test_ivf_recall_and_no_own_document(built):
     ]
     recall = sum(hits) / flat["train"].size
     assert recall >= 0.9, recall
+    added = read_json(project.index_dir("IVF16_Flat") / "added.json", "")
+    assert added["ntotal"] == len(ChunkDatabase(project))
     assert not np.array_equal(ivf, flat["train"])  # the IVF search really ran
     store = RetroNeighbourStore.open(project.root, "train")
     datasets = build_gpt_datasets(gpt_config(prefix, SEQ), gpt_tokenizer(), (32, 12, None))
@@ -152,12 +154,19 @@ def test_bad_input_is_refused_and_nothing_is_overwritten(built, tmp_path):
     assert before == {p: p.read_bytes() for p in before}
     # an index of another database (copied in) is refused by query-neighbors
     second = ProjectDir(tmp_path / "second")
-    retro_preprocess(flags(second.root, other, bert, "--retro-tasks", "db-build"))
+    retro_preprocess(flags(second.root, other, bert, "--retro-tasks", "db-build",
+                           "--retro-block-size", "7"))  # fmt: skip
     shutil.copytree(project.index_dir("Flat"), second.index_dir("Flat"))
     with pytest.raises(GigatronError, match="added.faissindex: built for another chunk database"):
         retro_preprocess(flags(second.root, other, bert, "--retro-tasks", "query-neighbors",
                                "--retro-index-str", "Flat"))  # fmt: skip
     assert not second.query_dir("train").exists()
+    # half the database added, block by block (7 chunks each), to an HNSW index
+    retro_preprocess(flags(second.root, other, bert, "--retro-tasks", "index-build",
+                           "--retro-index-str", "HNSW8", "--retro-index-ntrain", "10",
+                           "--retro-index-add-load-fraction", "0.5"))  # fmt: skip
+    added = read_json(second.index_dir("HNSW8") / "added.json", "")
+    assert added["ntotal"] == len(ChunkDatabase(second)) // 2 > 7
 
 
 def test_db_build_resumes_and_query_is_reused(built, capsys):

@@ -179,9 +179,13 @@ class Pipeline:
         a, source = self.args, self.source()
         count = fraction_count(len(ChunkDatabase(self.project)), a.retro_index_add_load_fraction)
         if self.pctx.rank == 0:
-            embeddings = self.embeddings(source, range(count))
+            step = self.embedding_block_size
+            blocks = (
+                self.embeddings(source, range(start, min(count, start + step)))
+                for start in range(0, count, step)
+            )  # one block in memory at a time
             add_to_index(
-                self.project, a.retro_index_str, embeddings, source, a.retro_index_add_load_fraction
+                self.project, a.retro_index_str, blocks, source, a.retro_index_add_load_fraction
             )
 
     def query(self, sample_counts: Callable[[Any], Any]) -> None:
