@@ -242,7 +242,11 @@ def run_tasks(
     """Run `tasks` in this process (one rank of torchrun, or alone)."""
     apply_thread_choice()  # the command's edge: one thread choice for the process
     p = cfg.parallel
-    pctx = ParallelContext.from_sizes(device=p.device, backend=p.distributed_backend)
+    pctx = ParallelContext.from_sizes(
+        device=p.device,
+        backend=p.distributed_backend,
+        timeout_minutes=p.distributed_timeout_minutes,  # rank 0 alone trains the index
+    )
     try:
         Pipeline(args, cfg, pctx).run(tasks, sample_counts)
     finally:
