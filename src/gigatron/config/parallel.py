@@ -107,9 +107,10 @@ class ParallelConfig(Section):
     )
     pipeline_schedule: str = flag_field(
         "1f1b",
-        "pipeline schedule (gigatron's flag): 1f1b (interleaved with virtual stages) or zb-h1 "
-        "(zero bubble: backward split into input- and weight-gradient steps)",
-        choices=["1f1b", "zb-h1"],
+        "pipeline schedule (gigatron's flag): 1f1b (interleaved with virtual stages), zb-h1 "
+        "(zero bubble: backward split into input- and weight-gradient steps) or dualpipev "
+        "(two chunks per rank in a V, with --num-virtual-stages-per-pipeline-rank 2)",
+        choices=["1f1b", "zb-h1", "dualpipev"],
     )
     overlap_p2p_comm: bool = flag_field(
         True,
@@ -144,6 +145,13 @@ class ParallelConfig(Section):
         ):
             found.append(
                 "--pipeline-schedule zb-h1: one model chunk per rank; drop the virtual stages"
+            )
+        if self.pipeline_schedule == "dualpipev" and (
+            self.pipeline_model_parallel_size < 2 or self.num_virtual_stages_per_pipeline_rank != 2
+        ):
+            found.append(
+                "--pipeline-schedule dualpipev: needs --pipeline-model-parallel-size > 1 and "
+                "--num-virtual-stages-per-pipeline-rank 2 (two chunks per rank in a V)"
             )
         return found + self.fsdp_problems()
 
