@@ -342,9 +342,8 @@ def _world_size_rules(cfg: GigatronConfig, world_size: int | None) -> list[str]:
             f"--pipeline-schedule dualpipev: {microbatches} micro-batches per iteration, it "
             f"needs at least 2 x the pipeline size = {2 * pp}; raise --global-batch-size"
         ]
-    if pp > 1 and (p.num_virtual_stages_per_pipeline_rank or 1) > 1 and p.pipeline_schedule != (
-        "dualpipev"
-    ):
+    interleaved = (p.num_virtual_stages_per_pipeline_rank or 1) > 1
+    if pp > 1 and interleaved and p.pipeline_schedule != "dualpipev":
         try:
             check_pipeline_schedule(
                 pp,
