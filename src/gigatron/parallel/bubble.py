@@ -14,10 +14,18 @@ stage 0 has no input gradient to compute.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 
-from gigatron.parallel.schedules import ScheduleObserver
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.pipeline_stage import PipelineStage
+from gigatron.parallel.schedules import ScheduleConfig, ScheduleObserver, forward_backward
 
 Step = tuple[str, int, int]
 
@@ -103,7 +111,8 @@ def simulate(
 
 class StageTimeline(ScheduleObserver):
     """This rank's compute intervals (kind, chunk, micro-batch, start, end) in one or more
-    passes, from the executor's wall clock; `busy_s` sums them."""
+    passes, from the executor's wall clock; `busy_s` sums them (the pass's idle time is its
+    duration minus that)."""
 
     def __init__(self) -> None:
         self.intervals: list[tuple[str, int, int, float, float]] = []
@@ -114,8 +123,75 @@ class StageTimeline(ScheduleObserver):
     def busy_s(self) -> float:
         return sum(end - start for *_, start, end in self.intervals)
 
-    def idle_gaps(self, since: float, until: float | None = None) -> list[float]:
-        """The idle stretches between `since`, the compute intervals and `until` (now)."""
-        until = time.perf_counter() if until is None else until
-        edges = [since] + [t for *_, start, end in self.intervals for t in (start, end)] + [until]
-        return [edges[i + 1] - edges[i] for i in range(0, len(edges), 2)]
+
+# ---- measuring: stages with a calibrated cost ------------------------------------------------
+
+
+class _Timed(torch.autograd.Function):
+    """Identity whose forward and backward each sleep a fixed time: a calibrated compute cost
+    that, unlike real arithmetic, does not compete for the CPU cores of the other stages."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class TimedStage(PipelineStage):
+    """A model stage whose forward, input gradient and weight gradient take `costs` seconds: the
+    input goes through one timed identity, a weight through another (so a split backward runs
+    each alone), and their sum goes on."""
+
+    def __init__(self, hidden_size: int, costs: StepCosts) -> None:
+        super().__init__()
+        self.costs = costs
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, data: torch.Tensor) -> torch.Tensor:
+        x = self.stage_input() if self.input_tensor is not None else data
+        hidden = _Timed.apply(x, self.costs.forward, self.costs.input_grad)
+        return hidden + _Timed.apply(self.weight, 0.0, self.costs.weight_grad)
+
+
+def measure_bubble(
+    pctx: ParallelContext,
+    schedule: str,
+    num_chunks: int,
+    num_microbatches: int,
+    costs: StepCosts,
+    passes: int = 2,
+) -> BubbleReport:
+    """Run `passes` forward-backward passes of TimedStage chunks (each costing `costs` split over
+    the `num_chunks` chunks of a rank) under `schedule` (a --pipeline-schedule value); every
+    pipeline rank gets the pass with the shortest makespan (the one least disturbed by other
+    load): its makespan and each rank's measured compute time."""
+    chunk_costs = StepCosts(*(value / num_chunks for value in dataclasses.astuple(costs)))
+    seq, batch, hidden = 2, 1, 8
+    chunks = [TimedStage(hidden, chunk_costs) for _ in range(num_chunks)]
+    config = ScheduleConfig(seq, batch, hidden, pipeline_schedule=schedule)
+    data = torch.zeros(seq, batch, hidden)
+
+    def forward_step(data_iterator, chunk):
+        next(data_iterator)
+        return chunk(data), lambda out: (out.sum(), torch.tensor(1.0), {})
+
+    best = None
+    for _ in range(passes):
+        timeline = StageTimeline()
+        dist.barrier(group=pctx.group("pp"))
+        began = time.perf_counter()
+        forward_backward(forward_step, itertools.repeat(None), chunks, num_microbatches, pctx,
+                         config, observer=timeline)  # fmt: skip
+        mine = torch.tensor([time.perf_counter() - began, timeline.busy_s()], dtype=torch.float64)
+        everyone = [torch.zeros_like(mine) for _ in range(pctx.pp_size)]
+        dist.all_gather(everyone, mine, group=pctx.group("pp"))
+        report = BubbleReport(max(float(t[0]) for t in everyone), [float(t[1]) for t in everyone])
+        if best is None or report.makespan < best.makespan:
+            best = report
+    return best
