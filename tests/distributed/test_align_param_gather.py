@@ -28,7 +28,7 @@ from gigatron.parallel.schedules import forward_backward
 
 pytestmark = pytest.mark.distributed
 
-ITERATIONS = 4
+ITERATIONS = 3
 MODES = {
     "sync": ["--overlap-grad-reduce"],
     "aligned": ["--overlap-grad-reduce", "--overlap-param-gather"],
