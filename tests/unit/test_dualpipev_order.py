@@ -5,12 +5,15 @@ against hand-counted makespans."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from gigatron.config import parse_config
 from gigatron.errors import GigatronError
 from gigatron.parallel.bubble import StepCosts, simulate, stage_of
-from gigatron.parallel.pipeline import chunk_layer_ranges
+from gigatron.parallel.pipeline import PipelineCommunicator, chunk_layer_ranges
 from gigatron.parallel.schedules import (
     dualpipev_schedule_order,
     pipeline_schedule_order,
@@ -90,3 +93,16 @@ def test_v_placement_and_refusals():
         parse_config(base.split(), world_size=2)
     cfg = parse_config([*base.split(), "--untie-embeddings-and-output-weights"], world_size=2)
     assert cfg.parallel.pipeline_schedule == "dualpipev"
+
+
+def test_nccl_is_refused_because_the_v_streams_cross():
+    """NCCL matches a link's messages by order: at p = 4 rank 0 sends micro-batch 6's activation
+    before micro-batch 0's chunk-1 input gradient, and rank 1 needs them the other way round."""
+    orders = [dualpipev_schedule_order(4, rank, 8) for rank in range(4)]
+    down = (("F", 0), ("B", 1))  # the messages rank 0 sends to rank 1
+    sent = [step for step in orders[0] if step[:2] in down]
+    needed = [step for step in orders[1] if step[:2] in down]
+    assert sorted(sent) == sorted(needed) and sent != needed
+    nccl = SimpleNamespace(backend="nccl")
+    with pytest.raises(GigatronError, match="matches them by order"):
+        PipelineCommunicator(nccl, (2, 1, 8), torch.float32, 8, num_chunks=2, v_shape=True)

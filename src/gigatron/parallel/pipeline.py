@@ -220,6 +220,13 @@ class PipelineCommunicator:
         self.num_chunks = num_chunks
         self.v_shape = v_shape
         self.use_batched = pctx.backend == "nccl"
+        if v_shape and self.use_batched:
+            raise GigatronError(
+                "--pipeline-schedule dualpipev needs a backend that matches pipeline messages by "
+                "tag (gloo): NCCL matches them by order, and the two ends of a link run the V's "
+                "two message streams in different orders; use --distributed-backend gloo or "
+                "another schedule (zb-h1, interleaved 1f1b)"
+            )
         self._recvs: dict[tuple[int, int, int], tuple[torch.Tensor, list]] = {}
         # (work handles, tensor being sent): dropped once the send has completed
         self._sends: dict[tuple[int, int, int], tuple[list, torch.Tensor]] = {}
