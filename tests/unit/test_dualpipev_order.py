@@ -12,6 +12,7 @@ import torch
 
 from gigatron.config import parse_config
 from gigatron.errors import GigatronError
+from gigatron.models.params import count_parameters
 from gigatron.parallel.bubble import StepCosts, simulate, stage_of
 from gigatron.parallel.pipeline import PipelineCommunicator, chunk_layer_ranges
 from gigatron.parallel.schedules import (
@@ -82,7 +83,7 @@ def test_v_placement_and_refusals():
         dualpipev_schedule_order(4, 0, 6)
     base = "--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
     base += "--max-position-embeddings 16 --micro-batch-size 1 --vocab-size 64 "
-    base += "--global-batch-size 4 "
+    base += "--global-batch-size 4 --make-vocab-size-divisible-by 1 "
     base += "--pipeline-model-parallel-size 2 --pipeline-schedule dualpipev"
     with pytest.raises(GigatronError, match="num-virtual-stages-per-pipeline-rank 2"):
         parse_config(base.split(), world_size=2)
@@ -92,7 +93,10 @@ def test_v_placement_and_refusals():
     with pytest.raises(GigatronError, match="--untie-embeddings-and-output-weights"):
         parse_config(base.split(), world_size=2)
     cfg = parse_config([*base.split(), "--untie-embeddings-and-output-weights"], world_size=2)
-    assert cfg.parallel.pipeline_schedule == "dualpipev"
+    # rank 0: embeddings (64 x 32 words + 16 x 32 positions), layers 0-1 and 6-7, the final
+    # norm (2 x 32) and the output layer (64 x 32); rank 1: layers 2-5
+    counts = count_parameters(cfg, 64)
+    assert counts.per_stage == [2560 + 4 * counts.per_layer + 64 + 2048, 4 * counts.per_layer]
 
 
 def test_nccl_is_refused_because_the_v_streams_cross():
