@@ -66,6 +66,13 @@ class ParallelConfig(Section):
     overlap_param_gather: bool = flag_field(
         False, "gather updated parameters during the next forward pass (distributed optimizer)"
     )
+    align_param_gather: bool = flag_field(
+        True,
+        "with --overlap-param-gather, start each chunk's parameter all-gathers at its next "
+        "forward instead of every chunk's together after the optimizer step",
+        flag="--no-align-param-gather",
+        store_false=True,
+    )
     ddp_bucket_size: Optional[int] = flag_field(None, "elements per gradient bucket")
     accumulate_allreduce_grads_in_fp32: bool = flag_field(
         False, "accumulate and reduce gradients in fp32 under bf16/fp16"
@@ -107,9 +114,10 @@ class ParallelConfig(Section):
     )
     pipeline_schedule: str = flag_field(
         "1f1b",
-        "pipeline schedule (gigatron's flag): 1f1b (interleaved with virtual stages) or zb-h1 "
-        "(zero bubble: backward split into input- and weight-gradient steps)",
-        choices=["1f1b", "zb-h1"],
+        "pipeline schedule (gigatron's flag): 1f1b (interleaved with virtual stages), zb-h1 "
+        "(zero bubble: backward split into input- and weight-gradient steps) or dualpipev "
+        "(two chunks per rank in a V, with --num-virtual-stages-per-pipeline-rank 2)",
+        choices=["1f1b", "zb-h1", "dualpipev"],
     )
     overlap_p2p_comm: bool = flag_field(
         True,
@@ -139,11 +147,23 @@ class ParallelConfig(Section):
             found.append(
                 "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
             )
+        if not self.align_param_gather and not self.overlap_param_gather:
+            found.append(
+                "--no-align-param-gather changes when --overlap-param-gather's all-gathers "
+                "start; add --overlap-param-gather or drop it"
+            )
         if self.pipeline_schedule == "zb-h1" and (
             self.num_virtual_stages_per_pipeline_rank or self.num_layers_per_virtual_pipeline_stage
         ):
             found.append(
                 "--pipeline-schedule zb-h1: one model chunk per rank; drop the virtual stages"
+            )
+        if self.pipeline_schedule == "dualpipev" and (
+            self.pipeline_model_parallel_size < 2 or self.num_virtual_stages_per_pipeline_rank != 2
+        ):
+            found.append(
+                "--pipeline-schedule dualpipev: needs --pipeline-model-parallel-size > 1 and "
+                "--num-virtual-stages-per-pipeline-rank 2 (two chunks per rank in a V)"
             )
         return found + self.fsdp_problems()
 

@@ -284,6 +284,15 @@ def _schedule_rules(cfg: GigatronConfig) -> list[str]:
                 "give only one of --num-layers-per-virtual-pipeline-stage and "
                 "--num-virtual-stages-per-pipeline-rank"
             )
+    if p.pipeline_schedule == "dualpipev" and (
+        not m.untie_embeddings_and_output_weights or m.mtp_num_layers
+    ):
+        found.append(
+            "--pipeline-schedule dualpipev puts the first and the last stage on rank 0, where a "
+            "tied output weight (or the multi-token prediction's embedding) would be a second "
+            "copy of the word embedding; add --untie-embeddings-and-output-weights and drop "
+            "--mtp-num-layers, or use another schedule"
+        )
     if (
         t.train_samples is not None
         and t.train_samples > 0
@@ -327,7 +336,14 @@ def _world_size_rules(cfg: GigatronConfig, world_size: int | None) -> list[str]:
             f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp} = "
             f"{t.micro_batch_size * dp}"
         ]
-    if pp > 1 and (p.num_virtual_stages_per_pipeline_rank or 1) > 1:
+    microbatches = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.pipeline_schedule == "dualpipev" and microbatches < 2 * pp:
+        return [
+            f"--pipeline-schedule dualpipev: {microbatches} micro-batches per iteration, it "
+            f"needs at least 2 x the pipeline size = {2 * pp}; raise --global-batch-size"
+        ]
+    interleaved = (p.num_virtual_stages_per_pipeline_rank or 1) > 1
+    if pp > 1 and interleaved and p.pipeline_schedule != "dualpipev":
         try:
             check_pipeline_schedule(
                 pp,

@@ -38,13 +38,17 @@ def build_model_chunks(
             "--num-virtual-stages-per-pipeline-rank / --num-layers-per-virtual-pipeline-stage"
         )
     padded = resolve_vocab_size(cfg, pctx.tp_size, vocab_size)
+    v_shape = is_v_shape(cfg)
     ranges = chunk_layer_ranges(
         cfg.model.num_layers,
         pctx.pp_size,
         vp,
         p.decoder_first_pipeline_num_layers,
         p.decoder_last_pipeline_num_layers,
+        v_shape,
     )[pctx.pp_rank]
+    # The V (DualPipeV) ends where it starts: rank 0's chunk 1 holds the output layer.
+    last_rank = 0 if v_shape else pctx.pp_size - 1
     seed = cfg.training.seed
     rng = ModelParallelRNG.for_rank(seed, pctx)
     chunks = []
@@ -54,7 +58,7 @@ def build_model_chunks(
             chunk = make_chunk(
                 padded,
                 pctx.is_pipeline_first_stage() and index == 0,
-                pctx.is_pipeline_last_stage() and index == len(ranges) - 1,
+                pctx.pp_rank == last_rank and index == len(ranges) - 1,
                 layers,
                 rng,
             )
@@ -74,6 +78,12 @@ def build_model_chunks(
         install_activation_offload(chunk, cfg)
         chunks.append(chunk)
     return chunks
+
+
+def is_v_shape(cfg) -> bool:
+    """Whether the chunks are placed in DualPipeV's V (rank 0 holds the first and the last
+    stage; config/validate.py refuses a tied output weight there)."""
+    return getattr(cfg.parallel, "pipeline_schedule", "1f1b") == "dualpipev"
 
 
 def micro_batch_tokens(cfg, pctx: ParallelContext) -> int | None:

@@ -160,13 +160,16 @@ def _per_stage(cfg, counter: _LayerCounter, layout: _Layout, vocab: int, positio
         p.num_virtual_stages_per_pipeline_rank,
         p.decoder_first_pipeline_num_layers,
         p.decoder_last_pipeline_num_layers,
+        getattr(p, "pipeline_schedule", "1f1b") == "dualpipev",
     )
+    # DualPipeV's V ends on rank 0, which then holds the output layer.
+    output_stage = 0 if getattr(p, "pipeline_schedule", "1f1b") == "dualpipev" else pp - 1
     per_stage = []
     for stage, chunks in enumerate(ranges):
         count = sum(counter.layer(i, tp, layout.ep, layout.etp) for r in chunks for i in r)
         if stage == 0:
             count += vocab * h // tp + positions
-        if stage == pp - 1:
+        if stage == output_stage:
             count += _norm_count(spec) + counter.mtp(tp, layout.ep, layout.etp)
             if not tied or pp > 1:
                 count += vocab * h // tp

@@ -207,6 +207,10 @@ class DistributedDataParallel(ChunkWrapper):
             getattr(parallel_cfg, "use_distributed_optimizer", False)
         )
         self.overlap_param_gather = bool(getattr(parallel_cfg, "overlap_param_gather", False))
+        # --no-align-param-gather: an overlapped all-gather starts at this chunk's next forward
+        # instead of with every chunk's at the end of the optimizer step.
+        self.align_param_gather = bool(getattr(parallel_cfg, "align_param_gather", True))
+        self._gather_deferred = False
         self.per_token_loss = bool(getattr(parallel_cfg, "calculate_per_token_loss", False))
         dp_cp_size = pctx.size("dp_cp")
         bucket_size = getattr(parallel_cfg, "ddp_bucket_size", None)
@@ -380,10 +384,16 @@ class DistributedDataParallel(ChunkWrapper):
     # ---- parameter all-gather (distributed optimizer) ----------------------------------
     def start_param_sync(self, force_sync: bool = False) -> None:
         """All-gather every bucket's updated parameter shards into the parameter buffer; left in
-        flight (waited for in the next forward) with --overlap-param-gather."""
+        flight (waited for in the next forward) with --overlap-param-gather, and then, with
+        --no-align-param-gather, started only by this chunk's next forward."""
         if not self.use_distributed_optimizer:
             return
         async_op = self.overlap_param_gather and not force_sync
+        self._gather_deferred = async_op and not self.align_param_gather
+        if not self._gather_deferred:
+            self._launch_param_gathers(async_op)
+
+    def _launch_param_gathers(self, async_op: bool) -> None:
         for bucket in self.buckets:
             buffer = bucket.buffer
             if buffer.group_size == 1:
@@ -402,7 +412,10 @@ class DistributedDataParallel(ChunkWrapper):
                 self._log("gather_done", bucket)
 
     def finish_param_sync(self) -> None:
-        """Wait for every all-gather still in flight."""
+        """Wait for every all-gather still in flight (starting the deferred ones)."""
+        if self._gather_deferred:
+            self._gather_deferred = False
+            self._launch_param_gathers(async_op=True)
         for bucket in self.buckets:
             self._wait_bucket_gather(bucket)
 
@@ -413,6 +426,9 @@ class DistributedDataParallel(ChunkWrapper):
             self._log("gather_done", bucket)
 
     def _wait_param_gather(self, submodule: nn.Module, args: Any) -> None:
+        if self._gather_deferred:  # this chunk's first forward after the step starts them all
+            self._gather_deferred = False
+            self._launch_param_gathers(async_op=True)
         for param in submodule.parameters(recurse=False):
             bucket = self._bucket_of.get(id(param))
             if bucket is not None:

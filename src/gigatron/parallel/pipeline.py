@@ -18,13 +18,18 @@ def chunk_layer_ranges(
     num_virtual_stages: int | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    v_shape: bool = False,
 ) -> list[list[range]]:
     """Global layer indices of every model chunk: result[pp_rank][virtual_index] -> range.
 
     Layers go to virtual stages round-robin over pipeline ranks, as in Megatron: with pp = 2 and
     2 virtual stages of 2 layers, rank 0 holds layers [0, 1] and [4, 5], rank 1 [2, 3] and [6, 7].
+    `v_shape` (DualPipeV, two chunks per rank): rank r holds stages r and 2 pp - 1 - r, so the
+    model goes down the ranks and back up: rank 0 holds [0, 1] and [6, 7], rank 1 [2, 3], [4, 5].
     """
     vp = num_virtual_stages or 1
+    if v_shape:
+        return v_shape_layer_ranges(num_layers, pp_size, vp)
     if first_stage_layers is not None or last_stage_layers is not None:
         if vp > 1:
             raise GigatronError(
@@ -69,6 +74,22 @@ def chunk_layer_ranges(
     per_stage = num_layers // stages
     return [
         [range((v * pp_size + r) * per_stage, (v * pp_size + r + 1) * per_stage) for v in range(vp)]
+        for r in range(pp_size)
+    ]
+
+
+def v_shape_layer_ranges(num_layers: int, pp_size: int, num_chunks: int) -> list[list[range]]:
+    """DualPipeV's placement: 2 pp stages of equal size, rank r holds stages r and 2 pp - 1 - r."""
+    stages = 2 * pp_size
+    if num_chunks != 2 or num_layers % stages:
+        raise GigatronError(
+            f"--pipeline-schedule dualpipev: needs --num-virtual-stages-per-pipeline-rank 2 "
+            f"(got {num_chunks}) and --num-layers {num_layers} divisible by 2 x the pipeline "
+            f"size = {stages}; change the layer count or the pipeline flags"
+        )
+    per = num_layers // stages
+    return [
+        [range(r * per, (r + 1) * per), range((stages - 1 - r) * per, (stages - r) * per)]
         for r in range(pp_size)
     ]
 
@@ -170,6 +191,10 @@ class PipelineCommunicator:
     Messages are single tensors of `shape`, or, with `stage_shapes` (one chunk per rank), lists
     of tensors: what stage r sends forward has the shapes `stage_shapes(r)`, and so do the
     gradients it receives for them; `recv` then returns a list and `send` takes one.
+
+    `v_shape` (DualPipeV): chunk 0's activations go down the ranks (r to r + 1), chunk 1's back up
+    (r + 1 to r); a message's peer chunk is the same chunk index. The last rank's hand-over from
+    chunk 0 to chunk 1 is local (the schedule's, no message).
     """
 
     def __init__(
@@ -180,6 +205,7 @@ class PipelineCommunicator:
         num_microbatches: int,
         num_chunks: int = 1,
         stage_shapes: StageShapes | None = None,
+        v_shape: bool = False,
     ) -> None:
         if stage_shapes is not None and num_chunks > 1:
             raise GigatronError(
@@ -192,7 +218,15 @@ class PipelineCommunicator:
         self.dtype = dtype
         self.num_microbatches = num_microbatches
         self.num_chunks = num_chunks
+        self.v_shape = v_shape
         self.use_batched = pctx.backend == "nccl"
+        if v_shape and self.use_batched:
+            raise GigatronError(
+                "--pipeline-schedule dualpipev needs a backend that matches pipeline messages by "
+                "tag (gloo): NCCL matches them by order, and the two ends of a link run the V's "
+                "two message streams in different orders; use --distributed-backend gloo or "
+                "another schedule (zb-h1, interleaved 1f1b)"
+            )
         self._recvs: dict[tuple[int, int, int], tuple[torch.Tensor, list]] = {}
         # (work handles, tensor being sent): dropped once the send has completed
         self._sends: dict[tuple[int, int, int], tuple[list, torch.Tensor]] = {}
@@ -232,9 +266,24 @@ class PipelineCommunicator:
             for op, tensor, peer, tag in ops
         ]
 
+    def _downstream(self, chunk: int) -> int:
+        """The rank that a chunk's output goes to (and its output's gradient comes from)."""
+        if self.v_shape and chunk == 1:
+            return self.pctx.prev_pipeline_rank
+        return self.pctx.next_pipeline_rank
+
+    def _upstream(self, chunk: int) -> int:
+        """The rank that a chunk's input comes from (and its input's gradient goes to)."""
+        if self.v_shape and chunk == 1:
+            return self.pctx.next_pipeline_rank
+        return self.pctx.prev_pipeline_rank
+
     # --- receives --------------------------------------------------------------------------
     def _recv_key_and_peer(self, kind: int, chunk: int, microbatch: int) -> tuple[tuple, int, int]:
         pp_rank, pp_size = self.pctx.pp_rank, self.pctx.pp_size
+        if self.v_shape:
+            peer = self._upstream(chunk) if kind == ACTIVATION else self._downstream(chunk)
+            return (kind, chunk, microbatch), peer, self._tag(kind, chunk, microbatch, 0)
         if kind == ACTIVATION:
             # Input of (this rank, chunk) comes from the previous stage of the model.
             peer_chunk = chunk if pp_rank > 0 else chunk - 1
@@ -255,9 +304,7 @@ class PipelineCommunicator:
         ops, keys = [], []
         if send is not None:
             kind, chunk, microbatch, payloads = send
-            peer = (
-                self.pctx.next_pipeline_rank if kind == ACTIVATION else self.pctx.prev_pipeline_rank
-            )
+            peer = self._downstream(chunk) if kind == ACTIVATION else self._upstream(chunk)
             for index, payload in enumerate(payloads):
                 ops.append(("send", payload, peer, self._tag(kind, chunk, microbatch, index)))
             keys.append(("send", (kind, chunk, microbatch), payloads))

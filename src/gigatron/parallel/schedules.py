@@ -29,6 +29,7 @@ from gigatron.parallel.pipeline import (
     PipelineCommunicator,
     StageShapes,
     backward_from_output,
+    deallocate_output,
     pipeline_tensor_shape,
 )
 from gigatron.parallel.pipeline_stage import PipelineStage, no_sync, pipeline_stage
@@ -55,7 +56,7 @@ class ScheduleConfig:
     # `chunk.set_input_tensor` gets a list. None: one hidden-state tensor of
     # [seq(/cp)(/tp with SP), micro-batch, hidden] everywhere.
     stage_shapes: StageShapes | None = None
-    # "1f1b" (interleaved with virtual stages) or "zb-h1" (--pipeline-schedule).
+    # "1f1b" (interleaved with virtual stages), "zb-h1" or "dualpipev" (--pipeline-schedule).
     pipeline_schedule: str = "1f1b"
     # Post each receive one step early, so it overlaps compute (--no-overlap-p2p-communication).
     overlap_p2p_comm: bool = True
@@ -71,6 +72,10 @@ class ScheduleObserver:
     def on_pass_end(self, compute_s: float, recv_wait_s: float) -> None:
         """After a pipelined pass: seconds spent in forward and backward compute, and waiting
         for pipeline receives."""
+
+    def on_compute(self, kind: str, chunk: int, microbatch: int, began: float, ended: float):
+        """After each step's compute in a pipelined pass: its `time.perf_counter()` interval
+        (receives and sends excluded)."""
 
 
 class ScheduleTimes(ScheduleObserver):
@@ -210,6 +215,70 @@ def zb_h1_schedule_order(pp_size: int, pp_rank: int, num_microbatches: int) -> l
     return order + [("W", 0, mb) for mb in range(weights_done, m)]
 
 
+class _OrderBuilder:
+    """Appends the steps of a two-chunk schedule; each chunk takes its micro-batches in order,
+    and split backwards queue their weight-gradient steps (first in, first out)."""
+
+    def __init__(self) -> None:
+        self.order: list[tuple[str, int, int]] = []
+        self.next = {"F": [0, 0], "B": [0, 0]}
+        self.pending: list[tuple[int, int]] = []
+
+    def step(self, kind: str, chunk: int, split: bool = False) -> None:
+        microbatch = self.next[kind][chunk]
+        self.next[kind][chunk] += 1
+        self.order.append((kind, chunk, microbatch))
+        if split:
+            self.pending.append((chunk, microbatch))
+
+    def weights(self) -> None:
+        chunk, microbatch = self.pending.pop(0)
+        self.order.append(("W", chunk, microbatch))
+
+
+def dualpipev_schedule_order(pp_size: int, pp_rank: int, num_microbatches: int) -> list:
+    """DualPipeV (DeepSeek's DualPipe cut in half): two chunks per rank in a V (chunk 0 runs
+    stage r, chunk 1 stage 2 pp - 1 - r; the loss is on rank 0's chunk 1). Each rank warms up
+    with chunk 0's forwards, runs pairs of one chunk's forward and the other's backward, and fills
+    the tail with weight-gradient steps ("W") of split backwards, as DualPipeV's eight phases."""
+    p, r, m = pp_size, pp_rank, num_microbatches
+    if m < 2 * p:
+        raise GigatronError(
+            f"--pipeline-schedule dualpipev: {m} micro-batches per iteration, it needs at least "
+            f"2 x the pipeline size = {2 * p}; raise --global-batch-size"
+        )
+    build = _OrderBuilder()
+    for _ in range(2 * (p - r - 1)):  # 1: chunk 0 warm-up
+        build.step("F", 0)
+    for _ in range(r + 1):  # 2: forwards of both chunks
+        build.step("F", 0)
+        build.step("F", 1)
+    for _ in range(p - r - 1):  # 3: chunk 1 backward (its W at once: the whole backward)
+        build.step("B", 1)
+        build.step("F", 1)
+    for _ in range(m - 2 * p + r + 1):  # 4: the steady state, F0 B1 F1 B0
+        for kind, chunk in (("F", 0), ("B", 1), ("F", 1), ("B", 0)):
+            build.step(kind, chunk)
+    for _ in range(p - r - 1):  # 5: B1 F1 B0
+        for kind, chunk in (("B", 1), ("F", 1), ("B", 0)):
+            build.step(kind, chunk)
+    half = (r + 1) // 2
+    for index in range(r + 1):  # 6: backwards of both chunks, the second half split
+        build.step("B", 1, split=index > half or (index == half and r % 2 == 1))
+        build.step("B", 0, split=index >= half)
+    for _ in range(p - r - 1):  # 7: weight gradients fill the wait for chunk 0's gradients
+        build.weights()
+        build.step("B", 0, split=True)
+    while build.pending:  # 8: the remaining weight gradients
+        build.weights()
+    return build.order
+
+
+def dualpipev_forward_order(num_microbatches: int) -> list[tuple[str, int, int]]:
+    """Forward only (evaluation) with the V placement: chunk 0's forwards, then chunk 1's."""
+    return [("F", chunk, mb) for chunk in (0, 1) for mb in range(num_microbatches)]
+
+
 class _SharedMicrobatches:
     """One data iterator shared by several chunks: chunk k's i-th `next()` returns micro-batch
     i, fetched once from the underlying iterator and dropped when every chunk has read it."""
@@ -291,32 +360,65 @@ class _PipelinePass:
             pctx.cp_size,
             config.sequence_parallel,
         )
+        # DualPipeV: two chunks in a V, the last rank hands chunk 0's output to chunk 1 locally.
+        self.v_shape = config.pipeline_schedule == "dualpipev"
         self.comm = PipelineCommunicator(
             pctx, shape, config.pipeline_dtype, num_microbatches, len(model_chunks),
-            config.stage_shapes,
+            config.stage_shapes, self.v_shape,
         )  # fmt: skip
+        self.local: dict[tuple[int, int, int], Any] = {}
         self.inputs: dict[tuple[int, int], torch.Tensor | list[torch.Tensor] | None] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.reports: list[dict[str, Any]] = []
         self.compute_s = 0.0
-        # ZB-H1: backward split into input-gradient (B) and weight-gradient (W) steps.
-        self.split_backward = config.pipeline_schedule == "zb-h1" and not forward_only
+        # ZB-H1, DualPipeV: the backwards whose weight gradients run in a later W step.
+        self.split: set[tuple[int, int]] = set()
         self.pending_weights: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.observer: ScheduleObserver | None = None
 
     def is_first_stage(self, chunk: int) -> bool:
         return self.pp_rank == 0 and chunk == 0
 
     def is_last_stage(self, chunk: int) -> bool:
+        if self.v_shape:
+            return self.pp_rank == 0 and chunk == 1
         return self.pp_rank == self.pp_size - 1 and chunk == len(self.chunks) - 1
+
+    def is_local(self, kind: int, chunk: int) -> bool:
+        """Whether (kind, chunk)'s incoming message is a hand-over on this rank (DualPipeV's
+        turn at the last rank: chunk 0's output is chunk 1's input)."""
+        if not self.v_shape or self.pp_rank != self.pp_size - 1:
+            return False
+        return chunk == (1 if kind == ACTIVATION else 0)
 
     def needed_recv(self, step: tuple[str, int, int]) -> int | None:
         """What a step receives before it runs: an activation, a gradient, or nothing."""
         kind, chunk, _ = step
         if kind == "F":
-            return None if self.is_first_stage(chunk) else ACTIVATION
-        if kind == "W":
+            needed = None if self.is_first_stage(chunk) else ACTIVATION
+        elif kind == "W":
             return None
-        return None if self.is_last_stage(chunk) else GRADIENT
+        else:
+            needed = None if self.is_last_stage(chunk) else GRADIENT
+        return None if needed is None or self.is_local(needed, chunk) else needed
+
+    def receive(self, kind: int, chunk: int, mb: int) -> Any:
+        """The message (kind, chunk, mb): from the peer stage, or handed over on this rank."""
+        if self.is_local(kind, chunk):
+            return self.local.pop((kind, chunk, mb))
+        return self.comm.recv(kind, chunk, mb)
+
+    def deliver(self, kind: int, chunk: int, mb: int, tensor: Any, then_recv, free=None) -> None:
+        """Send (kind, chunk, mb)'s result on, or hand it to this rank's other chunk."""
+        other = 1 - chunk
+        if self.is_local(kind, other):
+            # What a receive would give: a tensor of its own outside this chunk's graph.
+            self.local[(kind, other, mb)] = tensor.detach().clone()
+            deallocate_output(free)
+            if then_recv is not None:
+                self.comm.post_recv(*then_recv)
+            return
+        self.comm.send(kind, chunk, mb, tensor, free_after=free, then_recv=then_recv)
 
     def prefetch_plan(self, order: list[tuple[str, int, int]]) -> list[tuple[int, int, int] | None]:
         """The receive each step starts for a later one (the next step that needs a receive), so
@@ -335,6 +437,8 @@ class _PipelinePass:
     def run(self, order: list[tuple[str, int, int]], observer: ScheduleObserver | None):
         """Every step of `order`; returns the last stage's reports."""
         next_recv = self.prefetch_plan(order)
+        self.observer = observer
+        self.split = {(chunk, mb) for kind, chunk, mb in order if kind == "W"}
         for index, step in enumerate(order):
             kind, chunk_id, mb = step
             if observer is not None:
@@ -355,7 +459,7 @@ class _PipelinePass:
     def forward(self, chunk_id: int, mb: int, then_recv: tuple[int, int, int] | None) -> None:
         input_tensor = None
         if not self.is_first_stage(chunk_id):
-            input_tensor = self.comm.recv(ACTIVATION, chunk_id, mb)
+            input_tensor = self.receive(ACTIVATION, chunk_id, mb)
             if not self.forward_only:
                 for received in _as_list(input_tensor):
                     received.requires_grad_(True)
@@ -368,9 +472,9 @@ class _PipelinePass:
                 output, loss_fn, self.num_microbatches, self.config, self.forward_only
             )
             self.reports.append(report)
-        self.compute_s += time.perf_counter() - began
+        self.computed("F", chunk_id, mb, began)
         if not last_stage:
-            self.comm.send(ACTIVATION, chunk_id, mb, output, free_after=output, then_recv=then_recv)
+            self.deliver(ACTIVATION, chunk_id, mb, output, then_recv, free=output)
         if not self.forward_only:
             self.inputs[(chunk_id, mb)] = input_tensor
             self.outputs[(chunk_id, mb)] = output
@@ -378,14 +482,14 @@ class _PipelinePass:
     def backward(self, chunk_id: int, mb: int, then_recv: tuple[int, int, int] | None) -> None:
         grad_output = None
         if not self.is_last_stage(chunk_id):
-            grad_output = self.comm.recv(GRADIENT, chunk_id, mb)
+            grad_output = self.receive(GRADIENT, chunk_id, mb)
             self.comm.wait_send(ACTIVATION, chunk_id, mb)
         input_tensor = self.inputs.pop((chunk_id, mb))
         output = self.outputs.pop((chunk_id, mb))
         began = time.perf_counter()
         # The last stage's loss turns its saved logits into the gradient in place (one backward
         # only): its B step is the whole backward and its W step has nothing left to do.
-        if self.split_backward and not self.is_last_stage(chunk_id):
+        if (chunk_id, mb) in self.split and not self.is_last_stage(chunk_id):
             # ZB-H1's B: the input's gradient only; the weights' wait for the W step.
             if input_tensor is not None:
                 received = tuple(_as_list(input_tensor))
@@ -394,11 +498,11 @@ class _PipelinePass:
         else:
             with self.grad_sync(chunk_id, mb):
                 backward_from_output(output, grad_output)
-        self.compute_s += time.perf_counter() - began
+        self.computed("B", chunk_id, mb, began)
         del output, grad_output
         if input_tensor is not None:
             grad_input = _received_grads(input_tensor)
-            self.comm.send(GRADIENT, chunk_id, mb, grad_input, then_recv=then_recv)
+            self.deliver(GRADIENT, chunk_id, mb, grad_input, then_recv)
 
     def grad_sync(self, chunk_id: int, mb: int) -> contextlib.AbstractContextManager:
         """Gradient reduction (DDP) runs only with each chunk's last micro-batch."""
@@ -414,7 +518,14 @@ class _PipelinePass:
         began = time.perf_counter()
         with self.grad_sync(chunk_id, mb):
             backward_from_output(output, grad_output, inputs=weights)
-        self.compute_s += time.perf_counter() - began
+        self.computed("W", chunk_id, mb, began)
+
+    def computed(self, kind: str, chunk_id: int, mb: int, began: float) -> None:
+        """Account a step's compute interval (it started at `began`)."""
+        ended = time.perf_counter()
+        self.compute_s += ended - began
+        if self.observer is not None:
+            self.observer.on_compute(kind, chunk_id, mb, began, ended)
 
 
 def set_aux_loss_scale(
@@ -458,8 +569,20 @@ def forward_backward(
             forward_step, data_iterator, model_chunks, num_microbatches, config, forward_only,
             observer,
         )  # fmt: skip
-    # 1F1B with one chunk per rank, interleaved 1F1B with several (virtual stages), ZB-H1.
-    if config.pipeline_schedule == "zb-h1" and not forward_only:
+    # 1F1B with one chunk per rank, interleaved 1F1B with several (virtual stages), ZB-H1,
+    # DualPipeV (two chunks in a V).
+    if config.pipeline_schedule == "dualpipev":
+        if len(model_chunks) != 2:
+            raise GigatronError(
+                "--pipeline-schedule dualpipev: two model chunks per rank; give "
+                "--num-virtual-stages-per-pipeline-rank 2"
+            )
+        order = (
+            dualpipev_forward_order(num_microbatches)
+            if forward_only
+            else dualpipev_schedule_order(pctx.pp_size, pctx.pp_rank, num_microbatches)
+        )
+    elif config.pipeline_schedule == "zb-h1" and not forward_only:
         if len(model_chunks) > 1:
             raise GigatronError(
                 "--pipeline-schedule zb-h1: one model chunk per rank only; drop the virtual "
