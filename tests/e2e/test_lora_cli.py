@@ -2,7 +2,8 @@
 so it loads at any layout, and --save-hf, its transformers folder); LoRA runs fine-tune it
 through --pretrained-checkpoint. Checked: the validation loss improves from the base's (new
 adapters change nothing); the start-up record counts the adapters as the trainable parameters;
-checkpoints hold the adapters only and resume exactly; tp 2 trains the losses of one process;
+checkpoints hold the adapters only and resume exactly; tp 2 and FSDP (its torch_dist checkpoints
+resumed at one process, its base read with --load --finetune) train the losses of one process;
 `convert --merge-lora` (a gigatron checkpoint re-split to tp 2, and a Hugging Face folder), the
 run's own --save-hf folders (adapters merged, also from tp 2) and
 `convert --to peft` (loaded by `peft` on the base's transformers model) give the adapted
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from inference_helpers import start_server, stop_server
+from torch.distributed.checkpoint import FileSystemReader
 
 from gigatron.checkpoint.pipeline import Target, convert
 from gigatron.models.lora import is_adapter_name
@@ -52,10 +54,19 @@ def runs(tmp_path_factory) -> Path:
             "tp2": (2, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--tensor-model-parallel-size",
                         "2", "--exit-interval", "5", "--metrics-file", root / "tp2.jsonl",
                         "--save", root / "tp2", "--save-hf", root / "tp2_hf"]),
+            # FSDP, torch_dist saves, the base from --load --finetune (torch_dist) this time.
+            "fsdp": (2, ["pretrain", "gpt", *LLAMA, *LORA, "--load", root / "base", "--finetune",
+                         "--use-torch-fsdp2", "--ckpt-format", "torch_dist", "--exit-interval",
+                         "5", "--save-interval", "3", "--save", root / "fsdp", "--metrics-file",
+                         root / "fsdp.jsonl"]),
             "lora": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--eval-at-start", "--save",
                          root / "lora", "--save-interval", "10", "--save-hf", root / "lora_hf"]),
             "resume": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--load", root / "lora",
                            "--ckpt-step", "10", "--metrics-file", root / "resume.jsonl"]),
+            "fsdp_resume": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--load", root / "fsdp",
+                                "--ckpt-step", "3", "--ckpt-format", "torch_dist",
+                                "--exit-interval", "5", "--metrics-file",
+                                root / "fsdp_resume.jsonl"]),
             "merged": (1, ["convert", *lora, "--to", "gigatron", "--merge-lora", "--save",
                            root / "merged", "--target-tensor-parallel-size", "2"]),
             "merged_hf": (1, ["convert", *lora, "--to", "hf", "--merge-lora", "--save",
@@ -115,6 +126,22 @@ def test_lora_at_tp2_trains_as_one_process(runs):
     for iteration, loss in tp2.items():
         assert loss == pytest.approx(tp1[iteration], rel=1e-5), iteration
     assert tp1[5] != pytest.approx(tp1[1], rel=1e-3)  # the adapters did train
+
+
+def test_lora_with_fsdp_and_torch_dist_checkpoints(runs):
+    """FSDP (dp 2) trains the one-process losses; its torch_dist checkpoints hold the adapters
+    only and resume at another layout (one process) exactly."""
+    fsdp, tp1 = train_values(runs / "fsdp.jsonl"), train_values(runs / "lora")
+    assert sorted(fsdp) == list(range(1, 6))
+    for iteration, loss in fsdp.items():
+        assert loss == pytest.approx(tp1[iteration], rel=1e-5), iteration
+    names = FileSystemReader(runs / "fsdp" / "iter_0000003").read_metadata().state_dict_metadata
+    model = [name for name in names if name.startswith("model.")]
+    assert len(model) == 2 * 4 * 2 and all(is_adapter_name(n) for n in model)
+    resumed = train_values(runs / "fsdp_resume.jsonl")
+    assert sorted(resumed) == [4, 5]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(fsdp[iteration], rel=1e-6), iteration
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:

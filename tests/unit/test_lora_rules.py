@@ -25,7 +25,6 @@ FLAGS = [*tiny_gpt_flags(), "--global-batch-size", "2", "--lr", "1e-3", "--train
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        (["--ckpt-format", "torch_dist"], "adapter-only checkpoints are written in the torch"),
         (["--lora-rank", "0"], "--lora-rank is 0; it must be positive"),
         (["--lora-dropout", "1"], "--lora-dropout 1.0 must lie in [0, 1)"),
     ],
