@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from inference_helpers import start_server, stop_server
+from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from gigatron.checkpoint.pipeline import Target, convert
@@ -38,6 +39,11 @@ LLAMA = [
 ]  # fmt: skip
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LORA = ["--lora-target-modules", *TARGETS, "--lora-rank", "4", "--lora-alpha", "8"]
+# LoRA on the experts too (linear_fc1/fc2 name them): from the same random base at ep 2 and 1.
+MOE = [
+    *LLAMA, *LORA, "--num-experts", "4", "--moe-router-topk", "2", "--exit-interval", "3",
+    "--save-interval", "3",
+]  # fmt: skip
 TOKENS = torch.tensor([[3, 17, 40, 41, 99, 5, 64, 12, 7, 100, 33, 2]])
 
 
@@ -59,6 +65,9 @@ def runs(tmp_path_factory) -> Path:
                          "--use-torch-fsdp2", "--ckpt-format", "torch_dist", "--exit-interval",
                          "5", "--save-interval", "3", "--save", root / "fsdp", "--metrics-file",
                          root / "fsdp.jsonl"]),
+            "moe_ep2": (2, ["pretrain", "gpt", *MOE, "--expert-model-parallel-size", "2",
+                            "--save-hf", root / "moe_ep2_hf", "--metrics-file",
+                            root / "moe_ep2.jsonl"]),
             "lora": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--eval-at-start", "--save",
                          root / "lora", "--save-interval", "10", "--save-hf", root / "lora_hf"]),
             "resume": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--load", root / "lora",
@@ -67,6 +76,8 @@ def runs(tmp_path_factory) -> Path:
                                 "--ckpt-step", "3", "--ckpt-format", "torch_dist",
                                 "--exit-interval", "5", "--metrics-file",
                                 root / "fsdp_resume.jsonl"]),
+            "moe_ep1": (1, ["pretrain", "gpt", *MOE, "--save-hf", root / "moe_ep1_hf",
+                            "--metrics-file", root / "moe_ep1.jsonl"]),
             "merged": (1, ["convert", *lora, "--to", "gigatron", "--merge-lora", "--save",
                            root / "merged", "--target-tensor-parallel-size", "2"]),
             "merged_hf": (1, ["convert", *lora, "--to", "hf", "--merge-lora", "--save",
@@ -142,6 +153,25 @@ def test_lora_with_fsdp_and_torch_dist_checkpoints(runs):
     assert sorted(resumed) == [4, 5]
     for iteration, loss in resumed.items():
         assert loss == pytest.approx(fsdp[iteration], rel=1e-6), iteration
+
+
+def test_lora_on_moe_experts_at_ep2_trains_as_ep1(runs):
+    """Expert adapters split over ep 2 train the losses of one process, and the --save-hf
+    folders (adapters merged into each expert's weights) hold the same tensors."""
+    ep2, ep1 = train_values(runs / "moe_ep2.jsonl"), train_values(runs / "moe_ep1.jsonl")
+    assert sorted(ep2) == [1, 2, 3] and ep1[3] != pytest.approx(ep1[1], rel=1e-3)
+    for iteration, loss in ep2.items():
+        assert loss == pytest.approx(ep1[iteration], rel=1e-5), iteration
+    (startup,) = records(runs / "moe_ep1.jsonl", "startup")
+    # Attention adapters as the dense model's; per layer, 4 experts' fc1 and fc2 adapters.
+    dense = 4 * (64 + 128) + 4 * (64 + 64)
+    experts = 4 * (4 * (64 + 2 * 128) + 4 * (128 + 64))
+    assert startup["trainable_parameters"] == 2 * (dense + experts)
+    one = load_file(runs / "moe_ep1_hf" / "iter_0000003" / "model.safetensors")
+    two = load_file(runs / "moe_ep2_hf" / "iter_0000003" / "model.safetensors")
+    assert one.keys() == two.keys() and any("experts" in name for name in one)
+    for name, tensor in one.items():
+        torch.testing.assert_close(two[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:

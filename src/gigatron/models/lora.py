@@ -12,7 +12,9 @@ new adapter leaves the model unchanged. Adapters follow the base layer's tensor 
   is, its partial products summed over tp (reduce-scattered under sequence parallelism), B is
   whole (marked `sequence_parallel` under sequence parallelism, where it sees a slice).
 So every tp layout computes the tp = 1 adapter, and the full A and B are `merge_partitions` of
-the slices. Names: `<layer>.adapter.linear_in.weight`, `<layer>.adapter.linear_out.weight`; the
+the slices. An MoE layer's stacked expert weights (`mlp.experts.linear_fc1` / `linear_fc2`) get
+an `ExpertLoRAAdapter`: one A and B per expert, split over ep as the experts are (GroupedExperts
+adds its output). Names: `<layer>.adapter.linear_in.weight`, `<layer>.adapter.linear_out.weight`; the
 base parameters keep their names, frozen. A chunk with adapters saves only them
 (`state_dict`) and loads a checkpoint that has only the adapters or only the base (docs/lora.md).
 """
@@ -133,6 +135,57 @@ class LoRAAdapter(nn.Module):
         return (b @ a) * self.spec.scale
 
 
+class ExpertLoRAAdapter(nn.Module):
+    """Per-expert low-rank branches of an MoE layer's stacked expert weight [E, out, in]
+    (`mlp.experts.linear_fc1` / `linear_fc2`): A = `linear_in.weight` [E, rank, in], B =
+    `linear_out.weight` [E, out, rank], split over expert parallelism as the weight is (this
+    rank's experts along dim 0; gradients reduced over the expert-data-parallel group). Its
+    forward takes the experts' input rows sorted by local expert (GroupedExperts' contract)."""
+
+    def __init__(self, holder: nn.Module, spec: LoRASpec, pctx: ParallelContext) -> None:
+        super().__init__()
+        if pctx.etp_size > 1:
+            raise GigatronError(
+                f"--lora-target-modules on MoE experts with --expert-tensor-parallel-size "
+                f"{pctx.etp_size}: expert adapters need whole experts; pass "
+                "--expert-tensor-parallel-size 1"
+            )
+        self.spec = spec
+        weight = holder.weight
+        experts, local_out, local_in = weight.shape
+        options = dict(dtype=weight.dtype, device=weight.device)
+        self.linear_in = _Stacked(torch.empty(experts, spec.rank, local_in, **options))
+        self.linear_out = _Stacked(torch.empty(experts, local_out, spec.rank, **options))
+        a, b = self.linear_in.weight, self.linear_out.weight
+        set_tensor_parallel_attributes(a, False, init="normal", init_std=local_in**-0.5)
+        set_tensor_parallel_attributes(b, False, init="zeros")
+        a.expert_parallel = b.expert_parallel = True
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if self.training and self.spec.dropout > 0.0:
+            x = F.dropout(x, self.spec.dropout)
+        a, b = self.linear_in.weight, self.linear_out.weight
+        blocks = x.split(tokens_per_expert.tolist())
+        out = [F.linear(F.linear(block, a[e]), b[e]) for e, block in enumerate(blocks)]
+        return torch.cat(out) * self.spec.scale
+
+    def delta_weight(self) -> torch.Tensor:
+        """This rank's experts' `scale * B @ A` [E, out, in], shaped as the stacked weight."""
+        a, b = self.linear_in.weight.float(), self.linear_out.weight.float()
+        return torch.matmul(b, a) * self.spec.scale
+
+
+class _Stacked(nn.Module):
+    """Holds one stacked adapter weight, so that names read `linear_in.weight`."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(data)
+
+
+ADAPTERS = (LoRAAdapter, ExpertLoRAAdapter)
+
+
 def _add_adapter_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     return output + getattr(module, ADAPTER)(args[0])
 
@@ -140,7 +193,7 @@ def _add_adapter_output(module: nn.Module, args: tuple, output: torch.Tensor) ->
 def adapted_layers(chunk: nn.Module) -> Iterable[tuple[str, nn.Module]]:
     """(name, layer) of every layer of `chunk` holding an adapter."""
     for name, module in chunk.named_modules():
-        if isinstance(getattr(module, ADAPTER, None), LoRAAdapter):
+        if isinstance(getattr(module, ADAPTER, None), ADAPTERS):
             yield name, module
 
 
@@ -162,17 +215,15 @@ def add_lora_adapters(
         for name, module in list(chunk.named_modules()):
             if name.rsplit(".", 1)[-1] not in spec.targets:
                 continue
-            if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
-                raise GigatronError(
-                    f"--lora-target-modules: {name} is a {type(module).__name__}, not a "
-                    "tensor-parallel linear layer; leave it out"
-                )
-            adapter = LoRAAdapter(module, spec, pctx, getattr(chunk, "rng", None))
+            adapter = _new_adapter(name, module, spec, pctx, getattr(chunk, "rng", None))
             setattr(module, ADAPTER, adapter)
-            handles.append(module.register_forward_hook(_add_adapter_output))
+            if isinstance(adapter, LoRAAdapter):  # expert adapters: GroupedExperts adds them
+                handles.append(module.register_forward_hook(_add_adapter_output))
             for pname, param in adapter.named_parameters():
                 param.init_name = f"{name}.{ADAPTER}.{pname}"
-            initialize_parameters(adapter, seed, pctx.tp_rank, pctx.tp_size)
+            initialize_parameters(
+                adapter, seed, pctx.tp_rank, pctx.tp_size, pctx.ep_rank, pctx.ep_size
+            )
             found += 1
         handles.append(chunk.register_state_dict_post_hook(_keep_adapters))
         handles.append(chunk.register_load_state_dict_post_hook(_allow_adapter_or_base_only))
@@ -182,6 +233,21 @@ def add_lora_adapters(
             f"--lora-target-modules {' '.join(spec.targets)}: the model has no such layer; "
             f"choose from {', '.join(TARGETS)}"
         )
+
+
+def _new_adapter(name: str, module: nn.Module, spec: LoRASpec, pctx: ParallelContext, rng: Any):
+    """The adapter of target layer `module`: a tensor-parallel linear layer's, or the per-expert
+    one of an MoE layer's stacked expert weight."""
+    if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        return LoRAAdapter(module, spec, pctx, rng)
+    parent = name.rsplit(".", 2)[-2] if name.count(".") else ""
+    weight = getattr(module, "weight", None)
+    if parent == "experts" and isinstance(weight, nn.Parameter) and weight.dim() == 3:
+        return ExpertLoRAAdapter(module, spec, pctx)
+    raise GigatronError(
+        f"--lora-target-modules: {name} is a {type(module).__name__}, not a tensor-parallel "
+        "linear layer nor an MoE layer's expert weights; leave it out"
+    )
 
 
 def _keep_adapters(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
@@ -202,6 +268,7 @@ def merged_weights(chunk: nn.Module) -> dict[str, torch.Tensor]:
         merged = layer.weight + adapter.delta_weight().to(layer.weight.dtype)
         for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
             setattr(merged, attribute, getattr(layer.weight, attribute))
+        merged.expert_parallel = getattr(layer.weight, "expert_parallel", False)
         tensors[f"{name}.weight"] = merged
     return {name: t for name, t in tensors.items() if not is_adapter_name(name)}
 
