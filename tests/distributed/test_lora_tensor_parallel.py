@@ -1,11 +1,14 @@
 """LoRA adapters at tensor parallel size 2, with and without sequence parallelism, equal the
-single-process model: logits, loss and every adapter gradient (gathered to full tensors); the
-base gets no gradient; folding the adapters into the weights (`merge_adapters`) keeps the
-logits; an adapted chunk saves and loads its adapters only. In the same launch, LoRA on an MoE
+single-process model, plain LoRA and DoRA (--lora-dora: a magnitude per output row): logits,
+loss and every adapter gradient (gathered to full tensors); the base gets no gradient; folding
+the adapters into the weights (`merge_adapters`) keeps the logits; an adapted chunk saves and
+loads its adapters only. In the same launch, LoRA on an MoE
 model's experts (per-expert adapters of the stacked expert weights) at ep 2 equals ep 1: loss and
 every adapter gradient (expert adapters gathered over ep), and merging keeps the logits."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -26,16 +29,18 @@ pytestmark = pytest.mark.distributed
 
 SEQ, BATCH, VOCAB = 16, 2, 100
 SPEC = LoRASpec(("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), rank=4, alpha=8.0)
+DORA = dataclasses.replace(SPEC, dora=True)
 
 
-def _adapted_model(tp: int, sequence_parallel: bool, pctx: ParallelContext):
+def _adapted_model(tp: int, sequence_parallel: bool, pctx: ParallelContext, spec=SPEC):
     cfg = tiny_tp_config(SEQ, tp, sequence_parallel)
     m = cfg.model
     m.num_attention_heads, m.group_query_attention, m.num_query_groups = 4, True, 2
     m.swiglu, m.normalization, m.position_embedding_type = True, "RMSNorm", "rope"
     (model,) = build_model(cfg, pctx)
-    add_lora_adapters([model], SPEC, pctx, seed=5)
-    # B starts at zero; give every adapter weight a full random value (the same on any layout).
+    add_lora_adapters([model], spec, pctx, seed=5)
+    # B starts at zero; give every adapter weight a full random value (the same on any layout),
+    # DoRA's magnitudes (||W|| to start) a random factor.
     with torch.no_grad():
         for name, param in model.named_parameters():
             if is_adapter_name(name):
@@ -48,7 +53,7 @@ def _adapted_model(tp: int, sequence_parallel: bool, pctx: ParallelContext):
                     full = slice_for_rank(
                         full, param.partition_dim, param.partition_stride, pctx.tp_rank, tp
                     )
-                param.copy_(full)
+                param.copy_(param * (1 + full) if name.endswith("magnitude") else full)
     return model
 
 
@@ -60,22 +65,28 @@ def _gather_logits(logits: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
 
 def _compare(rank: int, world_size: int) -> None:
     pctx = ParallelContext.from_sizes(tp=world_size)
-    single = ParallelContext.single()
     generator = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    for spec in (SPEC, DORA):
+        _compare_spec(spec, pctx, tokens, labels)
+
+
+def _compare_spec(spec: LoRASpec, pctx: ParallelContext, tokens, labels) -> None:
+    single, world_size = ParallelContext.single(), pctx.tp_size
     mask = torch.ones(BATCH, SEQ)
     positions = torch.arange(SEQ).expand(BATCH, SEQ)
-    reference = _adapted_model(1, False, single)
+    reference = _adapted_model(1, False, single, spec)
     ref_logits = reference(tokens, positions)
     ref_loss, _, _ = gpt_loss(labels, mask, single, 0.0, ref_logits)
     ref_loss.backward()
     ref_params = dict(reference.named_parameters())
     trainable = [n for n, p in reference.named_parameters() if p.requires_grad]
     assert trainable and all(is_adapter_name(n) for n in trainable)
-    assert len(trainable) == 2 * 4 * 2  # A and B of 4 layers in each of 2 layers
+    # A and B (DoRA: and the magnitude) of 4 layers in each of 2 layers
+    assert len(trainable) == 2 * 4 * (3 if spec.dora else 2)
     for sequence_parallel in (False, True):
-        model = _adapted_model(world_size, sequence_parallel, pctx)
+        model = _adapted_model(world_size, sequence_parallel, pctx, spec)
         logits = model(tokens, positions)
         torch.testing.assert_close(_gather_logits(logits, pctx), ref_logits.detach())
         loss, _, _ = gpt_loss(labels, mask, pctx, 0.0, logits)
@@ -96,7 +107,7 @@ def _compare(rank: int, world_size: int) -> None:
     model.load_state_dict({k: torch.zeros_like(v) for k, v in state.items()})
     assert all(p.abs().sum() == 0 for n, p in model.named_parameters() if is_adapter_name(n))
     # Merged weights compute the adapted model.
-    model = _adapted_model(world_size, False, pctx)
+    model = _adapted_model(world_size, False, pctx, spec)
     with torch.no_grad():
         adapted = _gather_logits(model(tokens, positions), pctx)
         merge_adapters([model])

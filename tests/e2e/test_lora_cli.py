@@ -78,6 +78,13 @@ def runs(tmp_path_factory) -> Path:
                                 root / "fsdp_resume.jsonl"]),
             "moe_ep1": (1, ["pretrain", "gpt", *MOE, "--save-hf", root / "moe_ep1_hf",
                             "--metrics-file", root / "moe_ep1.jsonl"]),
+            "dora": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--lora-dora", "--eval-at-start",
+                         "--exit-interval", "5", "--save", root / "dora", "--metrics-file",
+                         root / "dora.jsonl"]),
+            "dora_peft": (1, ["convert", "--from", "gigatron", "--load", root / "dora", "--to",
+                              "peft", "--save", root / "dora_peft"]),
+            "dora_hf": (1, ["convert", "--from", "gigatron", "--load", root / "dora", "--to",
+                            "hf", "--merge-lora", "--save", root / "dora_hf", "--no-tokenizer"]),
             "merged": (1, ["convert", *lora, "--to", "gigatron", "--merge-lora", "--save",
                            root / "merged", "--target-tensor-parallel-size", "2"]),
             "merged_hf": (1, ["convert", *lora, "--to", "hf", "--merge-lora", "--save",
@@ -248,3 +255,21 @@ def test_serve_with_the_adapters_answers_as_generate(runs):
     (record,) = [json.loads(line) for line in (runs / "generated.jsonl").read_text().splitlines()]
     served = answer["tokens"][0][4:]
     assert served and served == record["tokens"][: len(served)]
+
+
+def test_dora_merged_and_peft_exports_give_the_adapted_logits(runs):
+    """--lora-dora: a new adapter leaves the base's loss; after training, the merged Hugging Face
+    folder and the PEFT export (use_dora, loaded by peft) give the adapted model's logits."""
+    (start,) = [r for r in records(runs / "dora.jsonl", "eval") if r["iteration"] == 0]
+    assert start["lm_loss"] == pytest.approx(eval_record(runs / "base", "valid")["lm_loss"])
+    adapted = _logits(checkpoint_model(runs / "base", lora=runs / "dora"))
+    assert (adapted - _logits(checkpoint_model(runs / "base"))).abs().max() > 1e-2
+    config = json.loads((runs / "dora_peft" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+    names = load_file(runs / "dora_peft" / "adapter_model.safetensors")
+    assert sum(name.endswith("lora_magnitude_vector") for name in names) == 2 * 7
+    base_hf = runs / "base_hf" / "iter_0000020"
+    peft_logits = transformers_logits(base_hf, TOKENS, peft=runs / "dora_peft")
+    torch.testing.assert_close(peft_logits, adapted, rtol=1e-5, atol=1e-5)
+    merged = transformers_logits(runs / "dora_hf", TOKENS)
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)

@@ -247,6 +247,7 @@ def _fsdp_rules(cfg: GigatronConfig, world_size: int | None) -> list[str]:
             (bool(cfg.moe.num_experts), "--num-experts (expert parallelism)"),
             (t.fp16, "--fp16 (use --bf16)"),
             (bool(cfg.checkpoint.save_hf), "--save-hf"),
+            (cfg.model.lora_dora, "--lora-dora"),
             (cfg.optimizer.optimizer == "muon", "--optimizer muon"),
         )
         if enabled
