@@ -2,7 +2,8 @@
 so it loads at any layout, and --save-hf, its transformers folder); LoRA runs fine-tune it
 through --pretrained-checkpoint. Checked: the validation loss improves from the base's (new
 adapters change nothing); the start-up record counts the adapters as the trainable parameters;
-checkpoints hold the adapters only and resume exactly; tp 2 trains the losses of one process;
+checkpoints hold the adapters only and resume exactly; tp 2 and FSDP (its torch_dist checkpoints
+resumed at one process, its base read with --load --finetune) train the losses of one process;
 `convert --merge-lora` (a gigatron checkpoint re-split to tp 2, and a Hugging Face folder), the
 run's own --save-hf folders (adapters merged, also from tp 2) and
 `convert --to peft` (loaded by `peft` on the base's transformers model) give the adapted
@@ -17,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from inference_helpers import start_server, stop_server
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from gigatron.checkpoint.pipeline import Target, convert
 from gigatron.models.lora import is_adapter_name
@@ -36,6 +39,11 @@ LLAMA = [
 ]  # fmt: skip
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 LORA = ["--lora-target-modules", *TARGETS, "--lora-rank", "4", "--lora-alpha", "8"]
+# LoRA on the experts too (linear_fc1/fc2 name them): from the same random base at ep 2 and 1.
+MOE = [
+    *LLAMA, *LORA, "--num-experts", "4", "--moe-router-topk", "2", "--exit-interval", "3",
+    "--save-interval", "3",
+]  # fmt: skip
 TOKENS = torch.tensor([[3, 17, 40, 41, 99, 5, 64, 12, 7, 100, 33, 2]])
 
 
@@ -52,10 +60,31 @@ def runs(tmp_path_factory) -> Path:
             "tp2": (2, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--tensor-model-parallel-size",
                         "2", "--exit-interval", "5", "--metrics-file", root / "tp2.jsonl",
                         "--save", root / "tp2", "--save-hf", root / "tp2_hf"]),
+            # FSDP, torch_dist saves, the base from --load --finetune (torch_dist) this time.
+            "fsdp": (2, ["pretrain", "gpt", *LLAMA, *LORA, "--load", root / "base", "--finetune",
+                         "--use-torch-fsdp2", "--ckpt-format", "torch_dist", "--exit-interval",
+                         "5", "--save-interval", "3", "--save", root / "fsdp", "--metrics-file",
+                         root / "fsdp.jsonl"]),
+            "moe_ep2": (2, ["pretrain", "gpt", *MOE, "--expert-model-parallel-size", "2",
+                            "--save-hf", root / "moe_ep2_hf", "--metrics-file",
+                            root / "moe_ep2.jsonl"]),
             "lora": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--eval-at-start", "--save",
                          root / "lora", "--save-interval", "10", "--save-hf", root / "lora_hf"]),
             "resume": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--load", root / "lora",
                            "--ckpt-step", "10", "--metrics-file", root / "resume.jsonl"]),
+            "fsdp_resume": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--load", root / "fsdp",
+                                "--ckpt-step", "3", "--ckpt-format", "torch_dist",
+                                "--exit-interval", "5", "--metrics-file",
+                                root / "fsdp_resume.jsonl"]),
+            "moe_ep1": (1, ["pretrain", "gpt", *MOE, "--save-hf", root / "moe_ep1_hf",
+                            "--metrics-file", root / "moe_ep1.jsonl"]),
+            "dora": (1, ["pretrain", "gpt", *LLAMA, *LORA, *base, "--lora-dora", "--eval-at-start",
+                         "--exit-interval", "5", "--save", root / "dora", "--metrics-file",
+                         root / "dora.jsonl"]),
+            "dora_peft": (1, ["convert", "--from", "gigatron", "--load", root / "dora", "--to",
+                              "peft", "--save", root / "dora_peft"]),
+            "dora_hf": (1, ["convert", "--from", "gigatron", "--load", root / "dora", "--to",
+                            "hf", "--merge-lora", "--save", root / "dora_hf", "--no-tokenizer"]),
             "merged": (1, ["convert", *lora, "--to", "gigatron", "--merge-lora", "--save",
                            root / "merged", "--target-tensor-parallel-size", "2"]),
             "merged_hf": (1, ["convert", *lora, "--to", "hf", "--merge-lora", "--save",
@@ -115,6 +144,41 @@ def test_lora_at_tp2_trains_as_one_process(runs):
     for iteration, loss in tp2.items():
         assert loss == pytest.approx(tp1[iteration], rel=1e-5), iteration
     assert tp1[5] != pytest.approx(tp1[1], rel=1e-3)  # the adapters did train
+
+
+def test_lora_with_fsdp_and_torch_dist_checkpoints(runs):
+    """FSDP (dp 2) trains the one-process losses; its torch_dist checkpoints hold the adapters
+    only and resume at another layout (one process) exactly."""
+    fsdp, tp1 = train_values(runs / "fsdp.jsonl"), train_values(runs / "lora")
+    assert sorted(fsdp) == list(range(1, 6))
+    for iteration, loss in fsdp.items():
+        assert loss == pytest.approx(tp1[iteration], rel=1e-5), iteration
+    names = FileSystemReader(runs / "fsdp" / "iter_0000003").read_metadata().state_dict_metadata
+    model = [name for name in names if name.startswith("model.")]
+    assert len(model) == 2 * 4 * 2 and all(is_adapter_name(n) for n in model)
+    resumed = train_values(runs / "fsdp_resume.jsonl")
+    assert sorted(resumed) == [4, 5]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(fsdp[iteration], rel=1e-6), iteration
+
+
+def test_lora_on_moe_experts_at_ep2_trains_as_ep1(runs):
+    """Expert adapters split over ep 2 train the losses of one process, and the --save-hf
+    folders (adapters merged into each expert's weights) hold the same tensors."""
+    ep2, ep1 = train_values(runs / "moe_ep2.jsonl"), train_values(runs / "moe_ep1.jsonl")
+    assert sorted(ep2) == [1, 2, 3] and ep1[3] != pytest.approx(ep1[1], rel=1e-3)
+    for iteration, loss in ep2.items():
+        assert loss == pytest.approx(ep1[iteration], rel=1e-5), iteration
+    (startup,) = records(runs / "moe_ep1.jsonl", "startup")
+    # Attention adapters as the dense model's; per layer, 4 experts' fc1 and fc2 adapters.
+    dense = 4 * (64 + 128) + 4 * (64 + 64)
+    experts = 4 * (4 * (64 + 2 * 128) + 4 * (128 + 64))
+    assert startup["trainable_parameters"] == 2 * (dense + experts)
+    one = load_file(runs / "moe_ep1_hf" / "iter_0000003" / "model.safetensors")
+    two = load_file(runs / "moe_ep2_hf" / "iter_0000003" / "model.safetensors")
+    assert one.keys() == two.keys() and any("experts" in name for name in one)
+    for name, tensor in one.items():
+        torch.testing.assert_close(two[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
@@ -191,3 +255,21 @@ def test_serve_with_the_adapters_answers_as_generate(runs):
     (record,) = [json.loads(line) for line in (runs / "generated.jsonl").read_text().splitlines()]
     served = answer["tokens"][0][4:]
     assert served and served == record["tokens"][: len(served)]
+
+
+def test_dora_merged_and_peft_exports_give_the_adapted_logits(runs):
+    """--lora-dora: a new adapter leaves the base's loss; after training, the merged Hugging Face
+    folder and the PEFT export (use_dora, loaded by peft) give the adapted model's logits."""
+    (start,) = [r for r in records(runs / "dora.jsonl", "eval") if r["iteration"] == 0]
+    assert start["lm_loss"] == pytest.approx(eval_record(runs / "base", "valid")["lm_loss"])
+    adapted = _logits(checkpoint_model(runs / "base", lora=runs / "dora"))
+    assert (adapted - _logits(checkpoint_model(runs / "base"))).abs().max() > 1e-2
+    config = json.loads((runs / "dora_peft" / "adapter_config.json").read_text())
+    assert config["use_dora"] is True
+    names = load_file(runs / "dora_peft" / "adapter_model.safetensors")
+    assert sum(name.endswith("lora_magnitude_vector") for name in names) == 2 * 7
+    base_hf = runs / "base_hf" / "iter_0000020"
+    peft_logits = transformers_logits(base_hf, TOKENS, peft=runs / "dora_peft")
+    torch.testing.assert_close(peft_logits, adapted, rtol=1e-5, atol=1e-5)
+    merged = transformers_logits(runs / "dora_hf", TOKENS)
+    torch.testing.assert_close(merged, adapted, rtol=1e-5, atol=1e-5)

@@ -14,13 +14,16 @@ import pytest
 import torch
 from finetune_helpers import MNLI, QQP, RACE, finetune_flags, model_flags, save_pretrained
 
+from gigatron.checkpoint.pipeline import Target, convert
 from gigatron.data.tokenizers import build_tokenizer
 from gigatron.errors import GigatronError
+from gigatron.models.lora import is_adapter_name
 from gigatron.parallel.context import ParallelContext
 from gigatron.tasks import finetune as ft
 from gigatron.tasks.glue import clean_text, glue_samples, pair_ids, read_mnli, read_qqp
 from gigatron.tasks.race import article_samples, join_question, race_samples
-from helpers import gigatron, records
+from gigatron.torch_files import safe_load
+from helpers import gigatron, gigatron_runs, records, train_values
 
 CLS, SEP, PAD = 101, 102, 0
 
@@ -172,7 +175,6 @@ def test_pretrained_weights_are_loaded_and_the_head_is_new(pretrained, tmp_path)
         (["--eval-iters", "3"], "--eval-iters 3: the validation loss is measured every"),
         (["--async-save"], "--async-save: not a gigatron finetune flag"),
         (["--save-hf", "x"], "--save-hf: not a gigatron finetune flag"),
-        (["--lora-target-modules", "linear_qkv"], "--lora-target-modules: not a gigatron"),
         (["--pipeline-model-parallel-size", "2"], "tensor and data parallelism only"),
         (["--use-torch-fsdp2"], "--use-torch-fsdp2/--use-megatron-fsdp: gigatron finetune"),
     ],
@@ -336,3 +338,42 @@ def test_a_separable_multiple_choice_task_is_learned_from_its_labels(tmp_path):
     torch.set_num_threads(1)
     assert _separable_race_run(tmp_path / "real", shuffle_labels=False) >= 0.9
     assert _separable_race_run(tmp_path / "shuffled", shuffle_labels=True) <= 0.6
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------
+LORA = ["--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+        "--lora-rank", "4", "--lora-alpha", "8"]  # fmt: skip
+
+
+def test_lora_fine_tune_at_tp2_equals_tp1(pretrained, tmp_path):
+    """LoRA through `gigatron finetune`: the encoder frozen with adapters, the new head trained
+    whole; tp 2 trains the losses of one process; the best checkpoint holds the adapters and
+    the head only."""
+    files = f"{MNLI / 'dev_matched.tsv'} {MNLI / 'dev_mismatched.tsv'}"
+    convert("gigatron", pretrained, "gigatron", tmp_path / "base_tp2", Target(tp=2), log=print)
+    runs = {}
+    for name, processes, base, extra in (
+        ("tp2", 2, tmp_path / "base_tp2", ["--tensor-model-parallel-size", "2"]),
+        ("tp1", 1, pretrained, []),
+    ):
+        flags = finetune_flags("MNLI", base, tmp_path / name, 32, train_data=files,
+                               valid_data=files, epochs="2")  # fmt: skip
+        runs[name] = (processes, ["finetune", *flags, *LORA, *extra, "--lr", "1e-2"])
+    gigatron_runs(tmp_path, runs)
+    tp2, tp1 = (train_values(tmp_path / name) for name in ("tp2", "tp1"))
+    assert sorted(tp1) == [1, 2, 3, 4] and tp1[4] != pytest.approx(tp1[2], rel=1e-3)
+    for iteration, loss in tp2.items():
+        assert loss == pytest.approx(tp1[iteration], rel=1e-5), iteration
+    # Per layer: A [4, in] and B [out, 4] of qkv 64 -> 192, proj 64 -> 64, fc1 64 -> 256 and
+    # fc2 256 -> 64; the head [3, 64] with its bias.
+    adapters = 2 * 4 * ((64 + 192) + (64 + 64) + (64 + 256) + (256 + 64))
+    (startup,) = records(tmp_path / "tp1", "startup")
+    assert startup["trainable_parameters"] == adapters + 3 * 64 + 3
+    (saved,) = (tmp_path / "tp1").glob("iter_*/mp_rank_00/model_optim_rng.pt")
+    names = sorted(safe_load(saved)["model"])
+    assert names[:2] == ["bert.encoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight",
+                         "bert.encoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight"]  # fmt: skip
+    assert sum(is_adapter_name(n) for n in names) == 2 * 4 * 2
+    assert [n for n in names if not is_adapter_name(n)] == [
+        "classification_head.bias", "classification_head.weight",
+    ]  # fmt: skip

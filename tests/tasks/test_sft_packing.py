@@ -15,7 +15,12 @@ import torch
 
 import helpers
 from gigatron.data.gpt_dataset import GPTDatasetOptions, make_sample
-from gigatron.data.packing import first_fit_decreasing, packed_sample, packing_stats
+from gigatron.data.packing import (
+    first_fit_decreasing,
+    packed_sample,
+    packing_stats,
+    padded_length,
+)
 from gigatron.data.sft_dataset import Conversation, sft_sample
 from gigatron.errors import GigatronError
 from gigatron.families.gpt import forward_step
@@ -49,7 +54,7 @@ def flags(data: Path, out: Path, packed: bool, *extra: str) -> list[str]:
         "--split", "100,0,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
         "--make-vocab-size-divisible-by", "64", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4",
-        "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+        "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ + 8),
         "--micro-batch-size", "2", "--global-batch-size", batch, "--train-iters", "2",
         "--lr", "1e-2", *helpers.NO_DROPOUT, "--eval-iters", "0", "--seed", "5",
         "--calculate-per-token-loss", "--log-interval", "1", "--num-workers", "0",
@@ -93,6 +98,14 @@ def test_packed_sample_keeps_each_document_to_itself():
     ]
     with pytest.raises(ValueError, match="do not fit"):
         packed_sample([a, b, a], 7, pad=0)
+    # For the context-parallel split (cp 2): each document padded to 4 positions, the padding
+    # in its document's segment (after it, so never seen by it) and never a target.
+    padded = packed_sample([a, b], 12, pad=0, multiple=4)
+    assert padded["tokens"].tolist() == [10, 11, 12, 0, 20, 21, 0, 0, 0, 0, 0, 0]
+    assert padded["loss_mask"].tolist() == [1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert padded["position_ids"].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]
+    assert padded["document_start"].tolist() == [0] * 4 + [4] * 4 + [8] * 4
+    assert padded_length(3, 12, 4) == 4 and padded_length(13, 12, 4) == 12
 
 
 def _loss_and_grads(model, batch: dict) -> tuple[float, float, list[torch.Tensor]]:
@@ -163,7 +176,8 @@ def test_packing_flags_are_checked(tmp_path):
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1"],
-    "cp2": ["--context-parallel-size", "2"],
+    # Split per document: each padded to a multiple of 4, so the 8 fit 4 sequences of 40.
+    "cp2": ["--context-parallel-size", "2", "--seq-length", str(SEQ + 8)],
     "dp2": [],
 }
 
@@ -198,7 +212,9 @@ def test_packed_training_equals_unpacked(runs, name):
     for (loss, norm), (ref_loss, ref_norm) in zip(values[name], reference, strict=True):
         assert loss == pytest.approx(ref_loss, rel=1e-6)
         assert norm == pytest.approx(ref_norm, rel=1e-6)
-    if name != "unpacked":
+    if name == "cp2":
+        assert "8 documents in 4 sequences of 40 tokens, fill ratio 78.1%" in outputs[name]
+    elif name != "unpacked":
         assert "8 documents in 4 sequences of 32 tokens, fill ratio 97.7%" in outputs[name]
 
 

@@ -154,3 +154,32 @@ def test_flash_attn_is_refused_where_it_cannot_run():
             part(config, pctx, 1, None)
     with pytest.raises(GigatronError, match="--cp-comm-type ring: unknown"):
         cpm.context_parallel_core_attention(["ring"], None)
+
+
+def test_packed_batch_is_split_per_document():
+    """Documents of 8, 4 and 4 positions at cp 2: every document is cut into 4 chunks and rank r
+    holds chunks r and 3 - r of each; the mask is reordered with its queries and keys."""
+    starts = torch.tensor([[0] * 8 + [8] * 4 + [12] * 4])
+    held = {0: [0, 1, 6, 7, 8, 11, 12, 15], 1: [2, 3, 4, 5, 9, 10, 13, 14]}
+    order = cpm.document_split_order(starts, 2)
+    assert sorted(order[0].tolist()) == list(range(16))
+    mask = torch.ones(16, 16, dtype=torch.bool).triu(1)[None, None]
+    for rank, positions in held.items():
+        batch = {
+            "tokens": torch.arange(16)[None] + 100,
+            "loss_mask": torch.arange(16.0)[None, :, None],  # a trailing dimension is kept
+            "attention_mask": mask,
+            "document_start": starts,
+        }
+        local = cpm.get_batch_on_this_cp_rank(batch, ParallelContext(grid=Grid(cp=2), rank=rank))
+        assert local["tokens"][0].tolist() == [100 + p for p in positions]
+        assert local["loss_mask"][0, :, 0].tolist() == positions
+        assert "document_start" not in local and "document_start" in batch
+        # The mask follows the reordering: entry (i, j) is the original (order[i], order[j]).
+        reordered = local["attention_mask"][0, 0]
+        assert torch.equal(reordered, mask[0, 0][order[0]][:, order[0]])
+    # One process: the key is dropped, nothing else changes.
+    single = cpm.get_batch_on_this_cp_rank({"document_start": starts}, ParallelContext.single())
+    assert single == {}
+    with pytest.raises(GigatronError, match="multiple of 2 x --context-parallel-size 2"):
+        cpm.document_split_order(torch.tensor([[0] * 6 + [6] * 10]), 2)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gigatron.checkpoint.hf_convert import main as convert_main
+from gigatron.config.validate import finalize_config
 from gigatron.errors import GigatronError
 from gigatron.models import build_model
 from gigatron.models.lora import LoRASpec, add_lora_adapters, is_adapter_name
@@ -25,14 +26,18 @@ FLAGS = [*tiny_gpt_flags(), "--global-batch-size", "2", "--lr", "1e-3", "--train
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        (["--ckpt-format", "torch_dist"], "adapter-only checkpoints are written in the torch"),
         (["--lora-rank", "0"], "--lora-rank is 0; it must be positive"),
         (["--lora-dropout", "1"], "--lora-dropout 1.0 must lie in [0, 1)"),
+        (["--lora-dora", "--lora-dropout", "0.1"], "--lora-dora with --lora-dropout 0.1"),
+        (["--lora-dora", "--use-torch-fsdp2"], "with --lora-dora is not available yet"),
     ],
 )
 def test_lora_flags_that_cannot_work_are_refused(extra, expected):
     with pytest.raises(GigatronError, match=re.escape(expected)):
-        parse_pretrain_config([*FLAGS, *extra], world_size=1)
+        parse_pretrain_config([*FLAGS, *extra], world_size=2)
+    plain = [f for f in FLAGS if f not in ("--lora-target-modules", "linear_qkv")]
+    with pytest.raises(GigatronError, match="--lora-dora: adapts the --lora-target-modules"):
+        parse_pretrain_config([*plain, "--lora-dora"], world_size=1)
 
 
 def test_an_unknown_target_module_is_refused_by_the_parser(capsys):
@@ -75,3 +80,13 @@ def test_adapted_chunk_loads_adapters_alone_or_base_alone_only():
 def test_convert_refuses_lora_flags_where_they_mean_nothing(tmp_path, argv, flag):
     with pytest.raises(GigatronError, match=f"{flag}: no meaning"):
         convert_main([*argv, "--load", str(tmp_path), "--save", str(tmp_path / "out")])
+
+
+def test_dora_on_moe_experts_is_refused():
+    cfg = tiny_tp_config(8, 1, False)
+    cfg.model.num_attention_heads = 4
+    cfg.moe.num_experts, cfg.moe.moe_router_topk = 2, 1
+    (model,) = build_model(finalize_config(cfg), ParallelContext.single())
+    spec = LoRASpec(("linear_fc1",), rank=2, alpha=4.0, dora=True)
+    with pytest.raises(GigatronError, match="--lora-dora on MoE experts"):
+        add_lora_adapters([model], spec, ParallelContext.single(), seed=3)

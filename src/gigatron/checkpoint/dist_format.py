@@ -83,6 +83,7 @@ from gigatron.checkpoint.torch_format import (
     set_rng_state,
 )
 from gigatron.errors import GigatronError
+from gigatron.models.lora import is_adapter_name
 from gigatron.optim.muon import Muon
 from gigatron.optim.offload import PrecisionAwareAdamW
 from gigatron.parallel.context import ParallelContext
@@ -182,14 +183,22 @@ def _stored_name(name: str, tensor: torch.Tensor) -> str:
 
 
 def _model_tensors(
-    model_chunks: list[nn.Module],
+    model_chunks: list[nn.Module], frozen_base: bool = False
 ) -> list[tuple[str, str, torch.Tensor, torch.dtype | None]]:
     """(name, stored name, tensor, dtype to store it in or None: as it is) for every entry of
-    the model state dicts of this rank (FSDP chunks store their compute dtype)."""
+    the model state dicts of this rank (FSDP chunks store their compute dtype). `frozen_base`:
+    instead, the frozen base weights a LoRA-adapted chunk leaves out of its state dict."""
     entries = []
     for chunk, module in zip(model_chunks, _modules(model_chunks)):
         dtype = chunk.compute_dtype if isinstance(chunk, FullyShardedDataParallel) else None
-        for name, tensor in module.state_dict(keep_vars=True).items():
+        state = module.state_dict(keep_vars=True)
+        if frozen_base:
+            state = {
+                name: param
+                for name, param in module.named_parameters()
+                if name not in state and not is_adapter_name(name)
+            }
+        for name, tensor in state.items():
             entries.append((name, _stored_name(name, tensor), tensor, dtype))
     return entries
 
@@ -241,11 +250,13 @@ def _slot_pieces(
     return pieces_of_flat_shard(key, tensor.detach(), tuple(param.shape), start, layout)
 
 
-def model_pieces(model_chunks: list[nn.Module], pctx: ParallelContext, for_load: bool) -> list:
+def model_pieces(
+    model_chunks: list[nn.Module], pctx: ParallelContext, for_load: bool, frozen_base: bool = False
+) -> list:
     """Pieces of every model tensor (saving skips the tied output weight, loading reads it from
-    the word embedding)."""
+    the word embedding); `frozen_base`: of a LoRA model's frozen base (`_model_tensors`)."""
     pieces = []
-    for name, stored, tensor, dtype in _model_tensors(model_chunks):
+    for name, stored, tensor, dtype in _model_tensors(model_chunks, frozen_base):
         if stored != name and not for_load:
             continue
         layout = tensor_layout(tensor, tuple(tensor.shape), pctx)
@@ -603,11 +614,26 @@ def _read_common(located: Located) -> dict[str, Any]:
     return safe_load(common_path)
 
 
+def _pieces_to_load(model_chunks: list[nn.Module], pctx: ParallelContext, metadata: Metadata):
+    """The model's pieces; for a LoRA-adapted model (its state: the adapters) and a checkpoint
+    of the base alone (`--load BASE --finetune`), the base's weights instead, the new adapters
+    keeping their initial values (as the torch format does; docs/lora.md)."""
+    pieces = model_pieces(model_chunks, pctx, for_load=True)
+    adapters = [piece for piece in pieces if is_adapter_name(piece.key)]
+    if not adapters:
+        return pieces
+    stored = metadata.state_dict_metadata
+    base = model_pieces(model_chunks, pctx, for_load=True, frozen_base=True)
+    if any(p.key in stored for p in adapters) or not any(p.key in stored for p in base):
+        return pieces
+    return [piece for piece in pieces if not is_adapter_name(piece.key)] + base
+
+
 def _load_model(
     target: TrainingState, metadata: Metadata, iteration_dir: Path, pctx: ParallelContext, cfg: Any
 ) -> None:
     strictness = getattr(getattr(cfg, "checkpoint", None), "dist_ckpt_strictness", None)
-    pieces = model_pieces(target.model_chunks, pctx, for_load=True)
+    pieces = _pieces_to_load(target.model_chunks, pctx, metadata)
     pieces = apply_strictness(pieces, metadata, strictness or "assume_ok_unexpected", iteration_dir)
     _check_requests(pieces, metadata, iteration_dir, "check the model flags against the "
                     "checkpoint's (--num-layers, --num-experts, ...)")  # fmt: skip

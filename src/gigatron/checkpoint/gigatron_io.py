@@ -145,7 +145,8 @@ def merge_name(
                     f"rank {pp_rank}); the checkpoint is incomplete"
                 )
             parts.append(found[0])
-        blocks.append(merge_partitions(parts, dim, stride) if experts_split else parts[0])
+        split = experts_split and dim >= 0  # (dim -1: whole on every expert-tp rank)
+        blocks.append(merge_partitions(parts, dim, stride) if split else parts[0])
     return torch.cat(blocks, dim=0)
 
 

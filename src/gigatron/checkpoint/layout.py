@@ -225,9 +225,11 @@ def build_target_layout(
     for chunks in models.values():
         for chunk in chunks:
             for name, param in chunk.named_parameters():
+                expert = bool(getattr(param, "expert_parallel", False))
                 if getattr(param, "tensor_model_parallel", False):
-                    expert = bool(getattr(param, "expert_parallel", False))
                     attributes[name] = (param.partition_dim, param.partition_stride, expert)
+                elif expert:  # whole on every expert-tp rank (LoRA's expert adapters)
+                    attributes[name] = (-1, 1, True)
     if WORD_EMBEDDING in attributes:
         attributes.setdefault(OUTPUT_WEIGHT, attributes[WORD_EMBEDDING])
     return TargetLayout(target_cfg, grid, tp, pp, ep, etp, positions, models, attributes)

@@ -26,6 +26,7 @@ from gigatron.families.hf_mapping import split_qkv
 from gigatron.models.lora import LoRASpec
 
 A_SUFFIX, B_SUFFIX = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
+M_SUFFIX = ".adapter.magnitude"  # DoRA's magnitude per output row (--lora-dora)
 # gigatron's adapted layer -> the Llama modules PEFT adapts for it (Hugging Face names).
 PEFT_MODULES = {
     "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -84,7 +85,11 @@ class MergedSource:
             return weight
         a = self.adapters.tensor(layer + A_SUFFIX).float()
         b = self.adapters.tensor(layer + B_SUFFIX).float()
-        return (weight.float() + self.scale * (b @ a)).to(weight.dtype)
+        merged = weight.float() + self.scale * (b @ a)
+        if layer + M_SUFFIX in self.adapters:  # DoRA: m V / ||V|| per output row
+            magnitude = self.adapters.tensor(layer + M_SUFFIX).float()
+            merged = merged * (magnitude / merged.norm(dim=1))[:, None]
+        return merged.to(weight.dtype)
 
     def stream(self) -> Iterable[tuple[str, torch.Tensor]]:
         return ((name, self.tensor(name)) for name in self.names())
@@ -136,7 +141,9 @@ def _check_llama_shaped(cfg: Any, load: Path) -> None:
 
 
 def peft_tensors(cfg: Any, source: Any) -> dict[str, torch.Tensor]:
-    """PEFT's tensors (`base_model.model.<module>.lora_{A,B}.weight`) of every adapter."""
+    """PEFT's tensors (`base_model.model.<module>.lora_{A,B}.weight`, DoRA's
+    `lora_magnitude_vector`) of every adapter: a fused layer's B rows (and magnitudes) split
+    among the separate Hugging Face layers."""
     m = cfg.model
     heads = m.num_attention_heads
     groups = m.num_query_groups if m.group_query_attention else heads
@@ -145,6 +152,9 @@ def peft_tensors(cfg: Any, source: Any) -> dict[str, torch.Tensor]:
     for layer in adapted_layers(source.names()):
         number, module = _LAYER.match(layer).groups()
         a, b = source.tensor(layer + A_SUFFIX), source.tensor(layer + B_SUFFIX)
+        dora = layer + M_SUFFIX in source
+        if dora:  # a column beside B: its rows split with B's
+            b = torch.cat([b, source.tensor(layer + M_SUFFIX)[:, None].to(b.dtype)], dim=1)
         if module.endswith("linear_qkv"):
             rows = split_qkv(b, heads, groups, kv_channels)
         elif module.endswith("linear_fc1"):
@@ -154,7 +164,9 @@ def peft_tensors(cfg: Any, source: Any) -> dict[str, torch.Tensor]:
         for hf_module, b_rows in zip(PEFT_MODULES[module], rows, strict=True):
             prefix = f"base_model.model.model.layers.{number}.{hf_module}"
             out[f"{prefix}.lora_A.weight"] = a.clone().contiguous()
-            out[f"{prefix}.lora_B.weight"] = b_rows.clone().contiguous()
+            out[f"{prefix}.lora_B.weight"] = b_rows[:, : a.shape[0]].clone().contiguous()
+            if dora:
+                out[f"{prefix}.lora_magnitude_vector"] = b_rows[:, -1].clone().contiguous()
     return out
 
 
@@ -176,7 +188,7 @@ def peft_config(spec: LoRASpec, base: str | None) -> dict[str, Any]:
         "inference_mode": True,
         "init_lora_weights": True,
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": spec.dora,
         "modules_to_save": None,
     }
 

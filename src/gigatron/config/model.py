@@ -316,6 +316,11 @@ class ModelConfig(Section):
     lora_rank: int = flag_field(32, "LoRA: rank of the adapters")
     lora_alpha: float = flag_field(32.0, "LoRA: the adapters' output is scaled by alpha / rank")
     lora_dropout: float = flag_field(0.0, "LoRA: dropout on the adapters' input")
+    lora_dora: bool = flag_field(
+        False,
+        "LoRA: DoRA (weight-decomposed adapters): a learned magnitude per output row of each "
+        "adapted weight (PEFT's use_dora; docs/lora.md)",
+    )
     use_mup: bool = flag_field(
         False, "maximal update parametrization: width-scaled init, learning rates and output"
     )
@@ -373,9 +378,14 @@ class ModelConfig(Section):
     def lora_problems(self) -> list[str]:
         """LoRA's rank and dropout (docs/lora.md)."""
         if not self.lora_target_modules:
-            return []
+            return ["--lora-dora: adapts the --lora-target-modules; name them"] * self.lora_dora
         found = positive_problems(((self.lora_rank, "--lora-rank"),))
         found += fraction_problem(self.lora_dropout, "--lora-dropout", False, True)
+        if self.lora_dora and self.lora_dropout:
+            found.append(
+                f"--lora-dora with --lora-dropout {self.lora_dropout}: DoRA's magnitude term "
+                "reads the undropped input here; use --lora-dropout 0"
+            )
         return found
 
     def shape_problems(self) -> list[str]:

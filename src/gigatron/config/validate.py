@@ -246,22 +246,11 @@ def _fsdp_rules(cfg: GigatronConfig, world_size: int | None) -> list[str]:
             (p.context_parallel_size > 1, "--context-parallel-size > 1"),
             (bool(cfg.moe.num_experts), "--num-experts (expert parallelism)"),
             (t.fp16, "--fp16 (use --bf16)"),
-            (bool(cfg.model.lora_target_modules), "--lora-target-modules"),
             (bool(cfg.checkpoint.save_hf), "--save-hf"),
+            (cfg.model.lora_dora, "--lora-dora"),
             (cfg.optimizer.optimizer == "muon", "--optimizer muon"),
         )
         if enabled
-    ]
-
-
-def _lora_rules(cfg: GigatronConfig) -> list[str]:
-    """LoRA's adapter-only checkpoints are written in the torch format (docs/lora.md)."""
-    c = cfg.checkpoint
-    if not cfg.model.lora_target_modules or c.ckpt_format == "torch":
-        return []
-    return [
-        f"--lora-target-modules with --ckpt-format {c.ckpt_format}: adapter-only checkpoints "
-        "are written in the torch format; use --ckpt-format torch"
     ]
 
 
@@ -370,7 +359,6 @@ def validate_config(
     problems += _attention_parallel_rules(cfg)
     problems += _context_parallel_rules(cfg)
     problems += _fsdp_rules(cfg, world_size)
-    problems += _lora_rules(cfg)
     problems += _schedule_rules(cfg)
     problems += _world_size_rules(cfg, world_size)
     problems += moe_problems(cfg, world_size)

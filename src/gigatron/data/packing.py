@@ -9,6 +9,10 @@ attention mask (`document_attention_mask`, True = hidden) is causal inside the d
 every other document. So the loss sum and the gradients of a packed batch are those of the same
 documents trained one per sequence; with a per-token loss (`--calculate-per-token-loss`) so is the
 loss. Positions after the last document are padding: a segment of their own, never a target.
+Under context parallelism each document is padded to a multiple of 2 cp positions (`multiple`;
+the padding follows its document, never a target nor seen by it), so that the split per
+document (parallel/context_parallel.py) cuts every document into 2 cp equal chunks; the sample's
+`document_start` tells that split where the documents are.
 """
 
 from __future__ import annotations
@@ -74,13 +78,24 @@ def document_attention_mask(segment_start: np.ndarray) -> np.ndarray:
     return ~allowed[None]
 
 
+def padded_length(length: int, seq_length: int, multiple: int = 1) -> int:
+    """The positions a document of `length` tokens takes: cut to seq_length, rounded up to a
+    multiple of `multiple` (seq_length is one)."""
+    used = min(length, seq_length)
+    return min(-(-used // multiple) * multiple, seq_length)
+
+
 def packed_sample(
-    documents: Sequence[tuple[np.ndarray, np.ndarray]], seq_length: int, pad: int
+    documents: Sequence[tuple[np.ndarray, np.ndarray]],
+    seq_length: int,
+    pad: int,
+    multiple: int = 1,
 ) -> dict[str, np.ndarray]:
     """One sequence of `seq_length` positions holding `documents` ((tokens, is_target) pairs,
-    whose lengths, each cut to seq_length, sum to at most seq_length): tokens, labels, loss_mask,
-    position_ids restarting per document, and the attention mask that keeps each document to
-    itself. A document of n tokens takes min(n, seq_length) positions, as it would alone."""
+    whose `padded_length`s sum to at most seq_length): tokens, labels, loss_mask, position_ids
+    restarting per document, the attention mask that keeps each document to itself, and
+    document_start (the first position of each position's document). A document of n tokens
+    takes min(n, seq_length) positions, as it would alone, then padding to `multiple`."""
     tokens = np.full(seq_length, pad, dtype=np.int64)
     labels = np.full(seq_length, pad, dtype=np.int64)
     loss_mask = np.zeros(seq_length, dtype=np.float32)
@@ -89,14 +104,14 @@ def packed_sample(
     start = 0
     for doc_tokens, targets in documents:
         used = min(len(doc_tokens), seq_length)
-        end = start + used
+        end = start + padded_length(used, seq_length, multiple)
         if end > seq_length:
             raise ValueError(f"documents of {end} tokens do not fit {seq_length} positions")
         following = doc_tokens[1 : used + 1]
-        tokens[start:end] = doc_tokens[:used]
+        tokens[start : start + used] = doc_tokens[:used]
         labels[start : start + len(following)] = following
         loss_mask[start : start + len(following)] = targets[1 : used + 1]
-        positions[start:end] = np.arange(used)
+        positions[start:end] = np.arange(end - start)
         segment_start[start:end] = start
         start = end
     positions[start:] = np.arange(seq_length - start)  # padding: one segment of its own
@@ -107,4 +122,5 @@ def packed_sample(
         "loss_mask": loss_mask,
         "position_ids": positions,
         "attention_mask": document_attention_mask(segment_start),
+        "document_start": segment_start,
     }

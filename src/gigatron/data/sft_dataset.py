@@ -32,7 +32,12 @@ from gigatron.data.chat_template import (
     load_chat_template,
 )
 from gigatron.data.json_lines import json_lines
-from gigatron.data.packing import first_fit_decreasing, packed_sample, packing_stats
+from gigatron.data.packing import (
+    first_fit_decreasing,
+    packed_sample,
+    packing_stats,
+    padded_length,
+)
 from gigatron.errors import GigatronError
 
 
@@ -119,6 +124,9 @@ class SFTDatasetOptions:
     seed: int
     pad: int
     pack: bool = False
+    # Packed under context parallelism: documents padded to multiples of 2 cp (the split per
+    # document cuts each into 2 cp chunks).
+    pack_multiple: int = 1
     prompt_format: str | None = None
     split: str | None = None
     split_matrix: list[Bookend] = field(default_factory=list)
@@ -147,7 +155,9 @@ class SFTDataset:
         self.bins = None
         if options.pack:
             lengths = [len(low_level.conversations[i].tokens) for i in indices]
-            self.bins = first_fit_decreasing(lengths, options.seq_length)
+            seq, multiple = options.seq_length, options.pack_multiple
+            sizes = [padded_length(n, seq, multiple) for n in lengths]
+            self.bins = first_fit_decreasing(sizes, seq)
             self.packing = packing_stats(lengths, self.bins, options.seq_length)
         units = len(indices) if self.bins is None else len(self.bins)
         self.num_samples = units if num_samples is None else num_samples
@@ -161,7 +171,8 @@ class SFTDataset:
             "class": self.cache_name, "path": dataset_path, "split": index_split,
             "num_samples": self.num_samples, "seed": options.seed,
             "seq_length": options.seq_length, "tokenizer": digest.hexdigest(),
-            "pack": options.pack, "prompt_format": options.prompt_format,
+            "pack": options.pack, "pack_multiple": options.pack_multiple,
+            "prompt_format": options.prompt_format,
         }  # fmt: skip
         self._orders: dict[int, np.ndarray] = {}
 
@@ -187,12 +198,14 @@ class SFTDataset:
                     "--sft-pack-sequences packs them, each with its own positions and attention)"
                 )
         identifiers = getattr(tokenizer, "unique_identifiers", {})
+        cp = cfg.parallel.context_parallel_size
         pad = tokenizer.pad if getattr(tokenizer, "pad", None) is not None else tokenizer.eod
         return SFTDatasetOptions(
             seq_length=cfg.model.seq_length,
             seed=cfg.training.seed,
             pad=pad,
             pack=cfg.data.sft_pack_sequences,
+            pack_multiple=1 if cp == 1 else 2 * cp,
             prompt_format=cfg.data.sft_tokenizer_prompt_format,
             tokenizer_identifiers=dict(identifiers() if callable(identifiers) else identifiers),
         )
@@ -233,7 +246,7 @@ class SFTDataset:
             self.dataset.conversations[self.indices[i]] for i in self.bins[self.unit_index(index)]
         ]
         documents = [(c.tokens, c.targets) for c in chosen]
-        return packed_sample(documents, options.seq_length, options.pad)
+        return packed_sample(documents, options.seq_length, options.pad, options.pack_multiple)
 
 
 def sft_sample(conversation: Conversation, seq_length: int, pad: int) -> dict[str, np.ndarray]:

@@ -12,7 +12,9 @@ new adapter leaves the model unchanged. Adapters follow the base layer's tensor 
   is, its partial products summed over tp (reduce-scattered under sequence parallelism), B is
   whole (marked `sequence_parallel` under sequence parallelism, where it sees a slice).
 So every tp layout computes the tp = 1 adapter, and the full A and B are `merge_partitions` of
-the slices. Names: `<layer>.adapter.linear_in.weight`, `<layer>.adapter.linear_out.weight`; the
+the slices. An MoE layer's stacked expert weights (`mlp.experts.linear_fc1` / `linear_fc2`) get
+an `ExpertLoRAAdapter`: one A and B per expert, split over ep as the experts are (GroupedExperts
+adds its output). Names: `<layer>.adapter.linear_in.weight`, `<layer>.adapter.linear_out.weight`; the
 base parameters keep their names, frozen. A chunk with adapters saves only them
 (`state_dict`) and loads a checkpoint that has only the adapters or only the base (docs/lora.md).
 """
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
@@ -57,6 +60,7 @@ class LoRASpec:
     rank: int
     alpha: float
     dropout: float = 0.0
+    dora: bool = False
 
     @property
     def scale(self) -> float:
@@ -74,7 +78,10 @@ class LoRASpec:
                 f"--lora-target-modules {' '.join(unknown)}: not a layer LoRA adapts; choose "
                 f"from {', '.join(TARGETS)}"
             )
-        return cls(tuple(m.lora_target_modules), m.lora_rank, m.lora_alpha, m.lora_dropout)
+        return cls(
+            tuple(m.lora_target_modules), m.lora_rank, m.lora_alpha, m.lora_dropout,
+            getattr(m, "lora_dora", False),
+        )  # fmt: skip
 
 
 class LoRAAdapter(nn.Module):
@@ -132,21 +139,139 @@ class LoRAAdapter(nn.Module):
         a, b = self.linear_in.weight.float(), self.linear_out.weight.float()
         return (b @ a) * self.spec.scale
 
+    def add_to(self, layer: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """The adapted layer's output from the base layer's input and output."""
+        return output + self(x)
+
+    @torch.no_grad()
+    def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the adapted weight (`weight`: the base's slice)."""
+        return weight + self.delta_weight().to(weight.dtype)
+
+
+class DoRAAdapter(LoRAAdapter):
+    """LoRA with DoRA's weight decomposition (`--lora-dora`, PEFT's `use_dora`): the adapted
+    weight is m V / ||V||, V = W + scale B A, ||V|| the norm of each output row (a constant in
+    backward, as the DoRA paper and PEFT treat it) and m = `magnitude` [out], learned, starting
+    at ||W|| (a new adapter changes nothing). m follows the output rows: split with those of a
+    column-parallel weight; whole beside a row-parallel one, whose row norms sum over tp."""
+
+    def __init__(self, base: nn.Module, spec: LoRASpec, pctx: ParallelContext, rng: Any) -> None:
+        super().__init__(base, spec, pctx, rng)
+        weight = base.weight
+        options = dict(dtype=weight.dtype, device=weight.device)
+        self.magnitude = nn.Parameter(torch.empty(weight.shape[0], **options))
+        m = self.magnitude
+        if self.row:
+            set_tensor_parallel_attributes(m, False)
+            m.sequence_parallel = pctx.tp_size > 1 and self.sequence_parallel
+        else:
+            set_tensor_parallel_attributes(m, True, 0, weight.partition_stride)
+        m.init = None  # ||W|| (below), not drawn by initialize_parameters
+        if weight.device.type != "meta":  # (meta: an offline layout, shapes only)
+            with torch.no_grad():
+                m.copy_(self._row_norms(weight.float()))
+
+    @torch.no_grad()
+    def _row_norms(self, v: torch.Tensor) -> torch.Tensor:
+        """The norm of each output row of a weight whose slice on this rank is `v` (fp32)."""
+        squares = v.pow(2).sum(1)
+        group = self.pctx.group("tp") if self.row and self.pctx.tp_size > 1 else None
+        if group is not None:
+            dist.all_reduce(squares, group=group)
+        return squares.sqrt()
+
+    def _factor(self, weight: torch.Tensor) -> torch.Tensor:
+        norms = self._row_norms(weight.float() + self.delta_weight().detach())
+        return self.magnitude / norms.to(self.magnitude.dtype)
+
+    def add_to(self, layer: nn.Module, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        """PEFT's DoRA output: base + (m/||V|| - 1) x W^T + (m/||V||) scale B A x."""
+        factor = self._factor(layer.weight)
+        plain = output if layer.bias is None else output - layer.bias
+        return output + (factor - 1) * plain + factor * self(x)
+
+    @torch.no_grad()
+    def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        v = weight.float() + self.delta_weight()
+        factor = self.magnitude.float() / self._row_norms(v)
+        return (factor[:, None] * v).to(weight.dtype)
+
+
+class ExpertLoRAAdapter(nn.Module):
+    """Per-expert low-rank branches of an MoE layer's stacked expert weight [E, out, in]
+    (`mlp.experts.linear_fc1` / `linear_fc2`): A = `linear_in.weight` [E, rank, in], B =
+    `linear_out.weight` [E, out, rank], split over expert parallelism as the weight is (this
+    rank's experts along dim 0; gradients reduced over the expert-data-parallel group). Its
+    forward takes the experts' input rows sorted by local expert (GroupedExperts' contract)."""
+
+    def __init__(self, holder: nn.Module, spec: LoRASpec, pctx: ParallelContext) -> None:
+        super().__init__()
+        if spec.dora:
+            raise GigatronError(
+                "--lora-dora on MoE experts: DoRA adapts tensor-parallel linear layers only; "
+                "drop --lora-dora or leave linear_fc1/linear_fc2 out of an MoE model's targets"
+            )
+        if pctx.etp_size > 1:
+            raise GigatronError(
+                f"--lora-target-modules on MoE experts with --expert-tensor-parallel-size "
+                f"{pctx.etp_size}: expert adapters need whole experts; pass "
+                "--expert-tensor-parallel-size 1"
+            )
+        self.spec = spec
+        weight = holder.weight
+        experts, local_out, local_in = weight.shape
+        options = dict(dtype=weight.dtype, device=weight.device)
+        self.linear_in = _Stacked(torch.empty(experts, spec.rank, local_in, **options))
+        self.linear_out = _Stacked(torch.empty(experts, local_out, spec.rank, **options))
+        a, b = self.linear_in.weight, self.linear_out.weight
+        set_tensor_parallel_attributes(a, False, init="normal", init_std=local_in**-0.5)
+        set_tensor_parallel_attributes(b, False, init="zeros")
+        a.expert_parallel = b.expert_parallel = True
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if self.training and self.spec.dropout > 0.0:
+            x = F.dropout(x, self.spec.dropout)
+        a, b = self.linear_in.weight, self.linear_out.weight
+        blocks = x.split(tokens_per_expert.tolist())
+        out = [F.linear(F.linear(block, a[e]), b[e]) for e, block in enumerate(blocks)]
+        return torch.cat(out) * self.spec.scale
+
+    def delta_weight(self) -> torch.Tensor:
+        """This rank's experts' `scale * B @ A` [E, out, in], shaped as the stacked weight."""
+        a, b = self.linear_in.weight.float(), self.linear_out.weight.float()
+        return torch.matmul(b, a) * self.spec.scale
+
+    @torch.no_grad()
+    def merged_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight + self.delta_weight().to(weight.dtype)
+
+
+class _Stacked(nn.Module):
+    """Holds one stacked adapter weight, so that names read `linear_in.weight`."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(data)
+
+
+ADAPTERS = (LoRAAdapter, ExpertLoRAAdapter)
+
 
 def _add_adapter_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    return output + getattr(module, ADAPTER)(args[0])
+    return getattr(module, ADAPTER).add_to(module, args[0], output)
 
 
 def adapted_layers(chunk: nn.Module) -> Iterable[tuple[str, nn.Module]]:
     """(name, layer) of every layer of `chunk` holding an adapter."""
     for name, module in chunk.named_modules():
-        if isinstance(getattr(module, ADAPTER, None), LoRAAdapter):
+        if isinstance(getattr(module, ADAPTER, None), ADAPTERS):
             yield name, module
 
 
 def is_adapter_name(name: str) -> bool:
     """Whether a parameter name (a state-dict key) belongs to an adapter."""
-    return f".{ADAPTER}.linear_" in f".{name}"
+    return f".{ADAPTER}." in f".{name}"
 
 
 def add_lora_adapters(
@@ -162,17 +287,15 @@ def add_lora_adapters(
         for name, module in list(chunk.named_modules()):
             if name.rsplit(".", 1)[-1] not in spec.targets:
                 continue
-            if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
-                raise GigatronError(
-                    f"--lora-target-modules: {name} is a {type(module).__name__}, not a "
-                    "tensor-parallel linear layer; leave it out"
-                )
-            adapter = LoRAAdapter(module, spec, pctx, getattr(chunk, "rng", None))
+            adapter = _new_adapter(name, module, spec, pctx, getattr(chunk, "rng", None))
             setattr(module, ADAPTER, adapter)
-            handles.append(module.register_forward_hook(_add_adapter_output))
+            if isinstance(adapter, LoRAAdapter):  # expert adapters: GroupedExperts adds them
+                handles.append(module.register_forward_hook(_add_adapter_output))
             for pname, param in adapter.named_parameters():
                 param.init_name = f"{name}.{ADAPTER}.{pname}"
-            initialize_parameters(adapter, seed, pctx.tp_rank, pctx.tp_size)
+            initialize_parameters(
+                adapter, seed, pctx.tp_rank, pctx.tp_size, pctx.ep_rank, pctx.ep_size
+            )
             found += 1
         handles.append(chunk.register_state_dict_post_hook(_keep_adapters))
         handles.append(chunk.register_load_state_dict_post_hook(_allow_adapter_or_base_only))
@@ -182,6 +305,21 @@ def add_lora_adapters(
             f"--lora-target-modules {' '.join(spec.targets)}: the model has no such layer; "
             f"choose from {', '.join(TARGETS)}"
         )
+
+
+def _new_adapter(name: str, module: nn.Module, spec: LoRASpec, pctx: ParallelContext, rng: Any):
+    """The adapter of target layer `module`: a tensor-parallel linear layer's, or the per-expert
+    one of an MoE layer's stacked expert weight."""
+    if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        return (DoRAAdapter if spec.dora else LoRAAdapter)(module, spec, pctx, rng)
+    parent = name.rsplit(".", 2)[-2] if name.count(".") else ""
+    weight = getattr(module, "weight", None)
+    if parent == "experts" and isinstance(weight, nn.Parameter) and weight.dim() == 3:
+        return ExpertLoRAAdapter(module, spec, pctx)
+    raise GigatronError(
+        f"--lora-target-modules: {name} is a {type(module).__name__}, not a tensor-parallel "
+        "linear layer nor an MoE layer's expert weights; leave it out"
+    )
 
 
 def _keep_adapters(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
@@ -198,10 +336,10 @@ def merged_weights(chunk: nn.Module) -> dict[str, torch.Tensor]:
     tensors = dict(chunk.named_parameters())
     tensors.update(chunk.state_dict(keep_vars=True))
     for name, layer in adapted_layers(chunk):
-        adapter = getattr(layer, ADAPTER)
-        merged = layer.weight + adapter.delta_weight().to(layer.weight.dtype)
+        merged = getattr(layer, ADAPTER).merged_weight(layer.weight)
         for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
             setattr(merged, attribute, getattr(layer.weight, attribute))
+        merged.expert_parallel = getattr(layer.weight, "expert_parallel", False)
         tensors[f"{name}.weight"] = merged
     return {name: t for name, t in tensors.items() if not is_adapter_name(name)}
 
@@ -235,8 +373,7 @@ def merge_adapters(chunks: list[nn.Module]) -> None:
     it: the chunks compute what they computed, without adapters, and save every weight."""
     for chunk in chunks:
         for _, layer in list(adapted_layers(chunk)):
-            adapter = getattr(layer, ADAPTER)
-            layer.weight.add_(adapter.delta_weight().to(layer.weight.dtype))
+            layer.weight.copy_(getattr(layer, ADAPTER).merged_weight(layer.weight))
             delattr(layer, ADAPTER)
         for handle in getattr(chunk, "lora_handles", []):
             handle.remove()

@@ -8,7 +8,12 @@ and position ids (positions follow their chunks, so learned and rotary embedding
 masks of keys (an attention mask [b, 1, s or 1, s], BERT's padding mask) stay whole, in sequence
 order: each rank picks the rows of its own queries and the columns of the keys it attends to.
 Gathered tensors are in "rank order" (rank 0's two chunks, rank 1's, ...); `cp_rank_order`
-gives the sequence position of each gathered row.
+gives the sequence position of each gathered row. A packed sample (several documents, each
+padded to a multiple of 2N positions) is split per document instead, as Megatron does for the
+THD layout: rank r holds chunks r and 2N-1-r of every document (`document_split_order`), so
+each rank's attention work is balanced document by document. This is done by reordering the
+sample (masks included) so that the whole-sequence split gives those positions: the attention
+parts, which follow the mask, need nothing else.
 
 The attention, three ways (`--cp-comm-type`); each is a core-attention part with the interface
 `(q [sl, b, np, hn], k [sl, b, ng, hn], v, attention_mask) -> [sl, b, np * hn]` where sl = seq / cp:
@@ -109,6 +114,44 @@ def sequence_positions(
 # Batch entries that mask keys over the whole sequence: not split (see the module docstring).
 # `padding_mask` [b, s] is BERT's: it becomes the key mask of every query.
 WHOLE_SEQUENCE_KEYS = ("attention_mask", "padding_mask")
+# A packed batch's [b, s] first position of each position's document (data/packing.py): with it
+# the split is per document. Read here, not passed on.
+DOCUMENT_START = "document_start"
+
+
+def document_split_order(document_start: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """The load-balanced split per document, as an order of positions [b, s]: each document
+    (its length a multiple of 2 cp) is cut into 2 cp chunks and rank r holds chunks r and
+    2 cp - 1 - r of every document, in sequence order. Reordering a sample by the result makes
+    the whole-sequence split (`split_for_cp_rank`) give each rank exactly those positions."""
+    b, s = document_start.shape
+    start = document_start.long()
+    ones = torch.ones_like(start)
+    length = torch.zeros_like(start).scatter_add_(1, start, ones).gather(1, start)
+    if bool((length % (2 * cp_size)).any()):
+        raise GigatronError(
+            f"packed documents: each must fill a multiple of 2 x --context-parallel-size "
+            f"{cp_size} positions for the split per document; pack them with the run's "
+            "--context-parallel-size"
+        )
+    offset = torch.arange(s, device=start.device).expand(b, s) - start
+    chunk = offset // (length // (2 * cp_size))
+    owner = torch.where(chunk < cp_size, chunk, 2 * cp_size - 1 - chunk)
+    by_rank = torch.argsort(owner, dim=1, stable=True)  # rank 0's positions, rank 1's, ...
+    return by_rank[:, torch.argsort(cp_rank_order(s, cp_size, start.device))]
+
+
+def _reorder(key: str, value: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """`value` with its sequence dimension(s) in `order` [b, s]: both of a square mask."""
+    if value is None or value.dim() < 2:
+        return value
+    if key not in WHOLE_SEQUENCE_KEYS:
+        index = order.reshape(*order.shape, *([1] * (value.dim() - 2)))
+        return value.gather(1, index.expand(*order.shape, *value.shape[2:]))
+    b, h, q, s = value.shape
+    if q > 1:
+        value = value.gather(2, order[:, None, :, None].expand(b, h, s, s))
+    return value.gather(3, order[:, None, None, :].expand(b, h, q, s))
 
 
 def get_batch_on_this_cp_rank(
@@ -116,9 +159,16 @@ def get_batch_on_this_cp_rank(
 ) -> dict[str, torch.Tensor]:
     """This rank's chunks of every [batch, seq, ...] entry (tokens, labels, loss_mask,
     position_ids, token types); masks of keys (WHOLE_SEQUENCE_KEYS) and per-sample entries
-    ([batch], e.g. BERT's is_random) stay whole."""
+    ([batch], e.g. BERT's is_random) stay whole. A packed batch (DOCUMENT_START) is split per
+    document: every entry, masks included, is first reordered by `document_split_order`, so
+    the attention parts (which follow the mask) see a sequence in the order of the split."""
+    batch = dict(batch)
+    starts = batch.pop(DOCUMENT_START, None)
     if pctx.cp_size == 1:
         return batch
+    if starts is not None:
+        order = document_split_order(starts, pctx.cp_size)
+        batch = {key: _reorder(key, value, order) for key, value in batch.items()}
     return {
         key: value
         if key in WHOLE_SEQUENCE_KEYS or value is None or value.dim() < 2

@@ -42,13 +42,15 @@ from gigatron.families import get_family
 from gigatron.families.accepted import check_family_config
 from gigatron.families.gpt.flops import model_flops_per_iteration
 from gigatron.models.bert import build_bert_model
+from gigatron.models.flops import precision_name
+from gigatron.models.lora import LoRASpec, add_lora_adapters
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.schedules import ScheduleConfig
 from gigatron.tasks.glue import NUM_CLASSES, glue_samples
 from gigatron.tasks.heads import BertClassifier
 from gigatron.tasks.race import race_samples
 from gigatron.training.loop import Run, train
-from gigatron.training.pretrain import launch_world_size
+from gigatron.training.pretrain import launch_world_size, startup_record
 from gigatron.training.run import apply_thread_choice, build_metrics, build_run, load_pretrained
 
 LOSS_NAMES = ("lm_loss",)  # Megatron's finetuning logs its cross entropy as 'lm loss'
@@ -68,7 +70,6 @@ _REFUSED = {
     "ckpt_convert_save": "convert checkpoints with gigatron pretrain or convert-checkpoint",
     "async_save": "the best checkpoint is saved synchronously after its epoch",
     "save_hf": "export the best checkpoint with gigatron convert --to hf",
-    "lora_target_modules": "LoRA fine-tunes GPT models: gigatron pretrain gpt --sft",
 }
 
 
@@ -244,10 +245,15 @@ def accuracy(
 
 
 def build_classifier(cfg, pctx: ParallelContext, vocab_size: int, task: FinetuneTaskConfig):
-    """The BERT chunk with the pretrained weights loaded (if any), under the task's head."""
+    """The BERT chunk with the pretrained weights loaded (if any), under the task's head. With
+    --lora-target-modules the encoder is frozen with adapters on those layers (docs/lora.md);
+    the new head (and pooler) train whole, as PEFT's `modules_to_save`."""
 
     (bert,) = build_bert_model(cfg, pctx, vocab_size=vocab_size)
     load_pretrained(cfg, pctx, [bert])
+    spec = LoRASpec.from_config(cfg)
+    if spec is not None:
+        add_lora_adapters([bert], spec, pctx, cfg.training.seed)
     outputs = 1 if task.task == "RACE" else NUM_CLASSES[task.task]
     return BertClassifier(bert, outputs, cfg.model.hidden_dropout, cfg.training.seed)
 
@@ -322,6 +328,9 @@ def _finetune_loop_run(
         metrics=metrics, train_iters=0, vocab_size=parts.model[0].module.vocab_size,
         flops_per_iteration=lambda batch: model_flops_per_iteration(cfg.model, batch * choices, 0),
         loss_names=LOSS_NAMES, state=parts.state,
+        startup_record=startup_record(
+            parts, parts.model[0].module.vocab_size, precision_name(t.bf16, t.fp16)
+        ),
     )  # fmt: skip
     if t.eval_interval:  # Megatron's validation loss every --eval-interval iterations
         global_batch = parts.calculator.global_batch_size
@@ -352,6 +361,7 @@ def _train_epochs(run: Any, task: FinetuneTaskConfig, data: dict[str, Any]) -> d
         )  # fmt: skip
         run.train_iters = epoch * data["per_epoch"]
         result = train(run)
+        run.startup_record = None  # logged by the first epoch
         record = evaluate_now(epoch)
         history.append(record)
         if best is None or record["mean_accuracy"] > best["mean_accuracy"]:

@@ -200,8 +200,9 @@ def _data_iterators(parts: RunParts) -> tuple[Any, Any, Any]:
     )
 
 
-def _startup_record(parts: RunParts, vocab_size: int, precision: str) -> Callable[[], dict]:
-    """The start-up record (sizes, layout), measured after the first step."""
+def startup_record(parts: RunParts, vocab_size: int, precision: str) -> Callable[[], dict]:
+    """The start-up record (sizes, layout; LoRA's trainable parameters), measured after the
+    first step."""
     model, pctx, cfg = parts.model, parts.pctx, parts.cfg
     start_iteration = parts.state.iteration
 
@@ -366,7 +367,7 @@ def _loop_run(
         ),
         after_iteration=saver.poll if saver is not None else None,
         peak_flops=device_peak_flops(pctx.device, precision),
-        startup_record=_startup_record(parts, vocab_size, precision),
+        startup_record=startup_record(parts, vocab_size, precision),
         evaluate_on_early_exit=evaluate_on_early_exit,
     )
 

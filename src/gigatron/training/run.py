@@ -32,7 +32,7 @@ from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import ModelFamily
 from gigatron.models.compile import compile_layers
-from gigatron.models.lora import LoRASpec, add_lora_adapters
+from gigatron.models.lora import LoRASpec, adapted_layers, add_lora_adapters
 from gigatron.optim import build_optimizer
 from gigatron.optim.batch_schedule import build_num_microbatches_calculator
 from gigatron.optim.lr_schedule import build_lr_scheduler
@@ -359,7 +359,7 @@ def build_run(
         chunks = builder(cfg, pctx, parts.tokenizer.vocab_size)
         if build_chunks is None:
             prepare_chunks(cfg, pctx, chunks)
-        elif cfg.model.lora_target_modules:
+        elif cfg.model.lora_target_modules and not any(adapted_layers(c) for c in chunks):
             raise GigatronError(
                 "--lora-target-modules: this command builds its own model and takes no LoRA "
                 "adapters; use gigatron pretrain (e.g. gpt --sft)"

@@ -26,7 +26,8 @@ from gigatron.models.transformer_config import MLA_FIELDS
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.tensor_parallel import vocab_parallel_cross_entropy
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+# document_start: packed samples' documents, for the context-parallel split per document.
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask", "document_start")
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:

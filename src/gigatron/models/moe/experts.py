@@ -11,7 +11,9 @@ reduced over "expert_dp") and carry the usual tensor-parallel attributes for etp
 
 Two ways to compute, with the same numbers: one grouped GEMM per weight
 (`torch._grouped_mm`, where this torch build and device have it for the dtype and shapes), or a
-loop over the experts' contiguous blocks (always available; the reference).
+loop over the experts' contiguous blocks (always available; the reference). A weight may hold
+a LoRA adapter (models/lora.py; attribute `adapter`): its output is added to the weight's
+product, computed with the loop.
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ class GroupedExperts(nn.Module):
         return aligned and grouped_mm_supported(device, w1.dtype)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        if self.adapted():
+            return self._forward_adapted(x, tokens_per_expert)
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         b1, b2 = self.linear_fc1.bias, self.linear_fc2.bias
         # guard_or_false: a data-dependent row count (capacity drops, compiled) takes the loop.
@@ -167,6 +171,30 @@ class GroupedExperts(nn.Module):
             return x.new_zeros((0, w2.shape[1]))
         # Experts without tokens still join the graph, so their weights get zero gradients.
         return torch.cat(outputs)
+
+    def adapted(self) -> bool:
+        """Whether a weight holds an adapter (LoRA, models/lora.py: the attribute `adapter`, a
+        module `(x [N, in], tokens_per_expert) -> [N, out]` whose output adds to the weight's)."""
+        return any(getattr(w, "adapter", None) is not None for w in self._weights())
+
+    def _weights(self) -> tuple[nn.Module, nn.Module]:
+        return self.linear_fc1, self.linear_fc2
+
+    def _forward_adapted(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The loop over the experts' blocks (the reference path), each weight's product plus
+        its adapter's output."""
+        counts = tokens_per_expert.tolist()
+        for holder in self._weights():
+            if holder is self.linear_fc2:
+                x = self._activate(x)
+            w, b = holder.weight, holder.bias
+            blocks = x.split(counts)
+            y = torch.cat(
+                [F.linear(blk, w[e], None if b is None else b[e]) for e, blk in enumerate(blocks)]
+            )
+            adapter = getattr(holder, "adapter", None)
+            x = y if adapter is None else y + adapter(x, tokens_per_expert)
+        return x
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         if self.recompute_activation and self.training and torch.is_grad_enabled():
