@@ -68,8 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         type=int,
         default=0,
-        help="draft this many tokens with the model's MTP heads, verified in one forward "
-        "(<= --mtp-num-layers; one process; default 0: off)",
+        help="draft this many tokens with the model's MTP heads (<= --mtp-num-layers) or the "
+        "--speculative-draft-load model, verified in one forward (one process; default 0: off)",
+    )
+    parser.add_argument(
+        "--speculative-draft-load",
+        default=None,
+        help="checkpoint directory of a small GPT draft model with the --load model's "
+        "tokenizer: it drafts the --num-speculative-tokens tokens instead of MTP heads",
     )
     parser.add_argument("--output", default=None, help="write JSON lines here instead of text")
     return parser
@@ -171,7 +177,7 @@ def _generate(args, loaded, prompts: list[str], params) -> int:
 
     if isinstance(loaded.chunks[0], T5Model):
         return _generate_t5(args, loaded, prompts, params)
-    if args.num_speculative_tokens:
+    if args.num_speculative_tokens or args.speculative_draft_load:
         return _generate_speculative(args, loaded, prompts, params)
     engine = engine_from_args(loaded, args)
     if loaded.pctx.rank != 0:
@@ -253,9 +259,68 @@ def _emit(args, tokenizer, prompts: list[str], ids: list[list[int]], completions
 
 
 def _generate_speculative(args, loaded, prompts: list[str], params) -> int:
-    """--num-speculative-tokens: one prompt at a time, drafted by the MTP heads."""
+    """--num-speculative-tokens: drafted by the MTP heads (one prompt at a time) or by the
+    --speculative-draft-load model (--max-batch-size prompts at a time)."""
+    _refuse_with_speculation(args, loaded, params)
+    tokenizer = loaded.tokenizer
+    bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
+    ids = [
+        ([bos] if args.add_bos and bos is not None else []) + tokenizer.tokenize(p) for p in prompts
+    ]
+    eos = None if params.ignore_eos else tokenizer.eod
+    seed = params.seed if params.seed is not None else args.seed
+    sampling = (params.max_tokens, params.temperature, params.top_k)
+    if args.speculative_draft_load:
+        speculator = _draft_speculator(args, loaded)
+        completions = []
+        for first in range(0, len(ids), args.max_batch_size):
+            batch = ids[first : first + args.max_batch_size]
+            seeds = [seed + first + i for i in range(len(batch))]
+            completions += speculator.generate(batch, *sampling, seeds=seeds, eos_id=eos)
+        return _emit(args, tokenizer, prompts, ids, completions)
     from gigatron.inference.speculative import MTPSpeculator  # why: torch only after parsing
 
+    speculator = MTPSpeculator(loaded.chunks[0], args.num_speculative_tokens, tokenizer.vocab_size)
+    completions = [speculator.generate(p, *sampling, seed + i, eos) for i, p in enumerate(ids)]
+    return _emit(args, tokenizer, prompts, ids, completions)
+
+
+def _draft_speculator(args, loaded):
+    """The --speculative-draft-load model (its saved configuration and precision as the
+    target's flags say) wrapped with the target in a `DraftModelSpeculator`."""
+    # why here: torch-heavy modules load after the flags are parsed (a quick --help)
+    from gigatron.inference.draft_speculative import DraftModelSpeculator
+    from gigatron.inference.load import load_for_inference
+
+    if not args.num_speculative_tokens:
+        raise GigatronError(
+            "--speculative-draft-load: give --num-speculative-tokens K, the tokens the draft "
+            "model proposes per round"
+        )
+    draft_args = argparse.Namespace(
+        load=args.speculative_draft_load, ckpt_step=None, lora_checkpoint=None,
+        device=args.device, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        **{name: getattr(args, name) for name in ("fp16", "bf16") if hasattr(args, name)},
+    )  # fmt: skip
+    try:
+        draft = load_for_inference(draft_args)
+    except GigatronError as error:  # name the flag the user gave
+        raise GigatronError(str(error).replace("--load ", "--speculative-draft-load ", 1)) from None
+    vocab = loaded.tokenizer.vocab_size
+    if draft.tokenizer.vocab_size != vocab or len(draft.chunks) != 1:
+        raise GigatronError(
+            f"--speculative-draft-load {args.speculative_draft_load}: a tokenizer of "
+            f"{draft.tokenizer.vocab_size} tokens ({vocab} for --load), or several model chunks; "
+            "the draft must be a one-stage GPT with the target's tokenizer"
+        )
+    return DraftModelSpeculator(
+        loaded.chunks[0], draft.chunks[0], args.num_speculative_tokens, vocab
+    )
+
+
+def _refuse_with_speculation(args, loaded, params) -> None:
+    """Flags speculative decoding does not take."""
     asked = {
         "--num-speculative-tokens: one process only (no tensor or pipeline parallelism)": (
             loaded.pctx.tp_size * loaded.pctx.pp_size > 1
@@ -275,16 +340,3 @@ def _generate_speculative(args, loaded, prompts: list[str], params) -> int:
         raise GigatronError(
             f"{', '.join(refused)}: not available with --num-speculative-tokens; drop them"
         )
-    tokenizer = loaded.tokenizer
-    speculator = MTPSpeculator(loaded.chunks[0], args.num_speculative_tokens, tokenizer.vocab_size)
-    bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
-    ids = [
-        ([bos] if args.add_bos and bos is not None else []) + tokenizer.tokenize(p) for p in prompts
-    ]
-    eos = None if params.ignore_eos else tokenizer.eod
-    seed = params.seed if params.seed is not None else args.seed
-    completions = [
-        speculator.generate(p, params.max_tokens, params.temperature, params.top_k, seed + i, eos)
-        for i, p in enumerate(ids)
-    ]
-    return _emit(args, tokenizer, prompts, ids, completions)

@@ -142,6 +142,7 @@ def refuse_unsupported(params, args) -> None:
         "--inference-dynamic-batching": bool(getattr(args, "inference_dynamic_batching", False)),
         "--add-bos": bool(getattr(args, "add_bos", False)),
         "--num-speculative-tokens": bool(getattr(args, "num_speculative_tokens", 0)),
+        "--speculative-draft-load": bool(getattr(args, "speculative_draft_load", None)),
         "--max-sequence-length": getattr(args, "max_sequence_length", None) is not None,
     }
     refused = [flag for flag, given in asked.items() if given]
