@@ -15,7 +15,6 @@ from gigatron.config.root import GigatronConfig
 from gigatron.config.validate import finalize_config
 from gigatron.errors import GigatronError
 from gigatron.inference import SamplingParams
-from gigatron.inference.draft_speculative import DraftModelSpeculator
 from gigatron.inference.load import build_engine
 from gigatron.inference.speculative import distributions
 from gigatron.models import build_model
@@ -38,27 +37,39 @@ def _model(layers: int, hidden: int, seed: int, vocab: int = VOCAB, sharpen: flo
     return model.eval()
 
 
+def _engine(target, draft=None, k: int = 0, slots: int = 4, vocab: int = VOCAB):
+    return build_engine([target], ParallelContext.single(), max_batch_size=slots,
+                        vocab_size=vocab, draft=draft, num_speculative_tokens=k)  # fmt: skip
+
+
 def test_greedy_draft_speculation_gives_the_non_speculative_tokens():
     target, draft = _model(2, 64, seed=1), _model(1, 32, seed=2)
-    engine = build_engine([target], ParallelContext.single(), max_batch_size=4, vocab_size=VOCAB)
     generator = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (1, 9, 4)]
-    expected = [c.output_ids for c in engine.generate(prompts, SamplingParams(NEW, 0.0))]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (1, 9, 4, 6)]
+    greedy = SamplingParams(NEW, 0.0)
+    expected = [c.output_ids for c in _engine(target, slots=3).generate(prompts, greedy)]
     for k in (1, 3):
-        results = DraftModelSpeculator(target, draft, k, VOCAB).generate(prompts, NEW)
-        assert [r.output_ids for r in results] == expected
-        assert all(r.drafted == k * r.rounds and r.accepted <= r.drafted for r in results)
+        engine = _engine(target, draft, k, slots=3)  # 4 prompts, 3 slots: one joins later
+        completions = engine.generate(prompts, greedy)
+        assert [c.output_ids for c in completions] == expected
+        assert all(c.drafted % k == 0 and 0 < c.drafted < k * NEW for c in completions)
+        assert engine.stats()["speculative_drafted"] == sum(c.drafted for c in completions)
     # the target as its own draft: every draft accepted, K + 1 tokens per round
-    results = DraftModelSpeculator(target, target, 3, VOCAB).generate(prompts, NEW)
-    assert [r.output_ids for r in results] == expected
-    assert all(r.accepted == r.drafted and r.rounds == 3 for r in results)  # 1 + 3 x 4 >= 10
-    # an end token the sequence reaches: cut there, not included
+    completions = _engine(target, target, 3).generate(prompts, greedy)
+    assert [c.output_ids for c in completions] == expected
+    assert all(c.accepted == c.drafted == 9 for c in completions)  # 1 + 4 + 4 + 4 >= 10
+    # an end token mid-round cuts there; a request asking log-probs decodes without drafts
     eos = expected[1][6]
-    results = DraftModelSpeculator(target, draft, 2, VOCAB).generate(prompts, NEW, eos_id=eos)
-    for result, tokens in zip(results, expected):
+    params = [SamplingParams(NEW, 0.0, stop_token_ids=(eos,))] * 3 + [
+        SamplingParams(NEW, 0.0, logprobs=True)
+    ]
+    completions = _engine(target, draft, 2).generate(prompts, params)
+    for completion, tokens in zip(completions[:3], expected):
         cut = tokens[: tokens.index(eos)] if eos in tokens else tokens
-        assert result.output_ids == cut
-        assert result.finish_reason == ("stop" if eos in tokens else "length")
+        assert completion.output_ids == cut
+        assert completion.finish_reason == ("stop" if eos in tokens else "length")
+    assert completions[3].output_ids == expected[3] and len(completions[3].log_probs) == NEW
+    assert completions[3].drafted == 0
 
 
 def test_sampled_draft_speculation_follows_the_target_distribution():
@@ -75,14 +86,15 @@ def test_sampled_draft_speculation_follows_the_target_distribution():
         p = distributions(logits[:, len(prompt) - 1 + step], vocab, temperature, top_k)
         exact *= p.gather(1, ids[:, len(prompt) + step, None])[:, 0]
     draws = 2000
-    speculator = DraftModelSpeculator(target, draft, 2, vocab)
-    results = speculator.generate([prompt] * draws, 3, temperature, top_k, seeds=list(range(draws)))
+    engine = _engine(target, draft, 2, slots=draws, vocab=vocab)
+    params = [SamplingParams(3, temperature, top_k, seed=i) for i in range(draws)]
+    completions = engine.generate([prompt] * draws, params)
     counts = torch.zeros(len(triples))
-    for result in results:
-        counts[triples.index(tuple(result.output_ids))] += 1
-    drafted = sum(r.drafted for r in results)
-    accepted = sum(r.accepted for r in results)
-    assert 0.2 < accepted / drafted < 0.9, accepted / drafted  # both paths of the rule ran
+    for completion in completions:
+        counts[triples.index(tuple(completion.output_ids))] += 1
+    stats = engine.stats()
+    rate = stats["speculative_accepted"] / stats["speculative_drafted"]
+    assert 0.2 < rate < 0.9, rate  # both paths of the rejection rule ran
     expected = exact * draws
     big = expected >= 5  # cells expecting fewer than 5 pooled into one
     observed = torch.cat([counts[big], counts[~big].sum()[None]])
@@ -134,7 +146,7 @@ def test_generate_cli_speculates_with_a_draft_checkpoint(tmp_path):
     assert tokens["sampled"] == tokens["sampled_again"] != tokens["plain"]
     assert all(len(t) == 8 for t in tokens["sampled"])
     assert all(r["speculative"]["drafted"] > 0 for r in outputs["speculative"])
-    with pytest.raises(GigatronError, match="--speculative-draft-load: give --num-speculative"):
+    with pytest.raises(GigatronError, match="give --num-speculative-tokens K >= 1"):
         main([*base, "--speculative-draft-load", str(tmp_path / "draft")])
     with pytest.raises(GigatronError, match=f"--speculative-draft-load {tmp_path}: no checkpoint"):
         main([*base, "--speculative-draft-load", str(tmp_path), "--num-speculative-tokens", "2"])

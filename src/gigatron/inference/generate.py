@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING
 
 from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
-from gigatron.inference.arguments import add_load_arguments, resolve_batch_size
+from gigatron.inference.arguments import (
+    add_load_arguments,
+    add_speculative_arguments,
+    check_speculative,
+    resolve_batch_size,
+)
 
 if TYPE_CHECKING:
     from gigatron.inference.engine import Completion, SamplingParams
@@ -64,19 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one prompt per line, or JSON lines with a 'prompt' field (.jsonl)",
     )
     add_sampling_arguments(parser)
-    parser.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=0,
-        help="draft this many tokens with the model's MTP heads (<= --mtp-num-layers) or the "
-        "--speculative-draft-load model, verified in one forward (one process; default 0: off)",
-    )
-    parser.add_argument(
-        "--speculative-draft-load",
-        default=None,
-        help="checkpoint directory of a small GPT draft model with the --load model's "
-        "tokenizer: it drafts the --num-speculative-tokens tokens instead of MTP heads",
-    )
+    add_speculative_arguments(parser, mtp=True)
     parser.add_argument("--output", default=None, help="write JSON lines here instead of text")
     return parser
 
@@ -149,6 +142,8 @@ def record(prompt: str, completion: Completion, tokenizer) -> dict:
         out["top_logprobs"] = [
             {tokenizer.detokenize([t]): lp for t, lp in step} for step in completion.top_log_probs
         ]
+    if completion.drafted:
+        out["speculative"] = {"drafted": completion.drafted, "accepted": completion.accepted}
     return out
 
 
@@ -156,6 +151,7 @@ def main(argv: Sequence[str]) -> int:
     """`gigatron generate --load DIR --prompt TEXT [...]`."""
     args = build_parser().parse_args(list(argv))
     resolve_batch_size(args)
+    check_speculative(args, mtp=True)
     prompts = args.prompt or read_prompts(args.prompts_file)
     if not prompts:
         raise GigatronError(f"--prompts-file {args.prompts_file}: holds no prompts")
@@ -177,7 +173,7 @@ def _generate(args, loaded, prompts: list[str], params) -> int:
 
     if isinstance(loaded.chunks[0], T5Model):
         return _generate_t5(args, loaded, prompts, params)
-    if args.num_speculative_tokens or args.speculative_draft_load:
+    if args.num_speculative_tokens and not args.speculative_draft_load:
         return _generate_speculative(args, loaded, prompts, params)
     engine = engine_from_args(loaded, args)
     if loaded.pctx.rank != 0:
@@ -259,64 +255,24 @@ def _emit(args, tokenizer, prompts: list[str], ids: list[list[int]], completions
 
 
 def _generate_speculative(args, loaded, prompts: list[str], params) -> int:
-    """--num-speculative-tokens: drafted by the MTP heads (one prompt at a time) or by the
-    --speculative-draft-load model (--max-batch-size prompts at a time)."""
+    """--num-speculative-tokens without a draft model: one prompt at a time, drafted by the MTP
+    heads."""
+    from gigatron.inference.speculative import MTPSpeculator  # why: torch only after parsing
+
     _refuse_with_speculation(args, loaded, params)
     tokenizer = loaded.tokenizer
+    speculator = MTPSpeculator(loaded.chunks[0], args.num_speculative_tokens, tokenizer.vocab_size)
     bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
     ids = [
         ([bos] if args.add_bos and bos is not None else []) + tokenizer.tokenize(p) for p in prompts
     ]
     eos = None if params.ignore_eos else tokenizer.eod
     seed = params.seed if params.seed is not None else args.seed
-    sampling = (params.max_tokens, params.temperature, params.top_k)
-    if args.speculative_draft_load:
-        speculator = _draft_speculator(args, loaded)
-        completions = []
-        for first in range(0, len(ids), args.max_batch_size):
-            batch = ids[first : first + args.max_batch_size]
-            seeds = [seed + first + i for i in range(len(batch))]
-            completions += speculator.generate(batch, *sampling, seeds=seeds, eos_id=eos)
-        return _emit(args, tokenizer, prompts, ids, completions)
-    from gigatron.inference.speculative import MTPSpeculator  # why: torch only after parsing
-
-    speculator = MTPSpeculator(loaded.chunks[0], args.num_speculative_tokens, tokenizer.vocab_size)
-    completions = [speculator.generate(p, *sampling, seed + i, eos) for i, p in enumerate(ids)]
+    completions = [
+        speculator.generate(p, params.max_tokens, params.temperature, params.top_k, seed + i, eos)
+        for i, p in enumerate(ids)
+    ]
     return _emit(args, tokenizer, prompts, ids, completions)
-
-
-def _draft_speculator(args, loaded):
-    """The --speculative-draft-load model (its saved configuration and precision as the
-    target's flags say) wrapped with the target in a `DraftModelSpeculator`."""
-    # why here: torch-heavy modules load after the flags are parsed (a quick --help)
-    from gigatron.inference.draft_speculative import DraftModelSpeculator
-    from gigatron.inference.load import load_for_inference
-
-    if not args.num_speculative_tokens:
-        raise GigatronError(
-            "--speculative-draft-load: give --num-speculative-tokens K, the tokens the draft "
-            "model proposes per round"
-        )
-    draft_args = argparse.Namespace(
-        load=args.speculative_draft_load, ckpt_step=None, lora_checkpoint=None,
-        device=args.device, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
-        **{name: getattr(args, name) for name in ("fp16", "bf16") if hasattr(args, name)},
-    )  # fmt: skip
-    try:
-        draft = load_for_inference(draft_args)
-    except GigatronError as error:  # name the flag the user gave
-        raise GigatronError(str(error).replace("--load ", "--speculative-draft-load ", 1)) from None
-    vocab = loaded.tokenizer.vocab_size
-    if draft.tokenizer.vocab_size != vocab or len(draft.chunks) != 1:
-        raise GigatronError(
-            f"--speculative-draft-load {args.speculative_draft_load}: a tokenizer of "
-            f"{draft.tokenizer.vocab_size} tokens ({vocab} for --load), or several model chunks; "
-            "the draft must be a one-stage GPT with the target's tokenizer"
-        )
-    return DraftModelSpeculator(
-        loaded.chunks[0], draft.chunks[0], args.num_speculative_tokens, vocab
-    )
 
 
 def _refuse_with_speculation(args, loaded, params) -> None:
