@@ -150,3 +150,18 @@ def test_generate_cli_speculates_with_a_draft_checkpoint(tmp_path):
         main([*base, "--speculative-draft-load", str(tmp_path / "draft")])
     with pytest.raises(GigatronError, match=f"--speculative-draft-load {tmp_path}: no checkpoint"):
         main([*base, "--speculative-draft-load", str(tmp_path), "--num-speculative-tokens", "2"])
+
+
+def test_models_with_mamba_layers_are_refused():
+    from gigatron.config import parse_config
+    from gigatron.models.hybrid import build_model as build_hybrid
+
+    argv = ["--hybrid-layer-pattern", "M*", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--mamba-state-dim", "16", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
+            "--position-embedding-type", "rope", "--seq-length", "64", "--vocab-size",
+            str(VOCAB)]  # fmt: skip
+    (hybrid,) = build_hybrid(parse_config(argv), ParallelContext.single(), vocab_size=VOCAB)
+    with pytest.raises(GigatronError, match="the target has Mamba layers"):
+        _engine(hybrid.eval(), _model(1, 32, seed=2), 2)
+    with pytest.raises(GigatronError, match="the draft has Mamba layers"):
+        _engine(_model(2, 64, seed=1), hybrid.eval(), 2)

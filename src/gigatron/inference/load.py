@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed
 from torch import nn
 
 from gigatron.checkpoint.dist_format import COMMON_FILENAME, read_metadata
@@ -78,6 +80,11 @@ def build_engine(
     stops = (eod,) if eod is not None else ()
     scheduler = None if dynamic is None else dynamic_scheduler(runner, dynamic)
     proposer = None
+    if num_speculative_tokens and _any_rank(runner.cache.mamba is not None, pctx):
+        raise GigatronError(
+            "speculative decoding: the target has Mamba layers, whose recurrent state cannot be "
+            "rewound past a rejected draft; use an attention-only model"
+        )
     if draft is not None and pctx.rank == 0:
         proposer = DraftProposer(
             draft, num_speculative_tokens, vocab_size, max_batch_size, max_sequence_length
@@ -86,6 +93,15 @@ def build_engine(
         runner, tokenizer, default_stop_token_ids=stops, seed=seed, scheduler=scheduler,
         proposer=proposer,
     )  # fmt: skip
+
+
+def _any_rank(flag: bool, pctx: ParallelContext) -> bool:
+    """Whether `flag` holds on any rank (every rank must raise the same errors)."""
+    if pctx.world_size == 1:
+        return flag
+    box = torch.tensor([int(flag)], device=pctx.device)
+    torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX)
+    return bool(box)
 
 
 def dynamic_scheduler(runner: ModelRunner, dynamic: DynamicSettings) -> BlockScheduler:
