@@ -213,18 +213,25 @@ def _generate(args, loaded, prompts: list[str], params) -> int:
 
 
 def _generate_t5(args, loaded, prompts: list[str], params) -> int:
-    """A T5 checkpoint: greedy, every rank runs the same steps, rank 0 writes."""
-    from gigatron.inference import t5_generation  # why: torch only after parsing
+    """A T5 checkpoint: every rank runs the same steps, rank 0 writes; prompt i samples with
+    seed --sampling-seed (else --seed) + i."""
+    # why here: torch only after parsing
+    from gigatron.inference import t5_generation
+    from gigatron.inference.sampling import RowSampling
 
     t5_generation.refuse_unsupported(params, args)
     tokenizer = loaded.tokenizer
     start, eos = t5_generation.special_ids(tokenizer)
     ids = [tokenizer.tokenize(prompt) for prompt in prompts]
+    seed = params.seed if params.seed is not None else args.seed
+    rows = [RowSampling(params.temperature, params.top_k, params.top_p, seed + i)
+            for i in range(len(ids))]  # fmt: skip
     completions = []
     for first in range(0, len(ids), args.max_batch_size):
-        completions += t5_generation.t5_greedy(
-            loaded.chunks[0], loaded.pctx, ids[first : first + args.max_batch_size],
-            params.max_tokens, start, None if params.ignore_eos else eos, tokenizer.vocab_size,
+        batch = slice(first, first + args.max_batch_size)
+        completions += t5_generation.t5_generate(
+            loaded.chunks[0], loaded.pctx, ids[batch], params.max_tokens, start,
+            None if params.ignore_eos else eos, tokenizer.vocab_size, rows[batch],
         )  # fmt: skip
     if loaded.pctx.rank != 0:
         return 0
