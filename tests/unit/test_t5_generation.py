@@ -117,7 +117,9 @@ def test_generate_cli_on_a_converted_t5_checkpoint(tmp_path, capsys):
     runs = []
     for name in ("a", "b"):
         assert main([*sampled, "--output", str(tmp_path / name)]) == 0
-        runs.append([json.loads(line)["tokens"] for line in (tmp_path / name).read_text().split()])
+        runs.append(
+            [json.loads(line)["tokens"] for line in (tmp_path / name).read_text().splitlines()]
+        )
     assert runs[0] == runs[1]
     assert main([*base, *prompt_flags, "--top-k", "1", "--output", str(out)]) == 0
     assert [json.loads(line)["tokens"] for line in out.read_text().splitlines()] == expected
