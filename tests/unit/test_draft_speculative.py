@@ -85,7 +85,7 @@ def test_sampled_draft_speculation_follows_the_target_distribution():
     for step in range(3):
         p = distributions(logits[:, len(prompt) - 1 + step], vocab, temperature, top_k)
         exact *= p.gather(1, ids[:, len(prompt) + step, None])[:, 0]
-    draws = 2000
+    draws = 1000
     engine = _engine(target, draft, 2, slots=draws, vocab=vocab)
     params = [SamplingParams(3, temperature, top_k, seed=i) for i in range(draws)]
     completions = engine.generate([prompt] * draws, params)
