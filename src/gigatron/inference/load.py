@@ -283,7 +283,7 @@ def add_saved_adapters(
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> InferenceEngine:
     if isinstance(loaded.chunks[0], T5Model):
         raise GigatronError(
-            f"--load {args.load}: a T5 model, which only `gigatron generate` runs (greedy); "
+            f"--load {args.load}: a T5 model, which only `gigatron generate` runs; "
             "serve and evaluate need a GPT or hybrid Mamba language model"
         )
     draft = None
