@@ -13,7 +13,9 @@ from tests.unit.test_t5_model import HEADS, VOCAB, hf_t5_model, t5_config
 
 from gigatron.errors import GigatronError
 from gigatron.families.t5.hf_t5 import T5HFAdapter
-from gigatron.inference.t5_generation import t5_greedy
+from gigatron.inference.sampling import RowSampling
+from gigatron.inference.speculative import distributions
+from gigatron.inference.t5_generation import T5DecoderCache, t5_generate
 from gigatron.models.t5 import build_t5_model
 from gigatron.parallel.context import ParallelContext
 
@@ -50,13 +52,45 @@ def test_greedy_equals_hugging_face_t5():
     # an end token that row 0 reaches mid-way: its row stops there, the others may not
     eos = free[0][4]
     expected = _hf_greedy(hf, prompts, eos=eos)
-    completions = t5_greedy(model, pctx, prompts, NEW, 0, eos, VOCAB)
+    completions = t5_generate(model, pctx, prompts, NEW, 0, eos, VOCAB)
     assert [c.output_ids for c in completions] == expected
     assert completions[0].finish_reason == "stop" and len(expected[0]) <= 4
     assert [c.finish_reason for c in completions] == [
         "stop" if len(row) < NEW else "length" for row in expected
     ]
-    assert [c.output_ids for c in t5_greedy(model, pctx, prompts, NEW, 0, None, VOCAB)] == free
+    assert [c.output_ids for c in t5_generate(model, pctx, prompts, NEW, 0, None, VOCAB)] == free
+
+
+def test_sampling_follows_the_models_distribution():
+    # the first decoder token of one prompt drawn with 1500 seeds against softmax(logits / T)
+    # among the top k (a chi-square test), and top-p keeping only the nucleus
+    hf = hf_t5_model(scale_outputs=False)
+    adapter = T5HFAdapter()
+    pctx = ParallelContext.single()
+    (model,) = build_t5_model(t5_config(adapter.config_from_hf(hf.config)), pctx, vocab_size=VOCAB)
+    model.load_state_dict(adapter.from_hf(hf.state_dict(), None, HEADS, model.vocab_size, False))
+    model.eval()
+    prompt, draws, temperature, top_k = [5, 17, 42, 8], 1500, 4.0, 6
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        cache = T5DecoderCache(model.encode(ids, torch.ones_like(ids)))
+        start = torch.zeros(1, 1, dtype=torch.long)
+        logits = model.decode(start, 0, cache.memory, torch.ones_like(ids), cache)
+    exact = distributions(logits[:, -1], VOCAB, temperature, top_k)[0]
+    rows = [RowSampling(temperature, top_k, seed=seed) for seed in range(draws)]
+    completions = t5_generate(model, pctx, [prompt] * draws, 1, 0, None, VOCAB, rows)
+    counts = torch.bincount(torch.tensor([c.output_ids[0] for c in completions]), minlength=VOCAB)
+    assert counts[exact == 0].sum() == 0  # nothing outside the top k
+    kept = exact > 0
+    chi2 = float(((counts[kept] - draws * exact[kept]) ** 2 / (draws * exact[kept])).sum())
+    assert chi2 < 22.5, (chi2, counts[kept], exact[kept])  # chi-square, 5 df, p = 0.0002
+    assert (counts[kept] > 0).sum() > 1, exact[kept]  # really sampled
+    probs = torch.softmax(logits[0, -1, :VOCAB].float() / temperature, -1)
+    order = probs.argsort(descending=True)
+    nucleus = order[: int((probs[order].cumsum(0) < 0.9).sum()) + 1].tolist()
+    rows = [RowSampling(temperature, top_p=0.9, seed=seed) for seed in range(200)]
+    completions = t5_generate(model, pctx, [prompt] * 200, 1, 0, None, VOCAB, rows)
+    assert {c.output_ids[0] for c in completions} <= set(nucleus)
 
 
 def test_generate_cli_on_a_converted_t5_checkpoint(tmp_path, capsys):
@@ -76,5 +110,16 @@ def test_generate_cli_on_a_converted_t5_checkpoint(tmp_path, capsys):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["tokens"] for r in records] == expected
     assert [r["prompt_tokens"] for r in records] == prompts
-    with pytest.raises(GigatronError, match="--temperature .give --greedy., --top-k: not avail"):
-        main([*base, *prompt_flags, "--top-k", "3"])
+    with pytest.raises(GigatronError, match="--stop, --logprobs / --prompt-logprobs / --top-lo"):
+        main([*base, *prompt_flags, "--stop", "x", "--logprobs"])
+    # sampling: a seed repeats, top-k 1 is greedy
+    sampled = [*base, *prompt_flags, "--temperature", "0.7", "--top-k", "8", "--sampling-seed", "3"]
+    runs = []
+    for name in ("a", "b"):
+        assert main([*sampled, "--output", str(tmp_path / name)]) == 0
+        runs.append(
+            [json.loads(line)["tokens"] for line in (tmp_path / name).read_text().splitlines()]
+        )
+    assert runs[0] == runs[1]
+    assert main([*base, *prompt_flags, "--top-k", "1", "--output", str(out)]) == 0
+    assert [json.loads(line)["tokens"] for line in out.read_text().splitlines()] == expected

@@ -95,6 +95,42 @@ def add_dynamic_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_speculative_arguments(parser: argparse.ArgumentParser, mtp: bool) -> None:
+    """Speculative decoding's flags (`mtp`: the command also drafts with MTP heads)."""
+    group = parser.add_argument_group("speculative decoding")
+    heads = "the model's MTP heads (<= --mtp-num-layers; one process) or " if mtp else ""
+    group.add_argument(
+        "--num-speculative-tokens", type=int, default=0,
+        help=f"draft this many tokens with {heads}the --speculative-draft-load model, verified "
+        "in one forward (default 0: off)",
+    )  # fmt: skip
+    group.add_argument(
+        "--speculative-draft-load", default=None,
+        help="checkpoint of a small GPT draft model with the --load model's tokenizer (torch "
+        "format, tensor- and pipeline-parallel 1): it drafts the --num-speculative-tokens",
+    )  # fmt: skip
+
+
+def check_speculative(args: argparse.Namespace, mtp: bool) -> None:
+    """Refuse speculative flags that cannot go together (before the model loads, on every rank)."""
+    draft, k = args.speculative_draft_load, args.num_speculative_tokens
+    if draft and k < 1:
+        raise GigatronError(
+            f"--speculative-draft-load {draft}: give --num-speculative-tokens K >= 1, the tokens "
+            "the draft model proposes per round"
+        )
+    if draft and args.inference_dynamic_batching:
+        raise GigatronError(
+            "--speculative-draft-load: speculative decoding runs on the static engine; drop "
+            "--inference-dynamic-batching"
+        )
+    if k and not draft and not mtp:
+        raise GigatronError(
+            f"--num-speculative-tokens {k}: here only with --speculative-draft-load (drafts of "
+            "the model's MTP heads run in `gigatron generate`); add a draft model or drop it"
+        )
+
+
 def dynamic_settings(args: argparse.Namespace) -> DynamicSettings | None:
     """The dynamic engine's settings from the flags (None without --inference-dynamic-batching;
     its other flags need it)."""

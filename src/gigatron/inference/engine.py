@@ -8,6 +8,9 @@ string, end of line, `max_tokens`, the cache's length) and frees its slot at onc
 request joins at the next step boundary. `submit` and `cancel` are thread-safe: a server thread
 submits while another thread runs `step()` in a loop (`serve_forever`).
 
+With a `DraftProposer` (speculative decoding with a draft model) a decode step first drafts K
+tokens per eligible sequence, then one target step verifies them (inference/draft_speculative.py).
+
 With a `BlockScheduler` (the dynamic engine, over a runner with a paged KV cache) the scheduler
 builds each step instead: decode tokens, prefill chunks and newcomers together under a token
 budget, KV memory admitted by blocks, preemption when blocks run out (inference/scheduler.py).
@@ -23,11 +26,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from gigatron.errors import GigatronError
 from gigatron.inference.beam import Beam, beam_search
+from gigatron.inference.draft_speculative import DraftProposer
 from gigatron.inference.runner import ModelRunner, StepPlan, StepResult
 from gigatron.inference.sampling import RowSampling
 from gigatron.inference.scheduler import BlockScheduler, packing_pays
+from gigatron.inference.speculative import verify
 
 
 @dataclass
@@ -100,6 +107,8 @@ class Completion:
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_log_probs: list[float] | None = None
     beams: list[Beam] = field(default_factory=list)  # beam search: every hypothesis, best first
+    drafted: int = 0  # speculative decoding: draft tokens proposed
+    accepted: int = 0  # and accepted
 
     @property
     def finished(self) -> bool:
@@ -120,6 +129,7 @@ class _Sequence:
     cut_text: str | None = None  # the text up to a stop string, when one ended it
     blocks: list[int] = field(default_factory=list)  # paged cache: the KV block table
     order: int = 0  # paged cache: admission order (the newest is preempted first)
+    generator: torch.Generator | None = None  # speculative decoding's draws
 
     def tokens(self) -> list[int]:
         """Prompt and generated tokens: what the cache must hold (a preempted request is
@@ -143,9 +153,16 @@ class InferenceEngine:
         default_stop_token_ids: Sequence[int] = (),
         seed: int = 0,
         scheduler: BlockScheduler | None = None,
+        proposer: DraftProposer | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
+        if proposer is not None and scheduler is not None:
+            raise GigatronError(
+                "--speculative-draft-load: runs on the static engine; drop "
+                "--inference-dynamic-batching"
+            )
+        self.proposer = proposer
         self.tokenizer = tokenizer
         self.default_stop_token_ids = tuple(default_stop_token_ids)
         self.max_batch_size = runner.max_batch_size
@@ -158,6 +175,7 @@ class InferenceEngine:
         self._running: dict[int, _Sequence] = {}  # slot -> sequence
         self._by_id: dict[int, _Sequence] = {}
         self._closed = False
+        self._drafted = self._accepted = 0
         self._newline_ids = self._single_token_ids("\n")
         self._colon_texts = (":",)
 
@@ -264,6 +282,10 @@ class InferenceEngine:
         blocks in use and free, prefix-cache hits, evictions and preemptions)."""
         with self._lock:
             numbers = {"running": len(self._running), "waiting": len(self._waiting)}
+            if self.proposer is not None:
+                numbers.update(
+                    speculative_drafted=self._drafted, speculative_accepted=self._accepted
+                )
             if self.scheduler is not None:
                 pool = self.scheduler.pool
                 numbers.update(
@@ -372,6 +394,8 @@ class InferenceEngine:
         result = self.runner.execute(plan)
         for row, sequence in enumerate(joining):
             sequence.cached = len(sequence.completion.prompt_ids)
+            if self.proposer is not None:
+                self.proposer.start(sequence.slot)
             if sequence.params.prompt_logprobs:
                 sequence.completion.prompt_log_probs = result.prompt_log_probs[row]
             if sequence.params.max_tokens == 0:
@@ -380,6 +404,12 @@ class InferenceEngine:
             self._accept(sequence, row, result)
 
     def _decode(self, running: list[_Sequence]) -> None:
+        drafted = [q for q in running if self._speculates(q)]
+        if drafted:
+            self._speculate(drafted)
+        running = [q for q in running if all(q is not d for d in drafted)]
+        if not running:
+            return
         plan = StepPlan(
             slots=[q.slot for q in running],
             tokens=[[q.pending] for q in running],
@@ -392,19 +422,64 @@ class InferenceEngine:
             sequence.cached += 1
             self._accept(sequence, row, result)
 
+    def _speculates(self, sequence: _Sequence) -> bool:
+        """Whether a decoding sequence takes drafts: a draft model is loaded, the request asks
+        nothing the verification step does not give (log-probs, top-p, banned tokens), and its
+        K + 1 verified positions fit the cache."""
+        params = sequence.params
+        return self.proposer is not None and not (
+            params.logprobs or params.top_logprobs or sequence.top_p > 0
+            or params.prevent_newline_after_colon
+            or sequence.cached + self.proposer.k + 1 > self.max_sequence_length
+        )  # fmt: skip
+
+    def _speculate(self, rows: list[_Sequence]) -> None:
+        """One round of speculative decoding for `rows`: K drafts each, one verifying step."""
+        for q in rows:
+            if q.generator is None:
+                q.generator = torch.Generator().manual_seed(q.seed)
+        drafts, draft_probs = self.proposer.propose(
+            [q.slot for q in rows], [q.tokens() for q in rows],
+            [(q.params.temperature, q.params.top_k) for q in rows], [q.generator for q in rows],
+        )  # fmt: skip
+        plan = StepPlan(
+            slots=[q.slot for q in rows],
+            tokens=[[q.pending, *d] for q, d in zip(rows, drafts)],
+            starts=[q.cached for q in rows],
+            sampling=[self._row(q) for q in rows],
+            verify=True,
+        )
+        target = self.runner.execute(plan).distributions
+        for r, sequence in enumerate(rows):
+            accepted, after = verify(target[r], draft_probs[r], drafts[r], sequence.generator)
+            self.proposer.settle(sequence.slot, len(sequence.tokens()), accepted)
+            sequence.completion.drafted += self.proposer.k
+            sequence.completion.accepted += accepted
+            self._drafted += self.proposer.k
+            self._accepted += accepted
+            first = sequence.cached
+            for i, token in enumerate([*drafts[r][:accepted], after]):
+                sequence.cached = first + 1 + i
+                if self._take(sequence, token, None, None):
+                    break
+
     def _accept(self, sequence: _Sequence, row: int, result: StepResult) -> None:
         """Take this step's token for `sequence` and decide whether it stops."""
-        token = result.tokens[row]
+        top = result.top[row] if result.top is not None else None
+        self._take(sequence, result.tokens[row], result.log_probs[row], top)
+
+    def _take(self, sequence: _Sequence, token: int, log_prob, top) -> bool:
+        """Append `token` (with its log-prob and top-n) to `sequence`; True when it finished."""
         completion, params = sequence.completion, sequence.params
         stop_ids = params.stop_token_ids or self.default_stop_token_ids
         if not params.ignore_eos and token in stop_ids:
             self._finish(sequence, "stop")
-            return
+            return True
         completion.output_ids.append(token)
         if params.logprobs:
-            completion.log_probs.append(result.log_probs[row])
+            completion.log_probs.append(log_prob)
         if params.top_logprobs:
-            completion.top_log_probs.append(result.top[row][: params.top_logprobs])
+            completion.top_log_probs.append(top[: params.top_logprobs])
         sequence.pending = token
         if params.top_p_decay > 0 and sequence.top_p > 0:
             sequence.top_p = max(sequence.top_p * params.top_p_decay, params.top_p_bound)
@@ -415,8 +490,9 @@ class InferenceEngine:
             reason = "length"
         if reason is not None:
             self._finish(sequence, reason)
-        else:
-            self._notify(sequence)
+            return True
+        self._notify(sequence)
+        return False
 
     def _text_stop(self, sequence: _Sequence, token: int) -> str | None:
         params = sequence.params

@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING
 
 from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
-from gigatron.inference.arguments import add_load_arguments, resolve_batch_size
+from gigatron.inference.arguments import (
+    add_load_arguments,
+    add_speculative_arguments,
+    check_speculative,
+    resolve_batch_size,
+)
 
 if TYPE_CHECKING:
     from gigatron.inference.engine import Completion, SamplingParams
@@ -64,13 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one prompt per line, or JSON lines with a 'prompt' field (.jsonl)",
     )
     add_sampling_arguments(parser)
-    parser.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=0,
-        help="draft this many tokens with the model's MTP heads, verified in one forward "
-        "(<= --mtp-num-layers; one process; default 0: off)",
-    )
+    add_speculative_arguments(parser, mtp=True)
     parser.add_argument("--output", default=None, help="write JSON lines here instead of text")
     return parser
 
@@ -143,6 +142,8 @@ def record(prompt: str, completion: Completion, tokenizer) -> dict:
         out["top_logprobs"] = [
             {tokenizer.detokenize([t]): lp for t, lp in step} for step in completion.top_log_probs
         ]
+    if completion.drafted:
+        out["speculative"] = {"drafted": completion.drafted, "accepted": completion.accepted}
     return out
 
 
@@ -150,6 +151,7 @@ def main(argv: Sequence[str]) -> int:
     """`gigatron generate --load DIR --prompt TEXT [...]`."""
     args = build_parser().parse_args(list(argv))
     resolve_batch_size(args)
+    check_speculative(args, mtp=True)
     prompts = args.prompt or read_prompts(args.prompts_file)
     if not prompts:
         raise GigatronError(f"--prompts-file {args.prompts_file}: holds no prompts")
@@ -171,7 +173,7 @@ def _generate(args, loaded, prompts: list[str], params) -> int:
 
     if isinstance(loaded.chunks[0], T5Model):
         return _generate_t5(args, loaded, prompts, params)
-    if args.num_speculative_tokens:
+    if args.num_speculative_tokens and not args.speculative_draft_load:
         return _generate_speculative(args, loaded, prompts, params)
     engine = engine_from_args(loaded, args)
     if loaded.pctx.rank != 0:
@@ -211,18 +213,25 @@ def _generate(args, loaded, prompts: list[str], params) -> int:
 
 
 def _generate_t5(args, loaded, prompts: list[str], params) -> int:
-    """A T5 checkpoint: greedy, every rank runs the same steps, rank 0 writes."""
-    from gigatron.inference import t5_generation  # why: torch only after parsing
+    """A T5 checkpoint: every rank runs the same steps, rank 0 writes; prompt i samples with
+    seed --sampling-seed (else --seed) + i."""
+    # why here: torch only after parsing
+    from gigatron.inference import t5_generation
+    from gigatron.inference.sampling import RowSampling
 
     t5_generation.refuse_unsupported(params, args)
     tokenizer = loaded.tokenizer
     start, eos = t5_generation.special_ids(tokenizer)
     ids = [tokenizer.tokenize(prompt) for prompt in prompts]
+    seed = params.seed if params.seed is not None else args.seed
+    rows = [RowSampling(params.temperature, params.top_k, params.top_p, seed + i)
+            for i in range(len(ids))]  # fmt: skip
     completions = []
     for first in range(0, len(ids), args.max_batch_size):
-        completions += t5_generation.t5_greedy(
-            loaded.chunks[0], loaded.pctx, ids[first : first + args.max_batch_size],
-            params.max_tokens, start, None if params.ignore_eos else eos, tokenizer.vocab_size,
+        batch = slice(first, first + args.max_batch_size)
+        completions += t5_generation.t5_generate(
+            loaded.chunks[0], loaded.pctx, ids[batch], params.max_tokens, start,
+            None if params.ignore_eos else eos, tokenizer.vocab_size, rows[batch],
         )  # fmt: skip
     if loaded.pctx.rank != 0:
         return 0
@@ -253,9 +262,28 @@ def _emit(args, tokenizer, prompts: list[str], ids: list[list[int]], completions
 
 
 def _generate_speculative(args, loaded, prompts: list[str], params) -> int:
-    """--num-speculative-tokens: one prompt at a time, drafted by the MTP heads."""
+    """--num-speculative-tokens without a draft model: one prompt at a time, drafted by the MTP
+    heads."""
     from gigatron.inference.speculative import MTPSpeculator  # why: torch only after parsing
 
+    _refuse_with_speculation(args, loaded, params)
+    tokenizer = loaded.tokenizer
+    speculator = MTPSpeculator(loaded.chunks[0], args.num_speculative_tokens, tokenizer.vocab_size)
+    bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
+    ids = [
+        ([bos] if args.add_bos and bos is not None else []) + tokenizer.tokenize(p) for p in prompts
+    ]
+    eos = None if params.ignore_eos else tokenizer.eod
+    seed = params.seed if params.seed is not None else args.seed
+    completions = [
+        speculator.generate(p, params.max_tokens, params.temperature, params.top_k, seed + i, eos)
+        for i, p in enumerate(ids)
+    ]
+    return _emit(args, tokenizer, prompts, ids, completions)
+
+
+def _refuse_with_speculation(args, loaded, params) -> None:
+    """Flags speculative decoding does not take."""
     asked = {
         "--num-speculative-tokens: one process only (no tensor or pipeline parallelism)": (
             loaded.pctx.tp_size * loaded.pctx.pp_size > 1
@@ -275,16 +303,3 @@ def _generate_speculative(args, loaded, prompts: list[str], params) -> int:
         raise GigatronError(
             f"{', '.join(refused)}: not available with --num-speculative-tokens; drop them"
         )
-    tokenizer = loaded.tokenizer
-    speculator = MTPSpeculator(loaded.chunks[0], args.num_speculative_tokens, tokenizer.vocab_size)
-    bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eod
-    ids = [
-        ([bos] if args.add_bos and bos is not None else []) + tokenizer.tokenize(p) for p in prompts
-    ]
-    eos = None if params.ignore_eos else tokenizer.eod
-    seed = params.seed if params.seed is not None else args.seed
-    completions = [
-        speculator.generate(p, params.max_tokens, params.temperature, params.top_k, seed + i, eos)
-        for i, p in enumerate(ids)
-    ]
-    return _emit(args, tokenizer, prompts, ids, completions)

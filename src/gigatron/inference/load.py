@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed
 from torch import nn
 
 from gigatron.checkpoint.dist_format import COMMON_FILENAME, read_metadata
@@ -21,12 +23,13 @@ from gigatron.checkpoint.torch_format import (
     saved_layout,
 )
 from gigatron.config import config_from_dict
-from gigatron.config.checkpoint_args import apply_checkpoint_flags
+from gigatron.config.checkpoint_args import PRECISION, apply_checkpoint_flags
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
 from gigatron.inference.arguments import dynamic_settings
 from gigatron.inference.block_pool import BlockPool
+from gigatron.inference.draft_speculative import DraftProposer
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
 from gigatron.inference.scheduler import BlockScheduler, DynamicSettings
@@ -45,11 +48,15 @@ def build_engine(
     vocab_size: int | None = None,
     seed: int = 0,
     dynamic: DynamicSettings | None = None,
+    draft: nn.Module | None = None,
+    num_speculative_tokens: int = 0,
 ) -> InferenceEngine:
     """An engine over this rank's chunks. The context defaults to the model's
     (`max_position_embeddings`, else `seq_length`); `vocab_size` (the real one, unpadded) to the
     tokenizer's; generation stops at the tokenizer's end-of-document token. `dynamic`: the
-    dynamic engine (paged KV cache, `max_batch_size` request slots; inference/scheduler.py)."""
+    dynamic engine (paged KV cache, `max_batch_size` request slots; inference/scheduler.py).
+    `draft` (rank 0's, a full single-process model): speculative decoding with
+    `num_speculative_tokens` drafts per round (inference/draft_speculative.py)."""
     config = model_chunks[0].config
     context = config.max_position_embeddings
     max_sequence_length = max_sequence_length or context
@@ -73,9 +80,29 @@ def build_engine(
     eod = getattr(tokenizer, "eod", None)
     stops = (eod,) if eod is not None else ()
     scheduler = None if dynamic is None else dynamic_scheduler(runner, dynamic)
+    proposer = None
+    if num_speculative_tokens and _any_rank(runner.cache.mamba is not None, pctx):
+        raise GigatronError(
+            "speculative decoding: the target has Mamba layers, whose recurrent state cannot be "
+            "rewound past a rejected draft; use an attention-only model"
+        )
+    if draft is not None and pctx.rank == 0:
+        proposer = DraftProposer(
+            draft, num_speculative_tokens, vocab_size, max_batch_size, max_sequence_length
+        )
     return InferenceEngine(
-        runner, tokenizer, default_stop_token_ids=stops, seed=seed, scheduler=scheduler
-    )
+        runner, tokenizer, default_stop_token_ids=stops, seed=seed, scheduler=scheduler,
+        proposer=proposer,
+    )  # fmt: skip
+
+
+def _any_rank(flag: bool, pctx: ParallelContext) -> bool:
+    """Whether `flag` holds on any rank (every rank must raise the same errors)."""
+    if pctx.world_size == 1:
+        return flag
+    box = torch.tensor([int(flag)], device=pctx.device)
+    torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX)
+    return bool(box)
 
 
 def dynamic_scheduler(runner: ModelRunner, dynamic: DynamicSettings) -> BlockScheduler:
@@ -257,9 +284,12 @@ def add_saved_adapters(
 def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> InferenceEngine:
     if isinstance(loaded.chunks[0], T5Model):
         raise GigatronError(
-            f"--load {args.load}: a T5 model, which only `gigatron generate` runs (greedy); "
+            f"--load {args.load}: a T5 model, which only `gigatron generate` runs; "
             "serve and evaluate need a GPT or hybrid Mamba language model"
         )
+    draft = None
+    if getattr(args, "speculative_draft_load", None) and loaded.pctx.rank == 0:
+        draft = load_draft_model(args, loaded)
     return build_engine(
         loaded.chunks,
         loaded.pctx,
@@ -268,6 +298,8 @@ def engine_from_args(loaded: LoadedModel, args: argparse.Namespace) -> Inference
         max_sequence_length=args.max_sequence_length,
         seed=args.seed,
         dynamic=dynamic_settings(args),
+        draft=draft,
+        num_speculative_tokens=getattr(args, "num_speculative_tokens", 0),
     )
 
 
@@ -284,3 +316,40 @@ def run_on_engine(
         return work(engine)
     finally:
         engine.runner.stop_followers()
+
+
+def load_draft_model(args: argparse.Namespace, target: LoadedModel) -> nn.Module:
+    """The --speculative-draft-load checkpoint as one full model on this process (whatever the
+    target's layout), with the target's device and --fp16/--bf16."""
+    flag, load_dir = "--speculative-draft-load", Path(args.speculative_draft_load)
+    located = locate_iteration(load_dir, None) if load_dir.is_dir() else None
+    if located is None:
+        raise GigatronError(
+            f"{flag} {load_dir}: no checkpoint there (no latest_checkpointed_iteration.txt); "
+            "point it at a directory written by `gigatron pretrain gpt ... --save`"
+        )
+    iteration_dir = located[0]
+    header = saved_header(iteration_dir) if detect_format(iteration_dir) == "torch" else {}
+    saved, family = header.get("args"), header.get("gigatron_family", "gpt")
+    if saved_layout(iteration_dir) != (1, 1, 1) or not isinstance(saved, dict) or family != "gpt":
+        raise GigatronError(
+            f"{flag} {load_dir}: the draft runs as one process: give a gigatron GPT checkpoint "
+            "in the torch format at tensor- and pipeline-parallel size 1 (gigatron "
+            "convert-checkpoint --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1)"
+        )
+    cfg = config_from_dict(saved, source=f"{iteration_dir} args")
+    apply_checkpoint_flags(cfg, args, only=PRECISION)
+    cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = True
+    for name in ("tokenizer_model", "vocab_file", "merge_file"):  # the tokenizer moved
+        if getattr(args, name, None):
+            setattr(cfg.tokenizer, name, getattr(args, name))
+    tokenizer = build_run_tokenizer(cfg)
+    if tokenizer.vocab_size != target.tokenizer.vocab_size:
+        raise GigatronError(
+            f"{flag} {load_dir}: a tokenizer of {tokenizer.vocab_size} tokens, the --load "
+            f"model's has {target.tokenizer.vocab_size}; the draft must use the same tokenizer"
+        )
+    pctx = ParallelContext.single(target.pctx.device)
+    chunks = get_family(family).build_model(cfg, pctx, vocab_size=tokenizer.vocab_size)
+    load_checkpoint(load_dir, chunks, None, None, pctx, cfg)
+    return chunks[0].eval()

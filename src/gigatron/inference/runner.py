@@ -22,6 +22,7 @@ from gigatron.inference import sampling
 from gigatron.inference.kv_cache import KVCache
 from gigatron.inference.paged_kv import PagedKVCache, kv_bytes_per_block
 from gigatron.inference.sampling import RowSampling
+from gigatron.inference.speculative import distributions
 from gigatron.parallel.context import ParallelContext
 
 
@@ -33,7 +34,9 @@ class StepPlan:
     `top_n`: also return the n likeliest tokens of each chosen position. `stop`: followers leave
     their loop. `block_tables` (paged cache): each row's KV blocks; `packed`: the rows' tokens
     in one row without padding (`inference.paged_kv`). `copy_slots` (beam search, static cache):
-    before the step, slot i takes the cache of slot `copy_slots[i]`."""
+    before the step, slot i takes the cache of slot `copy_slots[i]`. `verify` (speculative
+    decoding): no token is chosen; the result carries each row's sampling distribution at every
+    fed position instead (inference/draft_speculative.py)."""
 
     slots: list[int] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
@@ -45,17 +48,20 @@ class StepPlan:
     block_tables: list[list[int]] | None = None
     packed: bool = False
     copy_slots: list[int] | None = None
+    verify: bool = False
 
 
 @dataclass
 class StepResult:
     """Per row: the chosen token, its log-prob, the top-n (id, log-prob) pairs, and (with
-    `prompt_log_probs`) the log-probs of the fed tokens after the first."""
+    `prompt_log_probs`) the log-probs of the fed tokens after the first. A `verify` step:
+    per row the distributions [fed tokens, V] (CPU) instead of tokens."""
 
     tokens: list[int]
     log_probs: list[float]
     top: list[list[tuple[int, float]]] | None = None
     prompt_log_probs: list[list[float]] | None = None
+    distributions: list[torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -146,14 +152,14 @@ class ModelRunner:
         if self.paged:
             return self.cache.begin_step(
                 plan.slots, plan.starts, plan.tokens, plan.block_tables, plan.packed,
-                all_logits=plan.prompt_log_probs,
+                all_logits=plan.prompt_log_probs or plan.verify,
             )  # fmt: skip
         width = max(lengths)
         tokens = torch.zeros(len(plan.tokens), width, dtype=torch.long, device=self.device)
         for row, ids in enumerate(plan.tokens):
             tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         self.cache.begin_step(
-            plan.slots, plan.starts, lengths, width, all_logits=plan.prompt_log_probs
+            plan.slots, plan.starts, lengths, width, all_logits=plan.prompt_log_probs or plan.verify
         )
         return tokens, self.cache.position_ids(plan.starts, width)
 
@@ -188,6 +194,8 @@ class ModelRunner:
     def _choose(self, output, plan: StepPlan, tokens, lengths) -> StepResult:
         pctx = self.pctx
         logits = output  # [b, n', V/tp]
+        if plan.verify:
+            return self._distributions(logits, plan, lengths)
         prompt_lp = None
         if plan.prompt_log_probs:
             prompt_lp = self._prompt_log_probs(logits, tokens, lengths)
@@ -204,6 +212,16 @@ class ModelRunner:
             values, ids = sampling.top_log_probs(logits, plan.top_n, pctx)
             top = [list(zip(ids[r].tolist(), values[r].tolist())) for r in range(logits.shape[0])]
         return StepResult(chosen.tolist(), log_probs.tolist(), top, prompt_lp)
+
+    def _distributions(self, logits, plan: StepPlan, lengths: list[int]) -> StepResult:
+        """Each row's sampling distributions at its fed positions (the whole vocabulary
+        gathered from the tensor-parallel ranks)."""
+        full = sampling.gather_vocabulary(logits, self.pctx)
+        rows = [
+            distributions(full[r, :n], self.vocab_size, row.temperature, row.top_k).cpu()
+            for r, (n, row) in enumerate(zip(lengths, plan.sampling))
+        ]
+        return StepResult([], [], distributions=rows)
 
     def _prompt_log_probs(self, logits, tokens, lengths) -> list[list[float]]:
         batch, width, local = logits.shape

@@ -53,6 +53,13 @@ def _tp_gather(tensor: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def gather_vocabulary(logits: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """[..., V]: the whole (padded) vocabulary of vocab-parallel logits [..., V/tp]."""
+    if pctx.tp_size == 1:
+        return logits
+    return torch.cat(list(_tp_gather(logits, pctx)), dim=-1)
+
+
 def _all_reduce(tensor: torch.Tensor, pctx: ParallelContext, op=None) -> torch.Tensor:
     return pctx.all_reduce(tensor, "tp", op)
 

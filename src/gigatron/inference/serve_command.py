@@ -9,7 +9,12 @@ from collections.abc import Sequence
 
 from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
-from gigatron.inference.arguments import add_load_arguments, resolve_batch_size
+from gigatron.inference.arguments import (
+    add_load_arguments,
+    add_speculative_arguments,
+    check_speculative,
+    resolve_batch_size,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Serve a checkpoint over HTTP: Megatron's PUT /api and OpenAI's /v1 API.",
     )
     add_load_arguments(parser)
+    add_speculative_arguments(parser, mtp=False)
     parser.add_argument(
         "--host",
         default="127.0.0.1",
@@ -52,6 +58,7 @@ def main(argv: Sequence[str]) -> int:
     """`gigatron serve --load DIR [--port 5000]`."""
     args = build_parser().parse_args(list(argv))
     resolve_batch_size(args)
+    check_speculative(args, mtp=False)
     # why here: torch-heavy modules load after the flags are parsed (a quick --help)
     from gigatron.inference.load import load_for_inference, run_on_engine
 

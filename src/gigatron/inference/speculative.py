@@ -186,8 +186,12 @@ class _State:
 
 
 def _finished(state: _State, result: SpeculativeResult, prompt: int, limit: int, eos) -> bool:
-    """Cut the output at the end token or `limit`; True when the sequence is done."""
-    output = state.tokens[prompt:]
+    return settle_output(result, state.tokens[prompt:], limit, eos)
+
+
+def settle_output(result: SpeculativeResult, output: list[int], limit: int, eos) -> bool:
+    """Cut `output` (the tokens after the prompt) at the end token or `limit` into `result`;
+    True when the sequence is done."""
     if eos is not None and eos in output[:limit]:
         result.output_ids, result.finish_reason = output[: output.index(eos)], "stop"
         return True

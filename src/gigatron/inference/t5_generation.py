@@ -2,11 +2,12 @@
 cache of its self-attention keys and values and of the cross-attention keys and values of the
 encoder output (computed at the first step, reused by every later one).
 
-Greedy decoding (temperature 0), as `T5ForConditionalGeneration.generate(do_sample=False)`: the
+Greedy decoding (temperature 0), as `T5ForConditionalGeneration.generate(do_sample=False)`, or
+sampling (temperature, top-k, top-p, a seed per row) with the GPT engine's vocab-parallel
+`sampling.choose_tokens` (Gumbel-max: the same token for the same seed at any tp size): the
 decoder starts from `decoder_start_id` (the tokenizer's BOS, Hugging Face's pad token 0) and a
 row ends at `eos_id` (not included in its tokens) or after `max_tokens`. Every rank runs the same
-steps (tensor-parallel logits are reduced by `sampling.vocab_parallel_argmax`); the model must
-hold both stacks on one pipeline stage.
+steps; the model must hold both stacks on one pipeline stage.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from gigatron.errors import GigatronError
-from gigatron.inference.sampling import mask_vocabulary, vocab_parallel_argmax
+from gigatron.inference.sampling import RowSampling, choose_tokens, mask_vocabulary
 from gigatron.parallel.context import ParallelContext
 
 
@@ -77,7 +78,7 @@ def _padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, t
 
 
 @torch.no_grad()
-def t5_greedy(
+def t5_generate(
     model: nn.Module,
     pctx: ParallelContext,
     prompts: list[list[int]],
@@ -85,9 +86,11 @@ def t5_greedy(
     decoder_start_id: int,
     eos_id: int | None,
     vocab_size: int,
+    sampling: list[RowSampling] | None = None,
 ) -> list[T5Completion]:
-    """Greedy continuations of encoder prompts (see the module docstring); `vocab_size`: the
-    tokenizer's (padded vocabulary entries are never chosen)."""
+    """Continuations of encoder prompts (see the module docstring); `vocab_size`: the
+    tokenizer's (padded vocabulary entries are never chosen); `sampling`: how each row picks its
+    tokens (default greedy; each row's `step` is set here)."""
     if not (getattr(model, "add_encoder", False) and getattr(model, "add_decoder", False)):
         raise GigatronError(
             "T5 generation: this rank holds only part of the model (pipeline-parallel); convert "
@@ -109,9 +112,11 @@ def t5_greedy(
     tokens = torch.full((len(prompts), 1), decoder_start_id, dtype=torch.long, device=device)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
+    rows = sampling or [RowSampling(temperature=0.0)] * len(prompts)
     for step in range(max_tokens):
         logits = model.decode(tokens, step, cache.memory, enc_mask, cache)[:, -1].float()
-        chosen = vocab_parallel_argmax(mask_vocabulary(logits, vocab_size, pctx), pctx)
+        now = [dataclasses.replace(row, step=step) for row in rows]
+        chosen = choose_tokens(mask_vocabulary(logits, vocab_size, pctx), now, pctx, vocab_size)
         for row, token in enumerate(chosen.tolist()):
             if done[row]:
                 continue
@@ -128,12 +133,8 @@ def t5_greedy(
 
 
 def refuse_unsupported(params, args) -> None:
-    """T5 generation is greedy, without stop strings or log-probs: refuse flags asking more."""
+    """T5 generation has no stop strings or log-probs: refuse flags asking for them."""
     asked = {
-        "--temperature (give --greedy)": params.temperature != 0.0,
-        "--top-k": params.top_k > 0,
-        "--top-p": params.top_p > 0,
-        "--sampling-seed": params.seed is not None,
         "--stop": bool(params.stop),
         "--stop-on-eol / --stop-on-double-eol": params.stop_on_eol or params.stop_on_double_eol,
         "--logprobs / --prompt-logprobs / --top-logprobs": bool(
@@ -142,14 +143,12 @@ def refuse_unsupported(params, args) -> None:
         "--inference-dynamic-batching": bool(getattr(args, "inference_dynamic_batching", False)),
         "--add-bos": bool(getattr(args, "add_bos", False)),
         "--num-speculative-tokens": bool(getattr(args, "num_speculative_tokens", 0)),
+        "--speculative-draft-load": bool(getattr(args, "speculative_draft_load", None)),
         "--max-sequence-length": getattr(args, "max_sequence_length", None) is not None,
     }
     refused = [flag for flag, given in asked.items() if given]
     if refused:
-        raise GigatronError(
-            f"{', '.join(refused)}: not available for a T5 checkpoint, whose generation is "
-            "greedy (--greedy); drop them"
-        )
+        raise GigatronError(f"{', '.join(refused)}: not available for a T5 checkpoint; drop them")
 
 
 def special_ids(tokenizer) -> tuple[int, int | None]:
