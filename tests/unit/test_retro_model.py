@@ -3,8 +3,13 @@ attention gate."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from gigatron.config.root import GigatronConfig
 from gigatron.config.validate import finalize_config
@@ -12,11 +17,14 @@ from gigatron.errors import GigatronError
 from gigatron.models.gpt import build_model as build_gpt
 from gigatron.models.retro import (
     RetroDecoderLayer,
+    RetroModel,
+    RetroSpec,
     build_retro_model,
     from_chunks,
     retro_layer_numbers,
     to_chunks,
 )
+from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 
 VOCAB, SEQ, CHUNK, NEIGHBOURS = 96, 16, 4, 2
@@ -119,3 +127,48 @@ def test_wrong_neighbour_shape_is_refused():
     tokens, neighbours = inputs()
     with pytest.raises(GigatronError, match=r"neighbour tokens \(2, 4, 2, 4\) for 16 tokens"):
         logits(model, tokens, neighbours[..., :4])
+
+
+# ---- Megatron-Core 0.12.3's RetroModel (tests/data/retro-fixture, tests/tools/make_retro_fixture.py)
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "retro-fixture"
+
+
+def megatron_to_gigatron(name: str) -> str:
+    """Megatron-Core's Retro parameter name -> gigatron's (the encoder's first MLP norm is
+    wrapped per neighbour in Megatron-Core; gigatron's is the plain norm)."""
+    return name.replace("pre_mlp_layernorm.norm.", "pre_mlp_layernorm.")
+
+
+def test_logits_equal_megatron_core_retro_model():
+    shape = json.loads((FIXTURE / "config.json").read_text())
+    tensors = load_file(str(FIXTURE / "model.safetensors"))
+    cfg = GigatronConfig()
+    m = cfg.model
+    m.num_layers, m.hidden_size = shape["num_layers"], shape["hidden_size"]
+    m.num_attention_heads, m.ffn_hidden_size = (
+        shape["num_attention_heads"],
+        shape["ffn_hidden_size"],
+    )
+    m.seq_length, m.untie_embeddings_and_output_weights = shape["seq_length"], True
+    m.attention_dropout = m.hidden_dropout = 0.0
+    r = cfg.retro
+    r.retro_gpt_chunk_length, r.retro_num_neighbors = shape["chunk_length"], shape["num_neighbors"]
+    r.retro_num_retrieved_chunks = shape["num_retrieved_chunks"]
+    r.retro_encoder_hidden_dropout = r.retro_encoder_attention_dropout = 0.0
+    vocab = shape["vocab_size"]
+    config = TransformerConfig.from_config(finalize_config(cfg))
+    # Megatron-Core 0.12.3's Retro has no final norm (gigatron's default keeps the GPT's).
+    spec = dataclasses.replace(RetroSpec.from_config(cfg), final_norm=False)
+    model = RetroModel(config, ParallelContext.single(), vocab, spec)
+    weights = {
+        megatron_to_gigatron(k.removeprefix("weights/")): v
+        for k, v in tensors.items()
+        if k.startswith("weights/")
+    }
+    assert set(weights) == set(model.state_dict())
+    model.load_state_dict(weights)
+    tokens, neighbours = tensors["tokens"], tensors["neighbour_tokens"]
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad():
+        out = model.eval()(tokens, positions, neighbour_tokens=neighbours)
+    torch.testing.assert_close(out, tensors["logits"], rtol=0, atol=1e-5)

@@ -51,6 +51,10 @@ class RetroSpec:
     encoder_hidden_dropout: float = 0.1
     encoder_attention_dropout: float = 0.1
     attention_gate: float = 1.0
+    # Megatron-Core 0.12.3's Retro block spec has no final norm (its TransformerBlockSubmodules
+    # name none); gigatron keeps the GPT's, so a retro-fitted GPT keeps its output. False builds
+    # Megatron-Core's layout (tests compare logits with it).
+    final_norm: bool = True
 
     @property
     def retrieved_length(self) -> int:
@@ -244,6 +248,8 @@ class RetroModel(GPTModel):
 
         super().__init__(config, pctx, vocab_size, True, True, None, rng, parts, layer_builder)
         self.spec = spec
+        if not spec.final_norm:
+            self.decoder.final_layernorm = None
 
     def embed_neighbours(self, neighbour_tokens: torch.Tensor) -> torch.Tensor:
         """[b, l, k, r] token ids -> [r, b*l*k, d] on every tp rank (the decoder's embedding)."""
@@ -279,7 +285,9 @@ class RetroModel(GPTModel):
                 hidden, context = layer(hidden, attention_mask, rotary, context)
             else:
                 hidden = layer(hidden, attention_mask, rotary)
-        hidden = mup.scale(self.decoder.final_layernorm(hidden), mup.output_mult(self.config))
+        if self.decoder.final_layernorm is not None:
+            hidden = self.decoder.final_layernorm(hidden)
+        hidden = mup.scale(hidden, mup.output_mult(self.config))
         if labels is not None:
             return self.token_losses(hidden, labels)
         return self.output_layer(hidden, self.output_weight()).transpose(0, 1)
