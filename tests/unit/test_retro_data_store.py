@@ -1,0 +1,126 @@
+"""The Retro neighbour store: neighbour + continuation tokens per GPT sample, and its errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gigatron.data.gpt_dataset import build_gpt_datasets
+from gigatron.data.retro.database import build_database
+from gigatron.data.retro.project import ProjectDir, write_json
+from gigatron.data.retro.query import QuerySettings, query_split
+from gigatron.data.retro.samples import SampleChunks
+from gigatron.data.retro.store import ChunkDatabase, RetroNeighbourStore
+from gigatron.errors import GigatronError
+from retro_data_helpers import bag_of_tokens, brute_force, gpt_config, gpt_tokenizer, write_corpus
+
+CHUNK, SEQ = 32, 128
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retro")
+    prefix = write_corpus(root, 40)
+    tokenizer = gpt_tokenizer()
+    project = ProjectDir(root / "project")
+    write_json(project.config, {"seq_length": SEQ})
+    build_database(
+        project, [prefix], CHUNK, tokenizer.eod, tokenizer.detokenize,
+        lambda text: len(text.split()), doc_block_size=7,
+    )  # fmt: skip
+    database = ChunkDatabase(project)
+    db_tokens = [database.tokens(i) for i in range(len(database))]
+    db_embeddings = bag_of_tokens(db_tokens)
+    train, _, _ = build_gpt_datasets(gpt_config(prefix, SEQ), tokenizer, (20, 2, 0))
+    chunks = SampleChunks(train, [prefix], SEQ, CHUNK)
+    identity = {"db_identity": database.identity, "dataset_description": train.description}
+    query_split(
+        project, "train", chunks, bag_of_tokens,
+        lambda queries, k: brute_force(db_embeddings, queries, k),
+        database, identity, QuerySettings(10, 3, block_size=9),
+    )  # fmt: skip
+    return project, prefix, tokenizer, train, database
+
+
+def test_database_chunks_cover_documents_without_eod(project):
+    _, prefix, tokenizer, _, database = project
+    chunks = np.asarray(database.chunks)
+    assert (chunks[:, 3] - chunks[:, 2] <= CHUNK).all() and (chunks[:, 3] > chunks[:, 2]).all()
+    from gigatron.data.indexed import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    for doc in (0, 5, 39):
+        rows = chunks[chunks[:, 1] == doc]
+        tokens = dataset.get(doc)
+        assert tokens[-1] == tokenizer.eod
+        np.testing.assert_array_equal(rows[:, 2], np.arange(0, len(tokens) - 1, CHUNK))
+        assert rows[-1, 3] == len(tokens) - 1  # the eod is not in the database
+
+
+def test_neighbour_tokens_are_neighbour_and_continuation(project):
+    root, _, tokenizer, train, database = project
+    store = RetroNeighbourStore.open(root.root, "train")
+    assert (store.chunk_length, store.num_neighbors, store.num_retrieved_chunks) == (CHUNK, 2, 2)
+    assert len(store) == len(train)
+    store.check_dataset(train)
+    for sample in (0, 7, len(store) - 1):
+        tokens = store.neighbour_tokens(sample)
+        assert tokens.shape == (SEQ // CHUNK, 2, 2 * CHUNK) and tokens.dtype == np.int64
+        ids = store.neighbor_chunk_ids(sample)
+        for c in range(SEQ // CHUNK):
+            for k in range(2):
+                first = int(ids[c, k])
+                assert first >= 0
+                expected = np.concatenate(
+                    [database.tokens(first), database.tokens((first + 1) % len(database))]
+                )
+                np.testing.assert_array_equal(tokens[c, k], expected)
+    # a short (last) chunk of a document is padded with eod
+    short = int(np.flatnonzero(np.asarray(database.chunks)[:, 3] % CHUNK)[0])
+    length = int(database.chunks[short, 3] - database.chunks[short, 2])
+    assert (database.tokens(short)[length:] == tokenizer.eod).all()
+
+
+def test_no_neighbour_from_the_samples_own_documents(project):
+    root, prefix, _, train, database = project
+    store = RetroNeighbourStore.open(root.root, "train", num_neighbors=3)
+    chunks = SampleChunks(train, [prefix], SEQ, CHUNK)
+    owners = np.asarray(database.chunks)[:, 1]
+    for sample in range(len(store)):
+        _, _, documents = chunks.sample(sample)
+        ids = store.neighbor_chunk_ids(sample)
+        assert not np.isin(owners[ids[ids >= 0]], documents).any()
+
+
+def test_store_errors_name_file_and_fix(project, tmp_path):
+    root, _, _, train, _ = project
+    with pytest.raises(GigatronError, match=r"query/valid/meta.json: not found; run `gigatron"):
+        RetroNeighbourStore.open(root.root, "valid")
+    with pytest.raises(GigatronError, match=r"config.json: not found"):
+        RetroNeighbourStore.open(tmp_path, "train")
+    with pytest.raises(GigatronError, match="--retro-num-neighbors 4: .* holds 3"):
+        RetroNeighbourStore.open(root.root, "train", num_neighbors=4)
+    store = RetroNeighbourStore.open(root.root, "train")
+    _, valid, _ = build_gpt_datasets(gpt_config(train.path, SEQ), gpt_tokenizer(), (20, 2, 0))
+    with pytest.raises(GigatronError, match="another GPT dataset"):
+        store.check_dataset(valid)
+
+
+def test_store_refuses_neighbours_of_another_database(project, tmp_path):
+    import shutil
+
+    root, _, _, _, _ = project
+    copy = ProjectDir(tmp_path / "copy")
+    shutil.copytree(root.root, copy.root)
+    meta = copy.db_meta.read_text().replace('"identity": "', '"identity": "0')
+    copy.db_meta.write_text(meta)
+    before = copy.neighbors("train").read_bytes()
+    with pytest.raises(GigatronError, match="another chunk database"):
+        RetroNeighbourStore.open(copy.root, "train")
+    assert copy.neighbors("train").read_bytes() == before
+
+
+def test_chunk_length_must_divide_seq_length(project):
+    _, prefix, _, train, _ = project
+    with pytest.raises(GigatronError, match="--seq-length 128: not a multiple of .* 48"):
+        SampleChunks(train, [prefix], SEQ, 48)
