@@ -172,3 +172,36 @@ def test_logits_equal_megatron_core_retro_model():
     with torch.no_grad():
         out = model.eval()(tokens, positions, neighbour_tokens=neighbours)
     torch.testing.assert_close(out, tensors["logits"], rtol=0, atol=1e-5)
+
+
+def test_family_refuses_what_retro_cannot_do():
+    from gigatron.families import get_family
+
+    validate = get_family("retro").validate
+    cfg = retro_cfg()
+    cfg.data.mock_data = True
+    validate(cfg)
+    problems = {
+        "--retro-gpt-chunk-length 5 does not divide --seq-length 16": (
+            "retro",
+            "retro_gpt_chunk_length",
+            5,
+        ),
+        "--pipeline-model-parallel-size > 1: not built for Retro": (
+            "parallel",
+            "pipeline_model_parallel_size",
+            2,
+        ),
+        "--recompute-granularity full: not built for Retro": (
+            "model",
+            "recompute_granularity",
+            "full",
+        ),
+        "no --retro-project-dir": ("data", "mock_data", False),
+    }
+    for message, (section, field, value) in problems.items():
+        bad = retro_cfg()
+        bad.data.mock_data = True
+        setattr(getattr(bad, section), field, value)
+        with pytest.raises(GigatronError, match=message.replace("(", r"\(")):
+            validate(bad)

@@ -66,9 +66,12 @@ def neighbour_source(cfg, tokenizer, split: str, gpt: Any) -> Any:
 
 
 def build_retro_datasets(cfg, tokenizer, num_samples, pctx=None) -> tuple[Any, Any, Any]:
-    """(train, valid, test) Retro datasets; None where the GPT split is None."""
+    """(train, valid, test) Retro datasets; None where the GPT split is None or no samples are
+    asked of it (a run without evaluation needs no valid and test neighbours)."""
     gpt_splits = build_gpt_datasets(cfg, tokenizer, num_samples, pctx)
     return tuple(
-        None if gpt is None else RetroDataset(gpt, neighbour_source(cfg, tokenizer, split, gpt))
-        for split, gpt in zip(SPLITS, gpt_splits, strict=True)
+        None
+        if gpt is None or count is None
+        else RetroDataset(gpt, neighbour_source(cfg, tokenizer, split, gpt))
+        for split, gpt, count in zip(SPLITS, gpt_splits, num_samples, strict=True)
     )  # type: ignore[return-value]
