@@ -128,7 +128,8 @@ def refuse_unread(args: argparse.Namespace) -> None:
             section = field_section(name)
         except KeyError:
             continue  # a retro-preprocess flag, or --config
-        if section != "tokenizer" and name not in READ_FIELDS.get(section, set()):
+        # The retro section (config/retro.py) is not parsed here: its names are this command's.
+        if section not in ("tokenizer", "retro") and name not in READ_FIELDS.get(section, set()):
             raise GigatronError(
                 f"--{name.replace('_', '-')}: not used by retro-preprocess (it reads the data, "
                 "split, seed, sequence length, sample counts and tokenizer flags of pretrain "
