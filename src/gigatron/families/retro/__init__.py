@@ -8,6 +8,7 @@ The loss is the GPT's (`lm_loss`); a gpt checkpoint under --load is retro-fitted
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from functools import partial
 
@@ -18,8 +19,8 @@ from gigatron.config.retro import RetroConfig
 from gigatron.data.batch import get_batch
 from gigatron.errors import GigatronError
 from gigatron.families.gpt import BATCH_KEYS as GPT_BATCH_KEYS
-from gigatron.families.gpt import flops_per_iteration, language_model_loss, masked_loss
-from gigatron.families.registry import ModelFamily
+from gigatron.families.gpt import FAMILY as GPT_FAMILY
+from gigatron.families.gpt import language_model_loss, masked_loss
 from gigatron.families.retro.dataset import build_retro_datasets
 from gigatron.models.retro import build_retro_model, retro_layer_numbers
 from gigatron.parallel.context import ParallelContext
@@ -93,15 +94,19 @@ def validate(cfg) -> None:
         )
 
 
-FAMILY = ModelFamily(
+# The GPT family's record with Retro's model, batches, datasets and rules (no Hugging Face map,
+# no generation, no MoE reports).
+FAMILY = dataclasses.replace(
+    GPT_FAMILY,
     name="retro",
     description="Retro: a GPT with chunked cross-attention to retrieved neighbours",
     build_model=build_retro_model,
     make_forward_step=make_forward_step,
     loss_names=loss_names,
     build_datasets=build_retro_datasets,
-    flops_per_iteration=flops_per_iteration,
     validate=validate,
-    default_tokenizer_type="GPT2BPETokenizer",
-    accepted_fields=frozenset(f for f in RetroConfig.__dataclass_fields__),
+    hf_adapter=None,
+    iteration_reports=None,
+    generation=False,
+    accepted_fields=frozenset(field.name for field in dataclasses.fields(RetroConfig)),
 )
