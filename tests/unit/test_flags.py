@@ -36,7 +36,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
     from gigatron.data import merge, preprocess, train_tokenizer
     from gigatron.inference import generate, serve_command
     from gigatron.quantize import command as quantize_command
-    from gigatron.tasks import evaluate, finetune
+    from gigatron.tasks import evaluate, finetune, retro_preprocess
     from gigatron.training import plot_command
 
     return {
@@ -55,6 +55,7 @@ def _parsers() -> dict[str, Callable[[], argparse.ArgumentParser]]:
         "finetune": finetune.build_parser,
         "plot": plot_command.build_parser,
         "quantize": quantize_command.build_parser,
+        "retro-preprocess": retro_preprocess.build_parser,
     }
 
 

@@ -111,13 +111,21 @@ def load_bert_embedder(
     cfg.parallel.sequence_parallel = False
     cfg.checkpoint.no_load_optim = cfg.checkpoint.no_load_rng = True
     overrides = {k: v for k, v in bert_tokenizer_flags.items() if v is not None}
-    bert_tokenizer = build_tokenizer(dataclasses.replace(cfg.tokenizer, **overrides))
+    tokenizer_cfg = dataclasses.replace(cfg.tokenizer, **overrides)
+    if tokenizer_cfg.tokenizer_type is None:  # e.g. converted from Hugging Face
+        raise GigatronError(
+            f"--retro-bert-load {load_dir}: the checkpoint names no tokenizer; give "
+            f"--retro-bert-tokenizer-type BertWordPieceLowerCase --retro-bert-vocab-file "
+            f"{Path(load_dir) / 'vocab.txt'} (the vocabulary `gigatron convert` copied there)"
+        )
+    bert_tokenizer = build_tokenizer(tokenizer_cfg)
     model = build_bert_model(cfg, pctx, vocab_size=bert_tokenizer.vocab_size)[0]
     load_checkpoint(load_dir, [model], None, None, pctx, cfg)
     model.eval()
     eod = getattr(gpt_tokenizer, "eod", None)
     identity = {"load": str(Path(load_dir).resolve()), "iteration": iteration,
-                "max_length": max_length, "tokenizer": cfg.tokenizer.tokenizer_type}  # fmt: skip
+                "max_length": max_length, "tokenizer": tokenizer_cfg.tokenizer_type,
+                "vocab": str(tokenizer_cfg.vocab_file)}  # fmt: skip
     eod_text = gpt_tokenizer.detokenize([eod]) if eod is not None else ""
     return BertChunkEmbedder(
         model, bert_tokenizer, gpt_tokenizer.detokenize, eod_text, max_length, batch_size, identity

@@ -31,7 +31,13 @@ from gigatron.data.retro.index import (
     train_index,
     training_ids,
 )
-from gigatron.data.retro.project import FORMAT, ProjectDir, read_json, write_json
+from gigatron.data.retro.project import (
+    FORMAT,
+    ProjectDir,
+    dataset_fingerprint,
+    read_json,
+    write_json,
+)
 from gigatron.data.retro.query import QuerySettings, query_split
 from gigatron.data.retro.samples import SampleChunks
 from gigatron.data.retro.store import ChunkDatabase
@@ -40,6 +46,7 @@ from gigatron.errors import GigatronError
 from gigatron.families import get_family
 from gigatron.parallel.context import ParallelContext, destroy
 from gigatron.tasks.retro_embedder import BertChunkEmbedder, load_bert_embedder
+from gigatron.training.run import apply_thread_choice
 
 
 def fraction_count(total: int, fraction: float) -> int:
@@ -89,6 +96,7 @@ class Pipeline:
         return {
             "format": FORMAT,
             "datasets": self.prefixes,
+            "dataset_fingerprints": [dataset_fingerprint(p) for p in self.prefixes],
             "chunk_length": self.args.retro_gpt_chunk_length,
             "gpt_tokenizer": {k: str(v) for k, v in dict(identifiers).items()},
         }
@@ -118,6 +126,7 @@ class Pipeline:
                 f"{self.project.embeddings / 'current.json'}: embeddings of another chunk "
                 "database; run --retro-tasks db-build again"
             )
+        self.embedding_block_size = int(current["block_size"])
         return {"db_identity": database.identity, "embeddings": current["key"]}
 
     def run(self, tasks: list[str], sample_counts: Callable[[Any], Any]) -> None:
@@ -143,20 +152,21 @@ class Pipeline:
         key = embeddings_key(database.identity, embedder.identity)
         embed_database(self.project, database, embedder, key, a.retro_block_size, **self.ranks)
         if self.pctx.rank == 0:
-            current = {"key": key, "db_identity": database.identity, "embedder": embedder.identity}
+            current = {"key": key, "db_identity": database.identity,
+                       "embedder": embedder.identity, "block_size": a.retro_block_size}  # fmt: skip
             write_json(self.project.embeddings / "current.json", current)
             print(f"retro-preprocess: {len(database)} chunks embedded", flush=True)
 
     def embeddings(self, source: dict[str, Any], ids: Any) -> Any:
         directory = embeddings_dir(self.project, source["embeddings"])
         total = len(ChunkDatabase(self.project))
-        missing = missing_blocks(directory, total, self.args.retro_block_size)
+        missing = missing_blocks(directory, total, self.embedding_block_size)
         if missing:
             raise GigatronError(
-                f"{missing[0]}: not found ({len(missing)} embedding blocks missing, or "
-                "--retro-block-size differs from db-build's); run --retro-tasks db-build again"
+                f"{missing[0]}: not found ({len(missing)} embedding blocks missing); run "
+                "--retro-tasks db-build again (the blocks still there are kept)"
             )
-        return load_embeddings(directory, total, self.args.retro_block_size, ids)
+        return load_embeddings(directory, total, self.embedding_block_size, ids)
 
     def index_train(self) -> None:
         a, source = self.args, self.source()
@@ -169,9 +179,13 @@ class Pipeline:
         a, source = self.args, self.source()
         count = fraction_count(len(ChunkDatabase(self.project)), a.retro_index_add_load_fraction)
         if self.pctx.rank == 0:
-            embeddings = self.embeddings(source, range(count))
+            step = self.embedding_block_size
+            blocks = (
+                self.embeddings(source, range(start, min(count, start + step)))
+                for start in range(0, count, step)
+            )  # one block in memory at a time
             add_to_index(
-                self.project, a.retro_index_str, embeddings, source, a.retro_index_add_load_fraction
+                self.project, a.retro_index_str, blocks, source, a.retro_index_add_load_fraction
             )
 
     def query(self, sample_counts: Callable[[Any], Any]) -> None:
@@ -226,8 +240,13 @@ def run_tasks(
     args: argparse.Namespace, cfg: Any, tasks: list[str], sample_counts: Callable[[Any], Any]
 ) -> None:
     """Run `tasks` in this process (one rank of torchrun, or alone)."""
+    apply_thread_choice()  # the command's edge: one thread choice for the process
     p = cfg.parallel
-    pctx = ParallelContext.from_sizes(device=p.device, backend=p.distributed_backend)
+    pctx = ParallelContext.from_sizes(
+        device=p.device,
+        backend=p.distributed_backend,
+        timeout_minutes=p.distributed_timeout_minutes,  # rank 0 alone trains the index
+    )
     try:
         Pipeline(args, cfg, pctx).run(tasks, sample_counts)
     finally:

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from gigatron.data.retro.project import write_array
+from gigatron.errors import GigatronError
 
 
 def block_ranges(total: int, block_size: int) -> list[tuple[int, int]]:
@@ -42,7 +43,11 @@ def run_blocks(
 
 def read_blocks(directory: Path, total: int, block_size: int) -> list[np.ndarray]:
     """Every block of range(total) in order (all ranks must have finished)."""
-    return [
-        np.load(block_path(directory, a, b), allow_pickle=False)
-        for a, b in block_ranges(total, block_size)
-    ]
+    paths = [block_path(directory, a, b) for a, b in block_ranges(total, block_size)]
+    for path in paths:
+        if not path.is_file():
+            raise GigatronError(
+                f"{path}: not found; a rank did not finish its blocks: run the same command "
+                "again (finished blocks are kept)"
+            )
+    return [np.load(path, allow_pickle=False) for path in paths]

@@ -70,13 +70,17 @@ def build_database(
                 dataset, d, range(a, b), chunk_length, eod, chunk_text, bert_length
             )
 
-        run_blocks(project.db_blocks(d), len(dataset), doc_block_size, compute, rank, world)
+        run_blocks(
+            project.db_blocks(d, doc_block_size), len(dataset), doc_block_size, compute, rank, world
+        )
     barrier()
     if rank == 0:
         parts = [
             block
             for d, dataset in enumerate(datasets)
-            for block in read_blocks(project.db_blocks(d), len(dataset), doc_block_size)
+            for block in read_blocks(
+                project.db_blocks(d, doc_block_size), len(dataset), doc_block_size
+            )
         ]
         chunks = np.concatenate(parts) if parts else np.zeros((0, len(COLUMNS)), np.int64)
         write_array(project.chunks, chunks)

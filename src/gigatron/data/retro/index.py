@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -114,15 +115,17 @@ def trained_meta(project: ProjectDir, index_str: str, source: dict[str, Any]) ->
 def add_to_index(
     project: ProjectDir,
     index_str: str,
-    embeddings: np.ndarray,
+    blocks: Iterable[np.ndarray],
     source: dict[str, Any],
     add_load_fraction: float,
 ) -> None:
-    """Add `embeddings` (the first fraction of the database's chunks) to the trained index."""
+    """Add the embedding `blocks` (the first fraction of the database's chunks, in order, one
+    block in memory at a time) to the trained index."""
     folder = project.index_dir(index_name(index_str))
     trained = trained_meta(project, index_str, source)
     index = read_index(folder / TRAINED, "run --retro-tasks index-train first")
-    index.add(np.ascontiguousarray(embeddings, dtype=np.float32))
+    for block in blocks:
+        index.add(np.ascontiguousarray(block, dtype=np.float32))
     write_index(index, folder / ADDED)
     meta = {
         **source,

@@ -2,7 +2,7 @@
 
     <project>/config.json                 the GPT data and chunking the project was built for
     <project>/db/meta.json                the chunk database: datasets, chunk count, identity
-    <project>/db/blocks/<d>/<a>-<b>.npy   chunk rows of documents [a, b) of dataset d (resumable)
+    <project>/db/blocks/<n>-docs/<d>/<a>-<b>.npy  chunk rows of documents [a, b) of dataset d
     <project>/db/chunks.npy               int64 [chunks, 5]: dataset, document, start, end, bert length
     <project>/db/embeddings/<a>-<b>.npy   float32 embeddings of chunks [a, b)
     <project>/index/<name>/...            a trained / filled Faiss index and its meta.json
@@ -50,8 +50,8 @@ class ProjectDir:
     def chunks(self) -> Path:
         return self.db / "chunks.npy"
 
-    def db_blocks(self, dataset: int) -> Path:
-        return self.db / "blocks" / str(dataset)
+    def db_blocks(self, dataset: int, doc_block_size: int) -> Path:
+        return self.db / "blocks" / f"{doc_block_size}-docs" / str(dataset)
 
     @property
     def embeddings(self) -> Path:

@@ -79,7 +79,8 @@ def query_split(
 ) -> None:
     """Neighbours of every chunk of the split (blocks shared by the ranks); rank 0 then writes
     neighbors.npy and meta.json (`identity`: what they were computed for, plus the counts)."""
-    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    keyed = {**identity, "block_size": settings.block_size, "saved": settings.num_neighbors_save}
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     blocks = project.query_dir(split) / f"blocks-{key}"
     db_chunks = np.asarray(database.chunks[:, :2])
 

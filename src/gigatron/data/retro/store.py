@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from gigatron.data.indexed import IndexedDataset, missing_files
-from gigatron.data.retro.project import ProjectDir, read_array, read_json
+from gigatron.data.retro.project import ProjectDir, dataset_fingerprint, read_array, read_json
 from gigatron.errors import GigatronError
 
 QUERY_FIX = (
@@ -40,7 +40,7 @@ class ChunkDatabase:
                 f"{project.chunks}: {len(self.chunks)} chunks but {project.db_meta} says "
                 f"{self.meta['num_chunks']}; the database is damaged, {DB_FIX} again"
             )
-        self.datasets = [open_dataset(entry["prefix"]) for entry in self.meta["datasets"]]
+        self.datasets = [open_dataset(entry) for entry in self.meta["datasets"]]
 
     def __len__(self) -> int:
         return int(self.chunks.shape[0])
@@ -60,12 +60,19 @@ class ChunkDatabase:
         return out
 
 
-def open_dataset(prefix: str) -> IndexedDataset:
+def open_dataset(entry: dict[str, str]) -> IndexedDataset:
+    """A dataset the database was built from, unchanged since (its fingerprint)."""
+    prefix = entry["prefix"]
     missing = missing_files(prefix)
     if missing:
         raise GigatronError(
             f"{prefix}: {' and '.join(missing)} not found, but the Retro database was built "
             "from it; put the dataset back or rebuild the project with --retro-tasks build"
+        )
+    if dataset_fingerprint(prefix) != entry["fingerprint"]:
+        raise GigatronError(
+            f"{prefix}: changed since the Retro database was built from it; put the original "
+            "back, or build a new project (another --retro-project-dir) from the new data"
         )
     return IndexedDataset(prefix)
 
@@ -87,6 +94,7 @@ class RetroNeighbourStore:
         self.neighbors = neighbors
         self.meta = meta
         self.chunk_length = database.chunk_length
+        self.eod = database.eod  # the GPT tokenizer's eod id: short chunks and empty slots
         self.seq_length = int(meta["seq_length"])
         self.num_neighbors = num_neighbors
         self.num_retrieved_chunks = num_retrieved_chunks
@@ -99,14 +107,18 @@ class RetroNeighbourStore:
         split: str,
         num_neighbors: int = 2,
         num_retrieved_chunks: int = 2,
+        seq_length: int | None = None,
+        chunk_length: int | None = None,
     ) -> RetroNeighbourStore:
-        """The store of `split` ('train', 'valid' or 'test') in `project_dir`."""
+        """The store of `split` ('train', 'valid' or 'test') in `project_dir`; `seq_length` and
+        `chunk_length`, when given, must be the ones the neighbours were computed for."""
         project = ProjectDir(project_dir)
         read_json(project.config, f"give the --retro-project-dir that {DB_FIX} wrote")
         database = ChunkDatabase(project)
         meta = read_json(project.query_meta(split), QUERY_FIX)
         neighbors = read_array(project.neighbors(split), QUERY_FIX)
         check_query(project, split, meta, neighbors, database)
+        check_lengths(project.query_meta(split), meta, seq_length, chunk_length)
         saved = int(neighbors.shape[2])
         if not 0 < num_neighbors <= saved:
             raise GigatronError(
@@ -181,3 +193,18 @@ def check_query(
             f"for {meta['num_samples']} samples of {seq_length} tokens in {chunk_length}-token "
             f"chunks; the file is damaged, {QUERY_FIX.replace('run', 'rerun')}"
         )
+
+
+def check_lengths(
+    where: Path, meta: dict[str, Any], seq_length: int | None, chunk_length: int | None
+) -> None:
+    """The run's --seq-length and --retro-gpt-chunk-length are the project's."""
+    for flag, given, key in (
+        ("--seq-length", seq_length, "seq_length"),
+        ("--retro-gpt-chunk-length", chunk_length, "chunk_length"),
+    ):
+        if given is not None and int(given) != int(meta[key]):
+            raise GigatronError(
+                f"{flag} {given}: {where} holds neighbours for {key.replace('_', ' ')} "
+                f"{meta[key]}; give {flag} {meta[key]}, or {QUERY_FIX} and {flag} {given}"
+            )
