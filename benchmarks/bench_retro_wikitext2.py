@@ -66,6 +66,8 @@ def common_flags(prefix: str, work: Path, train_iters: int) -> list[str]:
 
 def make_bert(work: Path) -> Path:
     save = work / "bert"
+    if (save / "latest_checkpointed_iteration.txt").is_file():  # a --work run before made it
+        return save
     gigatron("pretrain", "bert", "--mock-data", "--tokenizer-type", "BertWordPieceLowerCase",
              "--vocab-file", DATA / "bert-base-uncased-vocab.txt", "--num-layers", "2",
              "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -75,10 +77,13 @@ def make_bert(work: Path) -> Path:
     return save
 
 
-def validation_loss(metrics: Path) -> float:
+def validation_loss(metrics: Path) -> float | None:
+    """The last validation loss of a run's metrics file (None before the run evaluated)."""
+    if not metrics.is_file():
+        return None
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    valid = [r for r in rows if r["type"] in ("valid", "validation")]
-    return float(valid[-1]["lm_loss"])
+    valid = [r for r in rows if r["type"] == "eval" and r.get("split") == "valid"]
+    return float(valid[-1]["lm_loss"]) if valid else None
 
 
 def main() -> None:
@@ -108,7 +113,9 @@ def main() -> None:
     ):
         metrics = work / f"{family}.jsonl"
         started = time.perf_counter()
-        gigatron("pretrain", family, *common, *model, *extra, "--metrics-file", metrics)
+        if validation_loss(metrics) is None:  # (a --work run before may have trained it)
+            metrics.unlink(missing_ok=True)
+            gigatron("pretrain", family, *common, *model, *extra, "--metrics-file", metrics)
         loss = validation_loss(metrics)
         results[family] = (loss, math.exp(loss), time.perf_counter() - started)
     print(f"preprocessing: {preprocess_s:.0f} s")

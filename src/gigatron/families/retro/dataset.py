@@ -10,7 +10,6 @@ import numpy as np
 
 from gigatron.data.gpt_dataset import build_gpt_datasets
 from gigatron.data.retro.store import RetroNeighbourStore
-from gigatron.errors import GigatronError
 
 SPLITS = ("train", "valid", "test")
 
@@ -52,15 +51,13 @@ def neighbour_source(cfg, tokenizer, split: str, gpt: Any) -> Any:
         )
         return MockNeighbours(shape, tokenizer.vocab_size, cfg.training.seed + SPLITS.index(split))
     store = RetroNeighbourStore.open(
-        r.retro_project_dir, split, r.retro_num_neighbors, r.retro_num_retrieved_chunks
+        r.retro_project_dir,
+        split,
+        r.retro_num_neighbors,
+        r.retro_num_retrieved_chunks,
+        seq_length=cfg.model.seq_length,
+        chunk_length=r.retro_gpt_chunk_length,
     )
-    if store.chunk_length != r.retro_gpt_chunk_length or store.seq_length != cfg.model.seq_length:
-        raise GigatronError(
-            f"--retro-project-dir {r.retro_project_dir}: its {split} neighbours are for "
-            f"{store.seq_length}-token samples in {store.chunk_length}-token chunks, this run has "
-            f"--seq-length {cfg.model.seq_length} and --retro-gpt-chunk-length "
-            f"{r.retro_gpt_chunk_length}; give the project's values"
-        )
     store.check_dataset(gpt)
     return store
 
