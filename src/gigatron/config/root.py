@@ -20,6 +20,7 @@ from gigatron.config.moe import MoEConfig
 from gigatron.config.optimizer import OptimizerConfig
 from gigatron.config.parallel import ParallelConfig
 from gigatron.config.parser import FlagParser
+from gigatron.config.retro import RetroConfig
 from gigatron.config.tokenizer import TokenizerConfig
 from gigatron.config.training import TrainingConfig
 from gigatron.config.validate import finalize_config, validate_config
@@ -37,6 +38,7 @@ class GigatronConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    retro: RetroConfig = field(default_factory=RetroConfig)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(GigatronConfig)}

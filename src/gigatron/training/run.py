@@ -24,6 +24,7 @@ import yaml
 from torch import nn
 
 from gigatron.checkpoint.formats import load_checkpoint
+from gigatron.checkpoint.retrofit import loads_gpt_into_retro, retrofit
 from gigatron.checkpoint.upcycling import upcycle
 from gigatron.config import GigatronConfig
 from gigatron.config.root import config_to_dict
@@ -376,6 +377,10 @@ def build_run(
             print_line(upcycle(cfg, pctx, parts.model, lambda c, p: builder(c, p, vocab)))
             parts.optimizer.reload_model_params()
             parts.state, parts.loaded = TrainState(), {"loaded": False}  # a fresh MoE run
+        elif loads_gpt_into_retro(cfg, family.name):  # retro-fitting: docs/retro.md
+            print_line(retrofit(cfg, pctx, parts.model, parts.tokenizer.vocab_size))
+            parts.optimizer.reload_model_params()
+            parts.state, parts.loaded = TrainState(), {"loaded": False}
         else:
             parts.state, parts.loaded = load_or_init(
                 cfg, pctx, parts.model, parts.optimizer, parts.scheduler

@@ -1,0 +1,112 @@
+"""The Retro family (`gigatron pretrain retro`): a GPT with chunked cross-attention to
+retrieved neighbours (models/retro.py), trained on the GPT dataset + the neighbour tokens of a
+Retro project (--retro-project-dir, written by `gigatron retro-preprocess`; docs/retro.md).
+
+The loss is the GPT's (`lm_loss`); a gpt checkpoint under --load is retro-fitted
+(checkpoint/retrofit.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+from torch import nn
+
+from gigatron.config.retro import RetroConfig
+from gigatron.data.batch import get_batch
+from gigatron.errors import GigatronError
+from gigatron.families.gpt import BATCH_KEYS as GPT_BATCH_KEYS
+from gigatron.families.gpt import FAMILY as GPT_FAMILY
+from gigatron.families.gpt import language_model_loss, masked_loss
+from gigatron.families.retro.dataset import build_retro_datasets
+from gigatron.models.retro import build_retro_model, retro_layer_numbers
+from gigatron.parallel.context import ParallelContext
+
+BATCH_KEYS = (*GPT_BATCH_KEYS, "neighbour_tokens")
+
+
+def forward_step(
+    pctx: ParallelContext,
+    data_iterator: Iterator | None,
+    model: nn.Module,
+    loss_in_model: bool = False,
+) -> tuple[torch.Tensor, partial]:
+    """One micro-batch (with its neighbour tokens) through the model (schedule contract)."""
+    batch = get_batch(data_iterator, pctx, BATCH_KEYS)
+    labels = {"labels": batch["labels"]} if loss_in_model else {}
+    output = model(
+        batch["tokens"],
+        batch["position_ids"],
+        attention_mask=batch.get("attention_mask"),
+        neighbour_tokens=batch["neighbour_tokens"],
+        **labels,
+    )
+    if loss_in_model:
+        return output, partial(masked_loss, loss_mask=batch["loss_mask"], pctx=pctx)
+    return output, partial(language_model_loss, batch["labels"], batch["loss_mask"], pctx)
+
+
+def make_forward_step(cfg, pctx: ParallelContext):
+    return partial(forward_step, pctx, loss_in_model=cfg.model.cross_entropy_loss_fusion)
+
+
+def loss_names(cfg) -> tuple[str, ...]:
+    return ("lm_loss",)
+
+
+def validate(cfg) -> None:
+    """What the Retro model and its data need, and what it cannot do (yet)."""
+    m, p, r = cfg.model, cfg.parallel, cfg.retro
+    retro_layer_numbers(m.num_layers)
+    if m.seq_length % r.retro_gpt_chunk_length:
+        raise GigatronError(
+            f"--retro-gpt-chunk-length {r.retro_gpt_chunk_length} does not divide --seq-length "
+            f"{m.seq_length}; give a chunk length that does (Megatron's is 64)"
+        )
+    if r.retro_project_dir is None and not cfg.data.mock_data:
+        raise GigatronError(
+            "pretrain retro: no --retro-project-dir; give the directory `gigatron "
+            "retro-preprocess` wrote (docs/retro.md), or --mock-data for random neighbours"
+        )
+    retrieved = r.retro_gpt_chunk_length * r.retro_num_retrieved_chunks
+    tp = p.tensor_model_parallel_size
+    if p.sequence_parallel and tp > 1 and retrieved % tp:
+        raise GigatronError(
+            f"--sequence-parallel: the {retrieved} neighbour tokens (chunk length x "
+            f"--retro-num-retrieved-chunks) do not split over --tensor-model-parallel-size {tp}"
+        )
+    unsupported = [
+        flag
+        for value, flag in (
+            (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
+            (p.context_parallel_size > 1, "--context-parallel-size > 1"),
+            (m.recompute_granularity == "full", "--recompute-granularity full"),
+        )
+        if value
+    ]
+    if unsupported:
+        raise GigatronError(
+            f"{', '.join(unsupported)}: not built for Retro (Megatron-Core's Retro has no "
+            "pipelining either); drop the flag(s) for gigatron pretrain retro"
+        )
+
+
+# The GPT family's record with Retro's model, batches, datasets and rules (no Hugging Face map,
+# no generation, no MoE reports).
+FAMILY = dataclasses.replace(
+    GPT_FAMILY,
+    name="retro",
+    description="Retro: a GPT with chunked cross-attention to retrieved neighbours",
+    build_model=build_retro_model,
+    make_forward_step=make_forward_step,
+    loss_names=loss_names,
+    build_datasets=build_retro_datasets,
+    validate=validate,
+    hf_adapter=None,
+    iteration_reports=None,
+    generation=False,
+    accepted_fields=frozenset(field.name for field in dataclasses.fields(RetroConfig)),
+)
