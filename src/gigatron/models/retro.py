@@ -42,15 +42,15 @@ from gigatron.parallel.random import ModelParallelRNG
 
 @dataclass(frozen=True)
 class RetroSpec:
-    """The Retro-only shape of the model (config/retro.py's flags)."""
+    """The Retro-only shape of the model: config/retro.py's flags (their defaults there)."""
 
-    chunk_length: int = 64
-    num_neighbors: int = 2
-    num_retrieved_chunks: int = 2
-    encoder_layers: int = 2
-    encoder_hidden_dropout: float = 0.1
-    encoder_attention_dropout: float = 0.1
-    attention_gate: float = 1.0
+    chunk_length: int
+    num_neighbors: int
+    num_retrieved_chunks: int
+    encoder_layers: int
+    encoder_hidden_dropout: float
+    encoder_attention_dropout: float
+    attention_gate: float
     # Megatron-Core 0.12.3's Retro block spec has no final norm (its TransformerBlockSubmodules
     # name none); gigatron keeps the GPT's, so a retro-fitted GPT keeps its output. False builds
     # Megatron-Core's layout (tests compare logits with it).
@@ -246,7 +246,9 @@ class RetroModel(GPTModel):
                 return RetroDecoderLayer(config, pctx, number, rng, parts, spec, encoder)
             return TransformerLayer(config, pctx, number, rng, parts)
 
-        super().__init__(config, pctx, vocab_size, True, True, None, rng, parts, layer_builder)
+        super().__init__(
+            config, pctx, vocab_size, rng=rng, parts=parts, layer_builder=layer_builder
+        )
         self.spec = spec
         if not spec.final_norm:
             self.decoder.final_layernorm = None

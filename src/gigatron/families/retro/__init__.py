@@ -21,6 +21,7 @@ from gigatron.errors import GigatronError
 from gigatron.families.gpt import BATCH_KEYS as GPT_BATCH_KEYS
 from gigatron.families.gpt import FAMILY as GPT_FAMILY
 from gigatron.families.gpt import language_model_loss, masked_loss
+from gigatron.families.registry import ModelFamily
 from gigatron.families.retro.dataset import build_retro_datasets
 from gigatron.models.retro import build_retro_model, retro_layer_numbers
 from gigatron.parallel.context import ParallelContext
@@ -94,19 +95,16 @@ def validate(cfg) -> None:
         )
 
 
-# The GPT family's record with Retro's model, batches, datasets and rules (no Hugging Face map,
-# no generation, no MoE reports).
-FAMILY = dataclasses.replace(
-    GPT_FAMILY,
-    name="retro",
+ACCEPTED_FIELDS = frozenset(field.name for field in dataclasses.fields(RetroConfig))
+DEFAULT_TOKENIZER_TYPE = GPT_FAMILY.default_tokenizer_type
+
+
+# Trained like a GPT (its FLOPs count the decoder: docs/retro.md); no Hugging Face map, no
+# generation, no MoE reports.
+FAMILY = ModelFamily.from_namespace(
+    globals(),
     description="Retro: a GPT with chunked cross-attention to retrieved neighbours",
     build_model=build_retro_model,
-    make_forward_step=make_forward_step,
-    loss_names=loss_names,
     build_datasets=build_retro_datasets,
-    validate=validate,
-    hf_adapter=None,
-    iteration_reports=None,
-    generation=False,
-    accepted_fields=frozenset(field.name for field in dataclasses.fields(RetroConfig)),
+    flops_per_iteration=GPT_FAMILY.flops_per_iteration,
 )
