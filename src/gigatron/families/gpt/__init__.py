@@ -113,16 +113,17 @@ def forward_step(
     model: nn.Module,
     mtp_scaling_factor: float = 0.1,
     loss_in_model: bool = False,
+    model_inputs: tuple[str, ...] = (),
 ) -> tuple[torch.Tensor, Callable]:
     """One micro-batch through one model chunk (schedule contract). `loss_in_model`: the last
-    stage computes the per-token losses itself (`--cross-entropy-loss-fusion`)."""
-    batch = get_batch(data_iterator, pctx, BATCH_KEYS)
-    labels = {"labels": batch["labels"]} if loss_in_model else {}
+    stage computes the per-token losses itself (`--cross-entropy-loss-fusion`). `model_inputs`:
+    more batch keys the model takes by name (Retro's `neighbour_tokens`)."""
+    batch = get_batch(data_iterator, pctx, (*BATCH_KEYS, *model_inputs))
+    inputs = {name: batch[name] for name in model_inputs}
+    if loss_in_model:
+        inputs["labels"] = batch["labels"]
     output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        attention_mask=batch.get("attention_mask"),
-        **labels,
+        batch["tokens"], batch["position_ids"], attention_mask=batch.get("attention_mask"), **inputs
     )
     if loss_in_model:
         return output, partial(masked_loss, loss_mask=batch["loss_mask"], pctx=pctx)

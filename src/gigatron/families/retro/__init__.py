@@ -9,49 +9,23 @@ The loss is the GPT's (`lm_loss`); a gpt checkpoint under --load is retro-fitted
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from functools import partial
 
-import torch
-from torch import nn
-
 from gigatron.config.retro import RetroConfig
-from gigatron.data.batch import get_batch
 from gigatron.errors import GigatronError
-from gigatron.families.gpt import BATCH_KEYS as GPT_BATCH_KEYS
+from gigatron.families import gpt
 from gigatron.families.gpt import FAMILY as GPT_FAMILY
-from gigatron.families.gpt import language_model_loss, masked_loss
 from gigatron.families.registry import ModelFamily
 from gigatron.families.retro.dataset import build_retro_datasets
 from gigatron.models.retro import build_retro_model, retro_layer_numbers
 from gigatron.parallel.context import ParallelContext
 
-BATCH_KEYS = (*GPT_BATCH_KEYS, "neighbour_tokens")
-
-
-def forward_step(
-    pctx: ParallelContext,
-    data_iterator: Iterator | None,
-    model: nn.Module,
-    loss_in_model: bool = False,
-) -> tuple[torch.Tensor, partial]:
-    """One micro-batch (with its neighbour tokens) through the model (schedule contract)."""
-    batch = get_batch(data_iterator, pctx, BATCH_KEYS)
-    labels = {"labels": batch["labels"]} if loss_in_model else {}
-    output = model(
-        batch["tokens"],
-        batch["position_ids"],
-        attention_mask=batch.get("attention_mask"),
-        neighbour_tokens=batch["neighbour_tokens"],
-        **labels,
-    )
-    if loss_in_model:
-        return output, partial(masked_loss, loss_mask=batch["loss_mask"], pctx=pctx)
-    return output, partial(language_model_loss, batch["labels"], batch["loss_mask"], pctx)
-
 
 def make_forward_step(cfg, pctx: ParallelContext):
-    return partial(forward_step, pctx, loss_in_model=cfg.model.cross_entropy_loss_fusion)
+    loss_in_model = cfg.model.cross_entropy_loss_fusion
+    return partial(
+        gpt.forward_step, pctx, loss_in_model=loss_in_model, model_inputs=("neighbour_tokens",)
+    )
 
 
 def loss_names(cfg) -> tuple[str, ...]:
