@@ -212,3 +212,23 @@ def test_convert_to_megatron_torch_dist_writes_megatrons_own_files(tmp_path, nam
         ]
         == "torch_dist"
     )
+
+
+@pytest.mark.parametrize("name", ["gpt2_tp1_torch", "moe_tp1_torch"])
+def test_convert_to_megatron_torch_writes_megatrons_own_entries(tmp_path, name):
+    """Megatron's file -> gigatron -> `--to megatron` (torch format): the entries Megatron's
+    save_checkpoint wrote (SequentialMLP's `local_experts.{e}`, each linear's `_extra_state`),
+    the same values: Megatron's strict load reads it (make_megatron_fixtures.py --verify)."""
+    from gigatron.checkpoint.hf_convert import main
+    from gigatron.checkpoint.torch_format import safe_load
+
+    main(["--from", "megatron", "--to", "gigatron", "--load", str(FIXTURES / name),
+          "--save", str(tmp_path / "g")])  # fmt: skip
+    main(["--from", "gigatron", "--to", "megatron", "--load", str(tmp_path / "g"),
+          "--save", str(tmp_path / "m")])  # fmt: skip
+    part = Path("iter_0000003") / "mp_rank_00" / "model_optim_rng.pt"
+    original = safe_load(FIXTURES / name / part)["model"]
+    written = safe_load(tmp_path / "m" / part)["model"]
+    assert written.keys() == original.keys()
+    for key, value in original.items():
+        assert torch.equal(written[key], value) if value is not None else written[key] is None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -50,11 +51,49 @@ _TE_MODULES = (
 )
 
 
+# A linear of the local spec: Megatron saves an (empty) `_extra_state` after its weight.
+_LOCAL_LINEAR = re.compile(r"^(.*\.(linear_proj|linear_qkv|linear_fc1|linear_fc2))\.weight$")
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<fc>linear_fc[12])\.weight$")
+
+
 def _te_model(model: dict[str, torch.Tensor], layers: set[str]) -> dict[str, Any]:
     out: dict[str, Any] = {megatron_te_name(name): tensor for name, tensor in model.items()}
     for layer in sorted(layers):
         for module in _TE_MODULES:
             out[f"{layer}.{module}._extra_state"] = None
+    return out
+
+
+def _sequential_experts(model: dict[str, Any], extra_states: bool) -> dict[str, Any]:
+    """gigatron's stacked [local experts, ...] weights as Megatron's SequentialMLP entries
+    (`experts.local_experts.{e}.linear_fc1.weight`, each linear's empty `_extra_state`)."""
+    out: dict[str, Any] = {}
+    for name, tensor in model.items():
+        match = _STACKED_EXPERTS.match(name)
+        if match is None or tensor is None or tensor.dim() != 3:
+            out[name] = tensor
+            continue
+        for e in range(tensor.shape[0]):
+            module = f"{match['prefix']}.local_experts.{e}.{match['fc']}"
+            out[f"{module}.weight"] = tensor[e].clone()  # its own storage, as Megatron saves it
+            if extra_states:
+                out[f"{module}._extra_state"] = None
+    return out
+
+
+def _local_model(model: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The local spec's entries as Megatron saves them: an empty `_extra_state` after each
+    linear's weight, and the output layer's (present even when tied) on the last stage."""
+    out: dict[str, Any] = {}
+    for name, tensor in model.items():
+        out[name] = tensor
+        match = _LOCAL_LINEAR.match(name)
+        if match is not None and ".mlp.experts." not in name:
+            out[f"{match[1]}._extra_state"] = None
+        if name == "output_layer.weight":
+            out["output_layer._extra_state"] = None
+    if "decoder.final_layernorm.weight" in model:
+        out.setdefault("output_layer._extra_state", None)
     return out
 
 
@@ -89,7 +128,9 @@ def gigatron_to_megatron(
             if te_names:
                 layers = {".".join(n.split(".")[:3]) for n in model if ".layers." in n}
                 model = _te_model(model, layers)
-            out[key] = model
+            else:
+                model = _local_model(model)
+            out[key] = _sequential_experts(model, extra_states=True)
         target = tmp / path.parent.name / CHECKPOINT_FILENAME
         target.parent.mkdir(parents=True, exist_ok=True)
         torch.save(out, target)
