@@ -189,6 +189,7 @@ def test_convert_to_megatron_torch_dist_writes_megatrons_own_files(tmp_path, nam
     model entries Megatron's save_checkpoint wrote, the same keys, shapes and values."""
     from gigatron.checkpoint.dcp_io import read_metadata
     from gigatron.checkpoint.hf_convert import main
+    from gigatron.checkpoint.megatron_dist import read_common
     from gigatron.checkpoint.torch_format import safe_load
 
     main(["--from", "megatron", "--to", "gigatron", "--load", str(FIXTURES / name),
@@ -206,6 +207,13 @@ def test_convert_to_megatron_torch_dist_writes_megatrons_own_files(tmp_path, nam
     assert all(torch.equal(saved[k], again[k]) for k in tensors)
     common = safe_load(tmp_path / "m" / "iter_0000003" / "common.pt")
     assert (common["args"].num_layers, common["iteration"]) == (2, 3)
+    # what Megatron's check_checkpoint_args compares and its resume reads: Megatron's own values
+    theirs = read_common(FIXTURES / name / "iter_0000003")["args"]
+    checked = ("num_layers", "hidden_size", "num_attention_heads", "add_position_embedding",
+               "max_position_embeddings", "padded_vocab_size", "consumed_train_samples")  # fmt: skip
+    assert {k: getattr(common["args"], k) for k in checked} == {
+        k: getattr(theirs, k) for k in checked
+    }
     assert (
         json.loads((tmp_path / "m" / "iter_0000003" / "metadata.json").read_text())[
             "sharded_backend"

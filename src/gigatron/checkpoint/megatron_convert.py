@@ -160,6 +160,12 @@ def gigatron_config_dict(args: argparse.Namespace) -> dict[str, Any]:
     return config_as_dict(config_from_dict(out))
 
 
+def _consumed(args: argparse.Namespace) -> dict[str, int]:
+    """The samples Megatron's run had consumed (kept, so a resume continues the data order)."""
+    keys = ("consumed_train_samples", "consumed_valid_samples")
+    return {key: int(getattr(args, key, 0) or 0) for key in keys}
+
+
 def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | None) -> Path:
     """Rewrite the Megatron-LM files of `located` in `staged` as a gigatron checkpoint of the
     same layout (gigatron's names and configuration; tensors memory-mapped). Returns `staged`."""
@@ -177,6 +183,7 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
             "args": gigatron_config_dict(state["args"]),
             "iteration": iteration,
             "checkpoint_version": 3.0,
+            **_consumed(state["args"]),
         }
         if family is not None:
             out["gigatron_family"] = family  # --model-type: Megatron's files do not say
@@ -193,11 +200,12 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
 def _stage_megatron_dist(located: tuple[Path, int, bool], staged: Path, family: str | None):
     """Megatron's torch_dist iteration as one tp = pp = 1 gigatron file (whole tensors)."""
     iteration_dir, iteration, release = located
-    args = gigatron_config_dict(read_common(iteration_dir)["args"])
+    saved = read_common(iteration_dir)["args"]
+    args = gigatron_config_dict(saved)
     for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         args["parallel"][size] = 1  # the tensors are read whole
     args["parallel"]["expert_model_parallel_size"] = 1
-    out = {"args": args, "iteration": iteration, "checkpoint_version": 3.0}
+    out = {"args": args, "iteration": iteration, "checkpoint_version": 3.0, **_consumed(saved)}
     if family is not None:
         out["gigatron_family"] = family
     out["model"] = full_model(iteration_dir)

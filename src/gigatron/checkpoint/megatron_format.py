@@ -73,7 +73,8 @@ def megatron_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> argparse.N
     }
     args = argparse.Namespace(**flat)
     args.norm_epsilon = flat.get("layernorm_epsilon")
-    args.add_position_embedding = flat.get("position_embedding_type") == "learned_absolute"
+    if "add_position_embedding" not in flat:  # older files: Megatron's True unless no positions
+        args.add_position_embedding = flat.get("position_embedding_type") != "none"
     dtype = next((d for flag, d in _DTYPES.items() if flat.get(flag)), torch.float32)
     args.params_dtype = dtype
     model = state.get("model") or state.get("model0") or {}
@@ -82,6 +83,8 @@ def megatron_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> argparse.N
         args.padded_vocab_size = embedding.shape[0] * int(
             flat.get("tensor_model_parallel_size") or 1
         )
+    elif state.get("padded_vocab_size"):  # a torch_dist common.pt: no weights beside it
+        args.padded_vocab_size = int(state["padded_vocab_size"])
     for key in ("consumed_train_samples", "consumed_valid_samples"):
         setattr(args, key, int(state.get(key, 0)))
     args.iteration = int(state.get("iteration", 0))
