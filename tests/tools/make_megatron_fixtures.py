@@ -65,6 +65,8 @@ FIXTURES = {
     "gpt2_dp2_distopt_torch_dist": (2, ["--ckpt-format", "torch_dist", *DISTOPT]),
     "llama_tp2_torch": (2, [*LLAMA, "--ckpt-format", "torch", *TP2]),
     "llama_tp2_torch_dist": (2, [*LLAMA, "--ckpt-format", "torch_dist", *TP2]),
+    "llama_tp2_distopt_torch": (2, [*LLAMA, "--ckpt-format", "torch", *TP2, *DISTOPT]),
+    "llama_tp2_distopt_torch_dist": (2, [*LLAMA, "--ckpt-format", "torch_dist", *TP2, *DISTOPT]),
     "moe_tp1_torch": (1, [*LLAMA, *MOE, "--ckpt-format", "torch"]),
     "moe_tp1_torch_dist": (1, [*LLAMA, *MOE, "--ckpt-format", "torch_dist"]),
 }  # fmt: skip

@@ -38,6 +38,7 @@ def assert_megatron_losses(name: str, losses: dict[int, float]) -> None:
         "gpt2_dp2_distopt_torch",  # distrib_optim.pt, saved at dp 2
         "gpt2_dp2_distopt_torch_dist",  # dp_reshardable flat buffers, saved at dp 2
         "llama_tp2_torch_dist",  # saved at tp 2, loaded at tp 1
+        "llama_tp2_distopt_torch_dist",  # flat buffers of each tp rank, merged at tp 1
         "moe_tp1_torch",  # experts' moments stacked per layer
         "moe_tp1_torch_dist",  # decoder.layers.mlp.experts.experts.* [layers, experts, ...]
     ],
@@ -75,9 +76,10 @@ def test_moments_matter(tmp_path):
     "spec",
     [
         "llama_tp2_torch:--tensor-model-parallel-size,2",  # the saved layout
+        "llama_tp2_distopt_torch:--tensor-model-parallel-size,2",  # each rank's distrib_optim.pt
         "gpt2_tp1_torch_dist:--tensor-model-parallel-size,2,--ckpt-format,torch_dist",  # saved at tp 1
     ],
-    ids=["llama_tp2_torch", "gpt2_tp1_torch_dist"],
+    ids=["llama_tp2_torch", "llama_tp2_distopt_torch", "gpt2_tp1_torch_dist"],
 )
 def test_resume_at_tp2_gives_megatrons_next_losses(tmp_path, spec):
     """Two processes under torchrun (one resume per launch: a run ends its process group)."""

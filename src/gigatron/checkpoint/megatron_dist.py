@@ -214,7 +214,7 @@ def _load_optimizer(target: TrainingState, common: dict, metadata: Metadata, whe
     pieces = optimizer_pieces(optimizer, target.model_chunks, pctx, keys, for_load=True)
     pieces = [p for p in pieces if not p.key.startswith("optimizer.fp32_param.")]
     if any(k.startswith("optimizer.distributed.") for k in stored):
-        load_flat_moments(pieces, target.model_chunks, common, where, metadata)
+        load_flat_moments(pieces, target.model_chunks, common, where, metadata, pctx)
     else:
         translated = []
         for key in keys:
