@@ -126,3 +126,32 @@ def test_megatron_core_second_names_map_to_gigatrons_parameters():
     assert list(t5) == ["output_layer.bias"]  # T5's alias of the same tensor: one parameter
     assert gigatron_name("pooler.dense.weight") == "pooler.weight"  # BERT's Pooler module
     assert gigatron_name("encoder.layers.0.mlp.linear_fc1.weight").endswith("linear_fc1.weight")
+
+
+def test_convert_of_a_file_without_args_takes_the_model_flags(tmp_path):
+    """An older NGC-style file (legacy names, no args): `convert --from megatron` names the
+    shape flags it needs, then builds the configuration from the flags given; the weights are
+    those of the same file with its args."""
+    from gigatron.checkpoint.hf_convert import main
+
+    bare = tmp_path / "bare"
+    (bare / "release" / "mp_rank_00").mkdir(parents=True)
+    (bare / "latest_checkpointed_iteration.txt").write_text("release\n")
+    state = safe_load(FIXTURES / "legacy-gpt" / "release" / "mp_rank_00" / "model_optim_rng.pt")
+    saved = state.pop("args")
+    torch.save(state, bare / "release" / "mp_rank_00" / "model_optim_rng.pt")
+    command = ["--from", "megatron", "--to", "gigatron", "--load", str(bare)]
+    with pytest.raises(GigatronError, match="pass --hidden-size, --num-attention-heads"):
+        main([*command, "--save", str(tmp_path / "x"), "--num-layers", "2"])
+    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--ffn-hidden-size", "128", "--max-position-embeddings", "32",
+             "--seq-length", "32"]  # fmt: skip
+    main([*command, "--save", str(tmp_path / "out"), *shape])
+    main([*command[:-1], str(FIXTURES / "legacy-gpt"), "--save", str(tmp_path / "ref")])
+    part = Path("release") / "mp_rank_00" / "model_optim_rng.pt"
+    out, ref = safe_load(tmp_path / "out" / part), safe_load(tmp_path / "ref" / part)
+    _assert_same(out["model"], ref["model"])
+    assert out["args"]["model"]["padded_vocab_size"] == saved.padded_vocab_size == 64
+    assert out["args"]["model"]["ffn_hidden_size"] == ref["args"]["model"]["ffn_hidden_size"]
+    with pytest.raises(GigatronError, match="saved its args; drop the model flags"):
+        main([*command[:-1], str(FIXTURES / "legacy-gpt"), "--save", str(tmp_path / "y"), *shape])

@@ -39,7 +39,7 @@ from gigatron.checkpoint.torch_format import (
     locate_iteration,
     safe_load,
 )
-from gigatron.config.root import FIELD_SECTION, config_from_dict
+from gigatron.config.root import FIELD_SECTION, config_from_dict, parse_config
 from gigatron.errors import GigatronError
 
 _TE_MODULES = (
@@ -166,9 +166,57 @@ def _consumed(args: argparse.Namespace) -> dict[str, int]:
     return {key: int(getattr(args, key, 0) or 0) for key in keys}
 
 
-def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | None) -> Path:
+# The model flags a file without saved args must be given (the rest keep gigatron's defaults).
+_SHAPE_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads")
+
+
+def args_from_flags(flags: list[str], path: Path) -> argparse.Namespace:
+    """Megatron-LM's flat args for a file that saved none (older NGC downloads): the model
+    flags given to `convert` (Megatron's names), each shape flag required."""
+    given = {flag.split("=", 1)[0] for flag in flags}
+    missing = [flag for flag in _SHAPE_FLAGS if flag not in given]
+    if missing:
+        raise GigatronError(
+            f"{path}: saved no args, so its model flags must be given: pass "
+            f"{', '.join(missing)} (and the other flags of the run that made it, e.g. "
+            "--normalization, --swiglu, --num-query-groups)"
+        )
+    sections = config_as_dict(parse_config(flags, prog="gigatron convert", validate=False))
+    return argparse.Namespace(
+        **{
+            k: v
+            for section in sections.values()
+            if isinstance(section, dict)
+            for k, v in section.items()
+        }
+    )
+
+
+def _megatron_state(path: Path, flags: list[str]) -> dict[str, Any]:
+    """A Megatron-LM file in Megatron-Core's layout with its args (given by `flags` when it
+    saved none); its padded vocabulary from the word embedding when the args lack it."""
+    state = safe_load(path, mmap=True)
+    if state.get("args") is None and "model" in state:
+        state = dict(state, args=args_from_flags(flags, path))
+    elif flags:
+        raise GigatronError(f"{' '.join(flags)}: {path} saved its args; drop the model flags")
+    if not isinstance(state.get("args"), argparse.Namespace):
+        raise GigatronError(f"{path}: was not written by Megatron-LM (no argparse args)")
+    state = core_state(state)  # a legacy model-class file: Megatron-Core's names
+    args = state["args"]
+    embedding = state["model"].get("embedding.word_embeddings.weight")
+    if getattr(args, "padded_vocab_size", None) is None and embedding is not None:
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        args.padded_vocab_size = embedding.shape[0] * tp
+    return state
+
+
+def stage_megatron(
+    located: tuple[Path, int, bool], staged: Path, family: str | None, flags: list[str] = ()
+) -> Path:
     """Rewrite the Megatron-LM files of `located` in `staged` as a gigatron checkpoint of the
-    same layout (gigatron's names and configuration; tensors memory-mapped). Returns `staged`."""
+    same layout (gigatron's names and configuration; tensors memory-mapped); `flags`: the
+    model flags of files that saved no args. Returns `staged`."""
     iteration_dir, iteration, release = located
     files = sorted(iteration_dir.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}"))
     if not files and is_megatron_dist(iteration_dir):
@@ -176,9 +224,7 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
     if not files:
         raise GigatronError(f"{iteration_dir}: holds no mp_rank_*/{CHECKPOINT_FILENAME}")
     for path in files:
-        state = safe_load(path, mmap=True)
-        if not isinstance(state.get("args"), argparse.Namespace):
-            raise GigatronError(f"{path}: was not written by Megatron-LM (no argparse args)")
+        state = _megatron_state(path, list(flags))
         out = {
             "args": gigatron_config_dict(state["args"]),
             "iteration": iteration,
@@ -187,7 +233,6 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
         }
         if family is not None:
             out["gigatron_family"] = family  # --model-type: Megatron's files do not say
-        state = core_state(state)  # a legacy model-class file: Megatron-Core's names
         for key in [k for k in state if k == "model" or k.startswith("model")]:
             out[key] = model_to_gigatron(state[key])
         target = staged / iteration_dir.name / path.parent.name / CHECKPOINT_FILENAME
