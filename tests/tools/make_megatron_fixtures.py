@@ -33,8 +33,8 @@ from torch.overrides import TorchFunctionMode
 
 VOCAB, SEQ, MICRO = 63, 32, 2  # NullTokenizer adds one token: 64, no padding
 COMMON = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--ffn-hidden-size", "128",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "64",
     "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
     "--micro-batch-size", str(MICRO), "--vocab-size", str(VOCAB),
     "--make-vocab-size-divisible-by", "32", "--tokenizer-type", "NullTokenizer",
@@ -48,11 +48,11 @@ COMMON = [
     "--distributed-backend", "gloo", "--no-check-for-nan-in-loss-and-grad", "--save-interval", "3", "--eval-iters", "0",
 ]  # fmt: skip
 LLAMA = [
-    "--normalization", "RMSNorm", "--swiglu", "--no-bias-swiglu-fusion", "--ffn-hidden-size", "64",
+    "--normalization", "RMSNorm", "--swiglu", "--no-bias-swiglu-fusion", "--ffn-hidden-size", "32",
     "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
     "--disable-bias-linear", "--untie-embeddings-and-output-weights",
 ]  # fmt: skip
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
        "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.0",
        "--moe-router-load-balancing-type", "none"]  # fmt: skip
 DISTOPT = ["--use-distributed-optimizer"]

@@ -98,9 +98,9 @@ def _llama_model(*flags: str):
     from gigatron.families import get_family
     from gigatron.parallel.context import ParallelContext
 
-    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    shape = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
              "--seq-length", "32", "--max-position-embeddings", "32", "--normalization",
-             "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--position-embedding-type",
+             "RMSNorm", "--swiglu", "--ffn-hidden-size", "32", "--position-embedding-type",
              "rope", "--group-query-attention", "--num-query-groups", "2",
              "--disable-bias-linear", "--untie-embeddings-and-output-weights",
              "--micro-batch-size", "2", "--train-iters", "1", "--padded-vocab-size", "64"]  # fmt: skip
@@ -166,8 +166,8 @@ def test_random_states_are_restored_at_the_saved_layout():
     from gigatron.parallel.context import ParallelContext
     from gigatron.torch_files import load_megatron_object
 
-    gpt2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "32", "--max-position-embeddings", "32", "--ffn-hidden-size", "128",
+    gpt2 = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--ffn-hidden-size", "64",
             "--micro-batch-size", "2", "--train-iters", "1", "--padded-vocab-size", "64"]  # fmt: skip
     cfg = parse_config(gpt2)
     (model,) = get_family("gpt").build_model(cfg, ParallelContext.single(), vocab_size=64)
