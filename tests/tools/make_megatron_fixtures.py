@@ -55,6 +55,7 @@ LLAMA = [
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
        "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.0",
        "--moe-router-load-balancing-type", "none"]  # fmt: skip
+MTP = ["--mtp-num-layers", "1"]
 DISTOPT = ["--use-distributed-optimizer"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 # name -> (processes, extra flags)
@@ -67,6 +68,7 @@ FIXTURES = {
     "llama_tp2_torch_dist": (2, [*LLAMA, "--ckpt-format", "torch_dist", *TP2]),
     "llama_tp2_distopt_torch": (2, [*LLAMA, "--ckpt-format", "torch", *TP2, *DISTOPT]),
     "llama_tp2_distopt_torch_dist": (2, [*LLAMA, "--ckpt-format", "torch_dist", *TP2, *DISTOPT]),
+    "mtp_tp1_torch_dist": (1, [*LLAMA, *MTP, "--ckpt-format", "torch_dist"]),
     "moe_tp1_torch": (1, [*LLAMA, *MOE, "--ckpt-format", "torch"]),
     "moe_tp1_torch_dist": (1, [*LLAMA, *MOE, "--ckpt-format", "torch_dist"]),
 }  # fmt: skip
@@ -268,26 +270,34 @@ def run_fixture(out: Path, argv: list[str]) -> None:
 
 
 def _logits(model, step: int, args) -> torch.Tensor:
-    """Megatron's logits on this dp rank's rows of the step's batch (its tp shard of the vocab)."""
+    """Megatron's logits on this dp rank's rows of the step's batch (its tp shard of the
+    vocabulary): every output-layer call of the forward, so an MTP block's heads too."""
     from megatron.core import parallel_state as mpu
 
     dp, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    mine = _batch(step, args.global_batch_size).chunk(dp)[rank][:, :-1]
+    rows = _batch(step, args.global_batch_size).chunk(dp)[rank]
+    mine, labels = rows[:, :-1], rows[:, 1:]
     position_ids = torch.arange(SEQ).unsqueeze(0).expand_as(mine)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    with torch.no_grad():
-        return model[0](mine, position_ids, mask).float()
+    head = next(m for n, m in model[0].named_modules() if n.endswith("output_layer"))
+    seen: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda module, inputs, out: seen.append(out[0].float()))
+    with torch.no_grad():  # labels: Megatron's MTP block needs them (the loss is not kept)
+        model[0](mine, position_ids, mask, labels=labels)
+    hook.remove()
+    return torch.cat([x.flatten() for x in seen])
 
 
 def _reference_logits(model, optimizer, scheduler, args, reference: Path) -> torch.Tensor:
-    """The logits of the fixture's own checkpoint (weights only, its format detected)."""
+    """The logits of the fixture's own checkpoint (weights only, in its own format)."""
     from megatron.training.checkpointing import load_checkpoint
 
     args.fixture_reference = str(reference)
-    finetune, detect = args.finetune, getattr(args, "auto_detect_ckpt_format", False)
-    args.finetune, args.auto_detect_ckpt_format = True, True
+    kept = args.finetune, args.ckpt_format
+    dist = (next(reference.glob("iter_*")) / "metadata.json").is_file()
+    args.finetune, args.ckpt_format = True, "torch_dist" if dist else "torch"
     load_checkpoint(model, optimizer, scheduler, load_arg="fixture_reference", strict=True)
-    args.finetune, args.auto_detect_ckpt_format = finetune, detect
+    args.finetune, args.ckpt_format = kept
     return _logits(model, 4, args)
 
 
@@ -327,7 +337,7 @@ def verify_load(directory: Path, argv: list[str], expected: float, reference: Pa
     assert float(gap) < 1e-5, f"logits differ from the fixture's by up to {float(gap)}"
     if torch.distributed.get_rank() == 0:
         print(f"verified: Megatron loaded {directory} strictly; loss {loss} (expected "
-              f"{expected}); logits {tuple(logits.shape)} per rank, largest gap {float(gap)}")  # fmt: skip
+              f"{expected}); {logits.numel()} logits per rank, largest gap {float(gap)}")  # fmt: skip
 
 
 def _launch(procs: int, env: dict[str, str], port: int) -> None:

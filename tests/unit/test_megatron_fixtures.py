@@ -48,6 +48,13 @@ def test_resume_at_tp1_gives_megatrons_next_losses(tmp_path, name):
     assert_megatron_losses(name, resume(name, tmp_path, *flags))
 
 
+def test_mtp_layers_of_megatron_core_resume(tmp_path):
+    """megatron-core 0.16.1's MTP block (`mtp.layers.0.transformer_layer.*`, TE norm names, not
+    stacked) loads into gigatron's `mtp_model_layer`: Megatron's next two losses."""
+    flags = ["--ckpt-format", "torch_dist", "--mtp-num-layers", "1"]
+    assert_megatron_losses("mtp_tp1_torch_dist", resume("mtp_tp1_torch_dist", tmp_path, *flags))
+
+
 def test_torch_dist_resumes_into_the_distributed_optimizer(tmp_path):
     name = "gpt2_dp2_distopt_torch_dist"
     flags = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
@@ -185,7 +192,9 @@ def test_random_states_are_restored_at_the_saved_layout():
         _load(FIXTURES / "llama_tp2_torch_dist", llama, cfg)
 
 
-@pytest.mark.parametrize("name", ["llama_tp2_torch_dist", "moe_tp1_torch_dist"])
+@pytest.mark.parametrize(
+    "name", ["llama_tp2_torch_dist", "moe_tp1_torch_dist", "mtp_tp1_torch_dist"]
+)
 def test_convert_to_megatron_torch_dist_writes_megatrons_own_files(tmp_path, name):
     """Megatron's files -> gigatron at tp 2 -> `--to megatron --ckpt-format torch_dist`: the
     model entries Megatron's save_checkpoint wrote, the same keys, shapes and values."""

@@ -29,7 +29,12 @@ from gigatron.checkpoint.megatron_dist import (
     read_common,
     save_megatron_dist,
 )
-from gigatron.checkpoint.megatron_format import megatron_args, megatron_te_name, model_to_gigatron
+from gigatron.checkpoint.megatron_format import (
+    megatron_args,
+    megatron_mtp_name,
+    megatron_te_name,
+    model_to_gigatron,
+)
 from gigatron.checkpoint.megatron_legacy import core_state
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -52,7 +57,9 @@ _TE_MODULES = (
 
 
 # A linear of the local spec: Megatron saves an (empty) `_extra_state` after its weight.
-_LOCAL_LINEAR = re.compile(r"^(.*\.(linear_proj|linear_qkv|linear_fc1|linear_fc2))\.weight$")
+_LOCAL_LINEAR = re.compile(
+    r"^(.*\.(linear_proj|linear_qkv|linear_fc1|linear_fc2|eh_proj))\.weight$"
+)
 _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<fc>linear_fc[12])\.weight$")
 
 
@@ -124,7 +131,7 @@ def gigatron_to_megatron(
             ),
         }
         for key in [k for k in state if k == "model" or k.startswith("model")]:
-            model = state[key]
+            model = {megatron_mtp_name(name): tensor for name, tensor in state[key].items()}
             if te_names:
                 layers = {".".join(n.split(".")[:3]) for n in model if ".layers." in n}
                 model = _te_model(model, layers)

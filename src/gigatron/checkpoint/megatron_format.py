@@ -102,10 +102,22 @@ def saved_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> OrderedDict:
 
 
 # ---- names --------------------------------------------------------------------------------------
+# An MTP block's transformer layer: `transformer_layer` in megatron-core 0.16 (and in every
+# version's torch_dist keys), `mtp_model_layer` in later modules and in gigatron.
+_MTP_MEGATRON = re.compile(r"^(mtp\.layers\.\d+)\.transformer_layer\.")
+_MTP_GIGATRON = re.compile(r"^(mtp\.layers\.\d+)\.mtp_model_layer\.")
+
+
+def megatron_mtp_name(name: str) -> str:
+    """Megatron-Core 0.16's name of a gigatron MTP-layer tensor (others unchanged)."""
+    return _MTP_GIGATRON.sub(r"\1.transformer_layer.", name)
+
+
 def gigatron_name(name: str) -> str | None:
     """The gigatron name of a Megatron model entry (None: not a weight, e.g. `_extra_state`)."""
     if name.endswith("_extra_state"):
         return None
+    name = _MTP_MEGATRON.sub(r"\1.mtp_model_layer.", name)
     for te, local in _TE_NORMS.items():
         if name.endswith(te):
             return name[: -len(te)] + local
