@@ -5,7 +5,7 @@ downloads), made by renaming and reordering Megatron-Core-layout checkpoints:
 - legacy-gpt: Megatron-LM's own gpt2_tp1_torch fixture (weights of iteration 3), as the oldest
   legacy layout: nested dictionaries, `language_model.transformer.layers.N.attention.*`,
   `checkpoint_version` 0 (fused QKV rows [3, heads, head dim]); fixture.json is gpt2_tp1_torch's.
-- legacy-bert-core: a gigatron BERT (2 layers, hidden 64, seeded random weights) in
+- legacy-bert-core: a gigatron BERT (2 layers, hidden 32, seeded random weights) in
   Megatron-Core's names (`pooler.dense.*`), torch format;
 - legacy-bert: the same weights in the later legacy layout: `language_model.encoder.layers.N.
   self_attention.*`, `lm_head.layernorm`, `checkpoint_version` 1 (QKV rows [heads, head dim, 3]).
@@ -128,7 +128,7 @@ def bert_core_state() -> tuple[argparse.Namespace, dict[str, torch.Tensor]]:
     from gigatron.models.bert import build_bert_model
     from gigatron.parallel.context import ParallelContext
 
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "64",
             "--make-vocab-size-divisible-by", "32", "--init-method-std", "0.05"]  # fmt: skip
     cfg = parse_config(argv)

@@ -33,8 +33,8 @@ from torch.overrides import TorchFunctionMode
 
 VOCAB, SEQ, MICRO = 63, 32, 2  # NullTokenizer adds one token: 64, no padding
 COMMON = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--ffn-hidden-size", "128",
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "64",
     "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
     "--micro-batch-size", str(MICRO), "--vocab-size", str(VOCAB),
     "--make-vocab-size-divisible-by", "32", "--tokenizer-type", "NullTokenizer",
@@ -48,13 +48,14 @@ COMMON = [
     "--distributed-backend", "gloo", "--no-check-for-nan-in-loss-and-grad", "--save-interval", "3", "--eval-iters", "0",
 ]  # fmt: skip
 LLAMA = [
-    "--normalization", "RMSNorm", "--swiglu", "--no-bias-swiglu-fusion", "--ffn-hidden-size", "64",
+    "--normalization", "RMSNorm", "--swiglu", "--no-bias-swiglu-fusion", "--ffn-hidden-size", "32",
     "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
     "--disable-bias-linear", "--untie-embeddings-and-output-weights",
 ]  # fmt: skip
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
        "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.0",
        "--moe-router-load-balancing-type", "none"]  # fmt: skip
+MTP = ["--mtp-num-layers", "1"]
 DISTOPT = ["--use-distributed-optimizer"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 # name -> (processes, extra flags)
@@ -65,6 +66,9 @@ FIXTURES = {
     "gpt2_dp2_distopt_torch_dist": (2, ["--ckpt-format", "torch_dist", *DISTOPT]),
     "llama_tp2_torch": (2, [*LLAMA, "--ckpt-format", "torch", *TP2]),
     "llama_tp2_torch_dist": (2, [*LLAMA, "--ckpt-format", "torch_dist", *TP2]),
+    "llama_tp2_distopt_torch": (2, [*LLAMA, "--ckpt-format", "torch", *TP2, *DISTOPT]),
+    "llama_tp2_distopt_torch_dist": (2, [*LLAMA, "--ckpt-format", "torch_dist", *TP2, *DISTOPT]),
+    "mtp_tp1_torch_dist": (1, [*LLAMA, *MTP, "--ckpt-format", "torch_dist"]),
     "moe_tp1_torch": (1, [*LLAMA, *MOE, "--ckpt-format", "torch"]),
     "moe_tp1_torch_dist": (1, [*LLAMA, *MOE, "--ckpt-format", "torch_dist"]),
 }  # fmt: skip
@@ -265,23 +269,75 @@ def run_fixture(out: Path, argv: list[str]) -> None:
     torch.distributed.barrier()
 
 
-def verify_load(directory: Path, argv: list[str], expected: float) -> None:
+def _logits(model, step: int, args) -> torch.Tensor:
+    """Megatron's logits on this dp rank's rows of the step's batch (its tp shard of the
+    vocabulary): every output-layer call of the forward, so an MTP block's heads too."""
+    from megatron.core import parallel_state as mpu
+
+    dp, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    rows = _batch(step, args.global_batch_size).chunk(dp)[rank]
+    mine, labels = rows[:, :-1], rows[:, 1:]
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand_as(mine)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    head = next(m for n, m in model[0].named_modules() if n.endswith("output_layer"))
+    seen: list[torch.Tensor] = []
+    hook = head.register_forward_hook(lambda module, inputs, out: seen.append(out[0].float()))
+    with torch.no_grad():  # labels: Megatron's MTP block needs them (the loss is not kept)
+        model[0](mine, position_ids, mask, labels=labels)
+    hook.remove()
+    return torch.cat([x.flatten() for x in seen])
+
+
+def _reference_logits(model, optimizer, scheduler, args, reference: Path) -> torch.Tensor:
+    """The logits of the fixture's own checkpoint (weights only, in its own format)."""
+    from megatron.training.checkpointing import load_checkpoint
+
+    args.fixture_reference = str(reference)
+    kept = args.finetune, args.ckpt_format
+    dist = (next(reference.glob("iter_*")) / "metadata.json").is_file()
+    args.finetune, args.ckpt_format = True, "torch_dist" if dist else "torch"
+    load_checkpoint(model, optimizer, scheduler, load_arg="fixture_reference", strict=True)
+    args.finetune, args.ckpt_format = kept
+    return _logits(model, 4, args)
+
+
+def _refuse_lenient_loads() -> None:
+    """Megatron's load_checkpoint retries a failed strict load with strict=False and only prints
+    (load_model_state_dict): here that retry fails the check instead."""
+    load = torch.nn.Module.load_state_dict
+
+    def strict_only(self, state_dict, strict=True, assign=False):
+        assert strict, "Megatron's strict load failed; it retried with strict=False"
+        return load(self, state_dict, strict=strict, assign=assign)
+
+    torch.nn.Module.load_state_dict = strict_only
+
+
+def verify_load(directory: Path, argv: list[str], expected: float, reference: Path) -> None:
     """Megatron's own load_checkpoint (strict; weights only) of `directory` (e.g. written by
-    `gigatron convert --to megatron`): its loss on batch 4 must be `expected` within 1e-5."""
+    `gigatron convert --to megatron`): its loss on batch 4 must be `expected` and its logits
+    those of the fixture's own checkpoint `reference`, both within 1e-5."""
     resume = os.environ.get("FIXTURE_RESUME") == "1"  # a gigatron save: its args read too
     weights = [] if resume else ["--finetune"]
     flags = [*argv, "--load", str(directory), *weights, "--no-load-optim", "--no-load-rng"]
     args, model, optimizer, scheduler = _setup(flags)
     from megatron.training.checkpointing import load_checkpoint
 
+    _refuse_lenient_loads()
     iteration, _ = load_checkpoint(model, optimizer, scheduler, strict=True)
     if resume:  # Megatron checked gigatron's saved args (check_checkpoint_args) and resumes
         assert iteration == 3, f"iteration {iteration}"
         print(f"resumed at iteration {iteration}, consumed samples {args.consumed_train_samples}")
-    loss = _eval_loss(model, 4, args)
+    loss, logits = _eval_loss(model, 4, args), _logits(model, 4, args)
+    # loaded second: a tensor `directory` lacked would keep its random start above, not this
+    wanted = _reference_logits(model, optimizer, scheduler, args, reference)
+    gap = (logits - wanted).abs().max()
+    torch.distributed.all_reduce(gap, op=torch.distributed.ReduceOp.MAX)
     assert abs(loss - expected) < 1e-5, f"Megatron's loss {loss}, expected {expected}"
+    assert float(gap) < 1e-5, f"logits differ from the fixture's by up to {float(gap)}"
     if torch.distributed.get_rank() == 0:
-        print(f"verified: Megatron loaded {directory} strictly; loss {loss} (expected {expected})")
+        print(f"verified: Megatron loaded {directory} strictly; loss {loss} (expected "
+              f"{expected}); {logits.numel()} logits per rank, largest gap {float(gap)}")  # fmt: skip
 
 
 def _launch(procs: int, env: dict[str, str], port: int) -> None:
@@ -299,13 +355,15 @@ def verify(fixtures: Path, name: str, directory: Path, resume: bool = False) -> 
     env = dict(os.environ, FIXTURE_VERIFY=str(directory), FIXTURE_EXPECTED=str(record["next_loss"]))
     env["FIXTURE_ARGV"] = json.dumps([*record["megatron_flags"], "--ckpt-format", fmt])
     env["FIXTURE_RESUME"] = "1" if resume else "0"
+    env["FIXTURE_REFERENCE"] = str((fixtures / name).resolve())
     _launch(FIXTURES[name][0], env, 29700)
 
 
 def main() -> None:
     if os.environ.get("FIXTURE_VERIFY"):
         argv = json.loads(os.environ["FIXTURE_ARGV"])
-        verify_load(Path(os.environ["FIXTURE_VERIFY"]), argv, float(os.environ["FIXTURE_EXPECTED"]))
+        expected, reference = float(os.environ["FIXTURE_EXPECTED"]), os.environ["FIXTURE_REFERENCE"]
+        verify_load(Path(os.environ["FIXTURE_VERIFY"]), argv, expected, Path(reference))
         return
     if os.environ.get("FIXTURE_ARGV"):
         run_fixture(Path(os.environ["FIXTURE_OUT"]), json.loads(os.environ["FIXTURE_ARGV"]))

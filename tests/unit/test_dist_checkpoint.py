@@ -179,6 +179,12 @@ def test_single_process_resume_is_bitwise(tmp_path: Path):
     name = "decoder.layers.0.mlp.linear_fc1.weight"
     assert stored[f"model.{name}"].dtype == torch.bfloat16
     assert {f"optimizer.{k}.{name}" for k in ("fp32_param", "exp_avg", "exp_avg_sq")} <= set(stored)
+    # common.pt's args: gigatron's nested configuration whose attributes are Megatron-LM's flat
+    # arguments (its load_checkpoint reads args.num_layers, ...), read back with weights_only
+    args = torch.load(tmp_path / "iter_0000003" / "common.pt", weights_only=True)["args"]
+    assert args["model"]["num_layers"] == 2
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, 64, 4)
+    assert (args.padded_vocab_size, args.iteration, args.params_dtype) == (64, 3, torch.bfloat16)
 
 
 def test_format_mismatch_needs_auto_detect(tmp_path: Path):

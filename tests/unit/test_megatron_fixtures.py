@@ -38,6 +38,7 @@ def assert_megatron_losses(name: str, losses: dict[int, float]) -> None:
         "gpt2_dp2_distopt_torch",  # distrib_optim.pt, saved at dp 2
         "gpt2_dp2_distopt_torch_dist",  # dp_reshardable flat buffers, saved at dp 2
         "llama_tp2_torch_dist",  # saved at tp 2, loaded at tp 1
+        "llama_tp2_distopt_torch_dist",  # flat buffers of each tp rank, merged at tp 1
         "moe_tp1_torch",  # experts' moments stacked per layer
         "moe_tp1_torch_dist",  # decoder.layers.mlp.experts.experts.* [layers, experts, ...]
     ],
@@ -45,6 +46,13 @@ def assert_megatron_losses(name: str, losses: dict[int, float]) -> None:
 def test_resume_at_tp1_gives_megatrons_next_losses(tmp_path, name):
     flags = ["--ckpt-format", "torch_dist"] if name.endswith("torch_dist") else []
     assert_megatron_losses(name, resume(name, tmp_path, *flags))
+
+
+def test_mtp_layers_of_megatron_core_resume(tmp_path):
+    """megatron-core 0.16.1's MTP block (`mtp.layers.0.transformer_layer.*`, TE norm names, not
+    stacked) loads into gigatron's `mtp_model_layer`: Megatron's next two losses."""
+    flags = ["--ckpt-format", "torch_dist", "--mtp-num-layers", "1"]
+    assert_megatron_losses("mtp_tp1_torch_dist", resume("mtp_tp1_torch_dist", tmp_path, *flags))
 
 
 def test_torch_dist_resumes_into_the_distributed_optimizer(tmp_path):
@@ -75,9 +83,10 @@ def test_moments_matter(tmp_path):
     "spec",
     [
         "llama_tp2_torch:--tensor-model-parallel-size,2",  # the saved layout
+        "llama_tp2_distopt_torch:--tensor-model-parallel-size,2",  # each rank's distrib_optim.pt
         "gpt2_tp1_torch_dist:--tensor-model-parallel-size,2,--ckpt-format,torch_dist",  # saved at tp 1
     ],
-    ids=["llama_tp2_torch", "gpt2_tp1_torch_dist"],
+    ids=["llama_tp2_torch", "llama_tp2_distopt_torch", "gpt2_tp1_torch_dist"],
 )
 def test_resume_at_tp2_gives_megatrons_next_losses(tmp_path, spec):
     """Two processes under torchrun (one resume per launch: a run ends its process group)."""
@@ -96,9 +105,9 @@ def _llama_model(*flags: str):
     from gigatron.families import get_family
     from gigatron.parallel.context import ParallelContext
 
-    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    shape = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
              "--seq-length", "32", "--max-position-embeddings", "32", "--normalization",
-             "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--position-embedding-type",
+             "RMSNorm", "--swiglu", "--ffn-hidden-size", "32", "--position-embedding-type",
              "rope", "--group-query-attention", "--num-query-groups", "2",
              "--disable-bias-linear", "--untie-embeddings-and-output-weights",
              "--micro-batch-size", "2", "--train-iters", "1", "--padded-vocab-size", "64"]  # fmt: skip
@@ -164,8 +173,8 @@ def test_random_states_are_restored_at_the_saved_layout():
     from gigatron.parallel.context import ParallelContext
     from gigatron.torch_files import load_megatron_object
 
-    gpt2 = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "32", "--max-position-embeddings", "32", "--ffn-hidden-size", "128",
+    gpt2 = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "32", "--ffn-hidden-size", "64",
             "--micro-batch-size", "2", "--train-iters", "1", "--padded-vocab-size", "64"]  # fmt: skip
     cfg = parse_config(gpt2)
     (model,) = get_family("gpt").build_model(cfg, ParallelContext.single(), vocab_size=64)
@@ -183,12 +192,15 @@ def test_random_states_are_restored_at_the_saved_layout():
         _load(FIXTURES / "llama_tp2_torch_dist", llama, cfg)
 
 
-@pytest.mark.parametrize("name", ["llama_tp2_torch_dist", "moe_tp1_torch_dist"])
+@pytest.mark.parametrize(
+    "name", ["llama_tp2_torch_dist", "moe_tp1_torch_dist", "mtp_tp1_torch_dist"]
+)
 def test_convert_to_megatron_torch_dist_writes_megatrons_own_files(tmp_path, name):
     """Megatron's files -> gigatron at tp 2 -> `--to megatron --ckpt-format torch_dist`: the
     model entries Megatron's save_checkpoint wrote, the same keys, shapes and values."""
     from gigatron.checkpoint.dcp_io import read_metadata
     from gigatron.checkpoint.hf_convert import main
+    from gigatron.checkpoint.megatron_dist import read_common
     from gigatron.checkpoint.torch_format import safe_load
 
     main(["--from", "megatron", "--to", "gigatron", "--load", str(FIXTURES / name),
@@ -206,9 +218,36 @@ def test_convert_to_megatron_torch_dist_writes_megatrons_own_files(tmp_path, nam
     assert all(torch.equal(saved[k], again[k]) for k in tensors)
     common = safe_load(tmp_path / "m" / "iter_0000003" / "common.pt")
     assert (common["args"].num_layers, common["iteration"]) == (2, 3)
+    # what Megatron's check_checkpoint_args compares and its resume reads: Megatron's own values
+    theirs = read_common(FIXTURES / name / "iter_0000003")["args"]
+    checked = ("num_layers", "hidden_size", "num_attention_heads", "add_position_embedding",
+               "max_position_embeddings", "padded_vocab_size", "consumed_train_samples")  # fmt: skip
+    assert {k: getattr(common["args"], k) for k in checked} == {
+        k: getattr(theirs, k) for k in checked
+    }
     assert (
         json.loads((tmp_path / "m" / "iter_0000003" / "metadata.json").read_text())[
             "sharded_backend"
         ]
         == "torch_dist"
     )
+
+
+@pytest.mark.parametrize("name", ["gpt2_tp1_torch", "moe_tp1_torch"])
+def test_convert_to_megatron_torch_writes_megatrons_own_entries(tmp_path, name):
+    """Megatron's file -> gigatron -> `--to megatron` (torch format): the entries Megatron's
+    save_checkpoint wrote (SequentialMLP's `local_experts.{e}`, each linear's `_extra_state`),
+    the same values: Megatron's strict load reads it (make_megatron_fixtures.py --verify)."""
+    from gigatron.checkpoint.hf_convert import main
+    from gigatron.checkpoint.torch_format import safe_load
+
+    main(["--from", "megatron", "--to", "gigatron", "--load", str(FIXTURES / name),
+          "--save", str(tmp_path / "g")])  # fmt: skip
+    main(["--from", "gigatron", "--to", "megatron", "--load", str(tmp_path / "g"),
+          "--save", str(tmp_path / "m")])  # fmt: skip
+    part = Path("iter_0000003") / "mp_rank_00" / "model_optim_rng.pt"
+    original = safe_load(FIXTURES / name / part)["model"]
+    written = safe_load(tmp_path / "m" / part)["model"]
+    assert written.keys() == original.keys()
+    for key, value in original.items():
+        assert torch.equal(written[key], value) if value is not None else written[key] is None

@@ -57,7 +57,7 @@ def test_legacy_bert_and_core_pooler_names_load_into_gigatrons_bert(tmp_path):
     legacy = _converted(tmp_path, "legacy-bert", "BERT")  # version 1, encoder/self_attention
     core = _converted(tmp_path, "legacy-bert-core", "BERT")  # pooler.dense.* of the core layout
     _assert_same(legacy, core)
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "64",
             "--make-vocab-size-divisible-by", "32"]  # fmt: skip
     (model,) = build_bert_model(parse_config(argv), ParallelContext.single(), vocab_size=64)
@@ -94,7 +94,7 @@ def test_a_legacy_file_without_args_takes_the_head_size_of_the_model():
     path = FIXTURES / "legacy-gpt" / "release" / "mp_rank_00" / "model_optim_rng.pt"
     state = safe_load(path)
     with_args = core_state(state)["model"]
-    without = core_state({"model": state["model"]}, head_dim=16)["model"]  # hidden 64 / 4 heads
+    without = core_state({"model": state["model"]}, head_dim=8)["model"]  # hidden 32 / 4 heads
     _assert_same(without, with_args)
     with pytest.raises(GigatronError, match="attention head size"):
         core_state({"model": state["model"]})
@@ -111,8 +111,8 @@ def test_gigatrons_saved_args_read_as_megatrons_namespace_too(tmp_path):
                         "--save", str(converted)])  # fmt: skip
     copy = torch.load(converted / "iter_0000003/mp_rank_00/model_optim_rng.pt", weights_only=True)
     for args, iteration in ((trained["args"], 4), (copy["args"], 3)):
-        assert args["model"]["num_layers"] == 2 and args["model"]["hidden_size"] == 64
-        assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, 64, 4)
+        assert args["model"]["num_layers"] == 2 and args["model"]["hidden_size"] == 32
+        assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, 32, 4)
         assert args.add_position_embedding and args.padded_vocab_size == 64
         assert args.iteration == iteration and args.params_dtype == torch.float32
     assert trained["args"].consumed_train_samples == 4 * 2  # global batch 2
@@ -126,3 +126,32 @@ def test_megatron_core_second_names_map_to_gigatrons_parameters():
     assert list(t5) == ["output_layer.bias"]  # T5's alias of the same tensor: one parameter
     assert gigatron_name("pooler.dense.weight") == "pooler.weight"  # BERT's Pooler module
     assert gigatron_name("encoder.layers.0.mlp.linear_fc1.weight").endswith("linear_fc1.weight")
+
+
+def test_convert_of_a_file_without_args_takes_the_model_flags(tmp_path):
+    """An older NGC-style file (legacy names, no args): `convert --from megatron` names the
+    shape flags it needs, then builds the configuration from the flags given; the weights are
+    those of the same file with its args."""
+    from gigatron.checkpoint.hf_convert import main
+
+    bare = tmp_path / "bare"
+    (bare / "release" / "mp_rank_00").mkdir(parents=True)
+    (bare / "latest_checkpointed_iteration.txt").write_text("release\n")
+    state = safe_load(FIXTURES / "legacy-gpt" / "release" / "mp_rank_00" / "model_optim_rng.pt")
+    saved = state.pop("args")
+    torch.save(state, bare / "release" / "mp_rank_00" / "model_optim_rng.pt")
+    command = ["--from", "megatron", "--to", "gigatron", "--load", str(bare)]
+    with pytest.raises(GigatronError, match="pass --hidden-size, --num-attention-heads"):
+        main([*command, "--save", str(tmp_path / "x"), "--num-layers", "2"])
+    shape = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--ffn-hidden-size", "64", "--max-position-embeddings", "32",
+             "--seq-length", "32"]  # fmt: skip
+    main([*command, "--save", str(tmp_path / "out"), *shape])
+    main([*command[:-1], str(FIXTURES / "legacy-gpt"), "--save", str(tmp_path / "ref")])
+    part = Path("release") / "mp_rank_00" / "model_optim_rng.pt"
+    out, ref = safe_load(tmp_path / "out" / part), safe_load(tmp_path / "ref" / part)
+    _assert_same(out["model"], ref["model"])
+    assert out["args"]["model"]["padded_vocab_size"] == saved.padded_vocab_size == 64
+    assert out["args"]["model"]["ffn_hidden_size"] == ref["args"]["model"]["ffn_hidden_size"]
+    with pytest.raises(GigatronError, match="saved its args; drop the model flags"):
+        main([*command[:-1], str(FIXTURES / "legacy-gpt"), "--save", str(tmp_path / "y"), *shape])

@@ -63,6 +63,7 @@ from gigatron.checkpoint.global_view import (
     tensor_layout,
 )
 from gigatron.checkpoint.integrity import earlier_hint, write_manifest
+from gigatron.checkpoint.megatron_format import saved_args
 from gigatron.checkpoint.state import (
     LoadFlags,
     Located,
@@ -436,6 +437,9 @@ def start_save(
     common = _common_state(
         iteration, optimizer, state.scheduler, pctx, cfg, state.extra, model_chunks, with_optim
     )
+    vocab = [p.global_shape[0] for p in pieces if p.key == "model." + WORD_EMBEDDING]
+    # Megatron-LM reads `args` as a Namespace (args.num_layers, ...): its flat names as attributes
+    common["args"] = saved_args(common["args"], {**common, "padded_vocab_size": vocab and vocab[0]})
     if pctx.rank == 0:
         torch.save(common, tmp / COMMON_FILENAME)
     if with_rng:

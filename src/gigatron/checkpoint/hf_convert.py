@@ -404,7 +404,11 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = _parser().parse_args(list(argv))
+    parser = _parser()
+    args, model_flags = parser.parse_known_args(list(argv))
+    if model_flags and args.source != "megatron":
+        parser.error(f"unrecognized arguments: {' '.join(model_flags)}")
+    args.model_flags = tuple(model_flags)  # --from megatron: a file's model flags, if no args
     load, save = Path(args.load), Path(args.save)
     if not load.is_dir():
         raise GigatronError(f"--load {load}: no such directory")
@@ -455,7 +459,10 @@ def _convert(
     elif pair == ("megatron", "gigatron"):
         vp, ep = args.target_num_virtual_stages_per_pipeline_rank, args.target_expert_parallel_size
         target = Target(tp, pp, vp, ep or 1)
-        convert("megatron", load, "gigatron", save, target, log, args.ckpt_step)
+        convert(
+            "megatron", load, "gigatron", save, target, log, args.ckpt_step,
+            model_flags=args.model_flags,
+        )  # fmt: skip
     else:
         raise GigatronError(
             f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "

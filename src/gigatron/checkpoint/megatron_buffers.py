@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from gigatron.checkpoint.dcp_io import read_tensors
-from gigatron.checkpoint.global_view import Piece
+from gigatron.checkpoint.global_view import Piece, pieces_of_box, tensor_layout
 from gigatron.errors import GigatronError
 from gigatron.torch_files import safe_load
 
@@ -38,7 +39,7 @@ _MODEL_ORDER = (
 )  # fmt: skip
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _BUCKET = re.compile(
-    r"^optimizer\.distributed\.dp_group_idx_0\.gbuf_idx_(\d+)\.(.*)\.bucket_idx_(\d+)\.(\w+)$"
+    r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.(.*)\.bucket_idx_(\d+)\.(\w+)$"
 )
 
 
@@ -72,6 +73,12 @@ def buffer_layout(
     return index, math.ceil(end / divisor) * divisor
 
 
+def fits(numel: int, layout: dict[str, tuple[int, int]], size: int) -> bool:
+    """A saved flat moment covers the buffer: Megatron leaves out the end padding past the
+    last parameter (its `numel_unpadded`), so any length from there to the padded size."""
+    return max(end for _, end in layout.values()) <= numel <= size
+
+
 def _model_params(model_chunks: list[Any]) -> list[tuple[str, torch.Tensor, bool]]:
     """(name, parameter, is expert) of every trainable parameter, in Megatron's order."""
     out = []
@@ -83,77 +90,130 @@ def _model_params(model_chunks: list[Any]) -> list[tuple[str, torch.Tensor, bool
     return sorted(out, key=lambda entry: registration_key(entry[0]))
 
 
-def _buckets(metadata: Metadata) -> dict[int, dict[str, str]]:
-    """gbuf index -> moment name -> stored key (one bucket per buffer: bucket 0)."""
-    out: dict[int, dict[str, str]] = {}
+def _buckets(metadata: Metadata) -> dict[tuple[int, int], dict[str, str]]:
+    """(dp group index, gbuf index) -> moment name -> stored key (one bucket per buffer)."""
+    out: dict[tuple[int, int], dict[str, str]] = {}
     for key in metadata.state_dict_metadata:
         match = _BUCKET.match(key)
         if match is not None:
-            if int(match.group(3)) != 0:
+            if int(match.group(4)) != 0:
                 raise GigatronError(f"{key}: a grad buffer of several buckets is not read yet")
-            out.setdefault(int(match.group(1)), {})[match.group(4)] = key
+            where = (int(match.group(1)), int(match.group(2)))
+            out.setdefault(where, {})[match.group(5)] = key
     return out
 
 
-def _full_moments(model_chunks, args: Any, metadata: Metadata, where: Path) -> dict[str, dict]:
-    """moment -> gigatron name -> full tensor, cut from the saved flat buffers."""
-    if (
-        getattr(args, "tensor_model_parallel_size", 1) != 1
-        or getattr(args, "pipeline_model_parallel_size", 1) != 1
-    ):
+def _saved_rank(tp_rank: int, tp_size: int) -> Any:
+    """The ranks `tensor_layout` reads, for tensor-parallel rank `tp_rank` of the saved run."""
+    return SimpleNamespace(
+        tp_rank=tp_rank, tp_size=tp_size, etp_rank=tp_rank, etp_size=tp_size, ep_rank=0, ep_size=1
+    )
+
+
+def _saved_shapes(param: torch.Tensor, pctx: Any, tp: int) -> tuple[tuple, tuple]:
+    """(shape on a rank of the saved tp `tp`, full shape) of a parameter of this run."""
+    full = tensor_layout(param, tuple(param.shape), pctx).global_shape
+    local, dim = list(full), getattr(param, "partition_dim", -1)
+    if getattr(param, "tensor_model_parallel", False) and dim >= 0:
+        local[dim] //= tp
+    return tuple(local), full
+
+
+def _check_layout(args: Any, params: list, where: Path) -> int:
+    """The saved tensor-parallel size (pipeline-parallel saves are refused)."""
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) != 1:
         raise GigatronError(
-            f"{where}: distributed-optimizer state saved at tp or pp > 1 is not read yet; "
+            f"{where}: distributed-optimizer state saved at pp > 1 is not read yet; "
             "pass --no-load-optim"
         )
+    if tp > 1 and any(expert for _, _, expert in params):
+        raise GigatronError(
+            f"{where}: the experts' distributed-optimizer state saved at tp > 1 is not read "
+            "yet; pass --no-load-optim"
+        )
+    return tp
+
+
+def _cut(flat: torch.Tensor, members: list, shapes: dict, args: Any, key: str) -> dict:
+    """gigatron name -> the tp-local tensor of one saved rank's flat moment `flat`."""
+    layout, size = buffer_layout(
+        [(n, math.prod(shapes[n][0])) for n, _, _ in members], args.data_parallel_size, True
+    )
+    if not fits(flat.numel(), layout, size):
+        raise GigatronError(
+            f"{key} holds {flat.numel()} values, this model's buffer {size}; check the model flags"
+        )
+    return {n: flat[slice(*layout[n])].view(shapes[n][0]) for n, _, _ in members}
+
+
+def _place(full: dict, local: dict, members: list, shapes: dict, saved: Any) -> None:
+    """Put one saved rank's tp-local tensors (`local`) at their place in the full tensors."""
+    for name, param, _ in members:
+        whole = full.setdefault(name, torch.empty(shapes[name][1], dtype=local[name].dtype))
+        layout = tensor_layout(param, shapes[name][0], saved)
+        for piece in pieces_of_box(name, local[name], (0,) * local[name].dim(), layout):
+            whole[_box(piece)] = piece.tensor
+
+
+def _full_moments(model_chunks, args: Any, metadata: Metadata, where: Path, pctx) -> dict:
+    """moment -> gigatron name -> full tensor, cut from the saved flat buffers of every saved
+    tensor-parallel rank (its dp group index) and put at their place in the full tensors."""
     params = _model_params(model_chunks)
+    tp = _check_layout(args, params, where)
     groups = [[p for p in params if not p[2]], [p for p in params if p[2]]]
     buckets = _buckets(metadata)
     moments: dict[str, dict[str, torch.Tensor]] = {}
     for gbuf, members in enumerate(g for g in groups if g):
-        keys = buckets.get(gbuf)
-        if keys is None:
-            raise GigatronError(f"{where}: has no distributed-optimizer buffer {gbuf}")
-        flat = read_tensors(where, list(keys.values()))
-        layout, size = buffer_layout(
-            [(n, p.numel()) for n, p, _ in members], args.data_parallel_size, True
-        )
-        for moment, key in keys.items():
-            if flat[key].numel() != size:
+        shapes = {n: _saved_shapes(p, pctx, tp) for n, p, _ in members}
+        for rank in range(tp):
+            keys = buckets.get((rank, gbuf))
+            if keys is None:
                 raise GigatronError(
-                    f"{where}: {key} holds {flat[key].numel()} values, this model's buffer "
-                    f"{size}; check the model flags"
+                    f"{where}: has no distributed-optimizer buffer {gbuf} of tp rank {rank}"
                 )
-            for name, param, _ in members:
-                start, end = layout[name]
-                moments.setdefault(moment, {})[name] = flat[key][start:end].view(param.shape)
+            flat = read_tensors(where, list(keys.values()))
+            for moment, key in keys.items():
+                local = _cut(flat[key], members, shapes, args, key)
+                _place(
+                    moments.setdefault(moment, {}), local, members, shapes, _saved_rank(rank, tp)
+                )
     return moments
 
 
-def _check_params(moments: dict[str, dict], model_chunks, where: Path) -> None:
+def _box(piece: Piece) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape))
+
+
+def _check_params(moments: dict[str, dict], model_chunks, where: Path, pctx) -> None:
     """The saved fp32 `param` values equal the loaded weights: the layout was rebuilt right."""
     saved = moments.get("param", {})
     for name, param, _ in _model_params(model_chunks):
-        if name in saved and not torch.equal(saved[name], param.detach().float()):
-            raise GigatronError(
-                f"{where}: the distributed optimizer's state does not line up with the model "
-                f"({name}); pass --no-load-optim"
-            )
+        if name not in saved:
+            continue
+        layout = tensor_layout(param, tuple(param.shape), pctx)
+        local = param.detach().float()
+        for piece in pieces_of_box(name, local, (0,) * local.dim(), layout):
+            if not torch.equal(saved[name][_box(piece)], piece.tensor):
+                raise GigatronError(
+                    f"{where}: the distributed optimizer's state does not line up with the "
+                    f"model ({name}); pass --no-load-optim"
+                )
 
 
 def load_flat_moments(
     pieces: list[Piece], model_chunks: list[Any], common: dict[str, Any], where: Path,
-    metadata: Metadata,
+    metadata: Metadata, pctx: Any,
 ) -> None:  # fmt: skip
     """Fill gigatron's optimizer pieces (`optimizer.<moment>.<name>`) from the flat buffers."""
-    moments = _full_moments(model_chunks, common["args"], metadata, where)
-    _check_params(moments, model_chunks, where)
+    moments = _full_moments(model_chunks, common["args"], metadata, where, pctx)
+    _check_params(moments, model_chunks, where, pctx)
     for piece in pieces:
         moment, name = piece.key.split(".", 2)[1:]
         full = moments.get(moment, {}).get(name)
         if full is None:
             raise GigatronError(f"{where}: the distributed optimizer saved no {moment} of {name}")
-        box = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape))
-        piece.tensor.copy_(full[box])
+        piece.tensor.copy_(full[_box(piece)])
 
 
 def distributed_entries(
@@ -177,7 +237,7 @@ def distributed_entries(
     layout, size = buffer_layout(
         [(n, model[n].numel()) for n in order], args.data_parallel_size, True
     )
-    if flat["exp_avg"].numel() != size:
+    if not fits(flat["exp_avg"].numel(), layout, size):
         raise GigatronError(
             f"{path}: holds {flat['exp_avg'].numel()} values per moment, this model's buffer {size}"
         )

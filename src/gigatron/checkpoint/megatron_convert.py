@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,12 @@ from gigatron.checkpoint.megatron_dist import (
     read_common,
     save_megatron_dist,
 )
-from gigatron.checkpoint.megatron_format import megatron_args, megatron_te_name, model_to_gigatron
+from gigatron.checkpoint.megatron_format import (
+    megatron_args,
+    megatron_mtp_name,
+    megatron_te_name,
+    model_to_gigatron,
+)
 from gigatron.checkpoint.megatron_legacy import core_state
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -38,7 +44,7 @@ from gigatron.checkpoint.torch_format import (
     locate_iteration,
     safe_load,
 )
-from gigatron.config.root import FIELD_SECTION, config_from_dict
+from gigatron.config.root import FIELD_SECTION, config_from_dict, parse_config
 from gigatron.errors import GigatronError
 
 _TE_MODULES = (
@@ -50,11 +56,51 @@ _TE_MODULES = (
 )
 
 
+# A linear of the local spec: Megatron saves an (empty) `_extra_state` after its weight.
+_LOCAL_LINEAR = re.compile(
+    r"^(.*\.(linear_proj|linear_qkv|linear_fc1|linear_fc2|eh_proj))\.weight$"
+)
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<fc>linear_fc[12])\.weight$")
+
+
 def _te_model(model: dict[str, torch.Tensor], layers: set[str]) -> dict[str, Any]:
     out: dict[str, Any] = {megatron_te_name(name): tensor for name, tensor in model.items()}
     for layer in sorted(layers):
         for module in _TE_MODULES:
             out[f"{layer}.{module}._extra_state"] = None
+    return out
+
+
+def _sequential_experts(model: dict[str, Any], extra_states: bool) -> dict[str, Any]:
+    """gigatron's stacked [local experts, ...] weights as Megatron's SequentialMLP entries
+    (`experts.local_experts.{e}.linear_fc1.weight`, each linear's empty `_extra_state`)."""
+    out: dict[str, Any] = {}
+    for name, tensor in model.items():
+        match = _STACKED_EXPERTS.match(name)
+        if match is None or tensor is None or tensor.dim() != 3:
+            out[name] = tensor
+            continue
+        for e in range(tensor.shape[0]):
+            module = f"{match['prefix']}.local_experts.{e}.{match['fc']}"
+            out[f"{module}.weight"] = tensor[e].clone()  # its own storage, as Megatron saves it
+            if extra_states:
+                out[f"{module}._extra_state"] = None
+    return out
+
+
+def _local_model(model: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The local spec's entries as Megatron saves them: an empty `_extra_state` after each
+    linear's weight, and the output layer's (present even when tied) on the last stage."""
+    out: dict[str, Any] = {}
+    for name, tensor in model.items():
+        out[name] = tensor
+        match = _LOCAL_LINEAR.match(name)
+        if match is not None and ".mlp.experts." not in name:
+            out[f"{match[1]}._extra_state"] = None
+        if name == "output_layer.weight":
+            out["output_layer._extra_state"] = None
+    if "decoder.final_layernorm.weight" in model:
+        out.setdefault("output_layer._extra_state", None)
     return out
 
 
@@ -85,11 +131,13 @@ def gigatron_to_megatron(
             ),
         }
         for key in [k for k in state if k == "model" or k.startswith("model")]:
-            model = state[key]
+            model = {megatron_mtp_name(name): tensor for name, tensor in state[key].items()}
             if te_names:
                 layers = {".".join(n.split(".")[:3]) for n in model if ".layers." in n}
                 model = _te_model(model, layers)
-            out[key] = model
+            else:
+                model = _local_model(model)
+            out[key] = _sequential_experts(model, extra_states=True)
         target = tmp / path.parent.name / CHECKPOINT_FILENAME
         target.parent.mkdir(parents=True, exist_ok=True)
         torch.save(out, target)
@@ -119,9 +167,63 @@ def gigatron_config_dict(args: argparse.Namespace) -> dict[str, Any]:
     return config_as_dict(config_from_dict(out))
 
 
-def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | None) -> Path:
+def _consumed(args: argparse.Namespace) -> dict[str, int]:
+    """The samples Megatron's run had consumed (kept, so a resume continues the data order)."""
+    keys = ("consumed_train_samples", "consumed_valid_samples")
+    return {key: int(getattr(args, key, 0) or 0) for key in keys}
+
+
+# The model flags a file without saved args must be given (the rest keep gigatron's defaults).
+_SHAPE_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads")
+
+
+def args_from_flags(flags: list[str], path: Path) -> argparse.Namespace:
+    """Megatron-LM's flat args for a file that saved none (older NGC downloads): the model
+    flags given to `convert` (Megatron's names), each shape flag required."""
+    given = {flag.split("=", 1)[0] for flag in flags}
+    missing = [flag for flag in _SHAPE_FLAGS if flag not in given]
+    if missing:
+        raise GigatronError(
+            f"{path}: saved no args, so its model flags must be given: pass "
+            f"{', '.join(missing)} (and the other flags of the run that made it, e.g. "
+            "--normalization, --swiglu, --num-query-groups)"
+        )
+    sections = config_as_dict(parse_config(flags, prog="gigatron convert", validate=False))
+    return argparse.Namespace(
+        **{
+            k: v
+            for section in sections.values()
+            if isinstance(section, dict)
+            for k, v in section.items()
+        }
+    )
+
+
+def _megatron_state(path: Path, flags: list[str]) -> dict[str, Any]:
+    """A Megatron-LM file in Megatron-Core's layout with its args (given by `flags` when it
+    saved none); its padded vocabulary from the word embedding when the args lack it."""
+    state = safe_load(path, mmap=True)
+    if state.get("args") is None and "model" in state:
+        state = dict(state, args=args_from_flags(flags, path))
+    elif flags:
+        raise GigatronError(f"{' '.join(flags)}: {path} saved its args; drop the model flags")
+    if not isinstance(state.get("args"), argparse.Namespace):
+        raise GigatronError(f"{path}: was not written by Megatron-LM (no argparse args)")
+    state = core_state(state)  # a legacy model-class file: Megatron-Core's names
+    args = state["args"]
+    embedding = state["model"].get("embedding.word_embeddings.weight")
+    if getattr(args, "padded_vocab_size", None) is None and embedding is not None:
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        args.padded_vocab_size = embedding.shape[0] * tp
+    return state
+
+
+def stage_megatron(
+    located: tuple[Path, int, bool], staged: Path, family: str | None, flags: list[str] = ()
+) -> Path:
     """Rewrite the Megatron-LM files of `located` in `staged` as a gigatron checkpoint of the
-    same layout (gigatron's names and configuration; tensors memory-mapped). Returns `staged`."""
+    same layout (gigatron's names and configuration; tensors memory-mapped); `flags`: the
+    model flags of files that saved no args. Returns `staged`."""
     iteration_dir, iteration, release = located
     files = sorted(iteration_dir.glob(f"mp_rank_*/{CHECKPOINT_FILENAME}"))
     if not files and is_megatron_dist(iteration_dir):
@@ -129,17 +231,15 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
     if not files:
         raise GigatronError(f"{iteration_dir}: holds no mp_rank_*/{CHECKPOINT_FILENAME}")
     for path in files:
-        state = safe_load(path, mmap=True)
-        if not isinstance(state.get("args"), argparse.Namespace):
-            raise GigatronError(f"{path}: was not written by Megatron-LM (no argparse args)")
+        state = _megatron_state(path, list(flags))
         out = {
             "args": gigatron_config_dict(state["args"]),
             "iteration": iteration,
             "checkpoint_version": 3.0,
+            **_consumed(state["args"]),
         }
         if family is not None:
             out["gigatron_family"] = family  # --model-type: Megatron's files do not say
-        state = core_state(state)  # a legacy model-class file: Megatron-Core's names
         for key in [k for k in state if k == "model" or k.startswith("model")]:
             out[key] = model_to_gigatron(state[key])
         target = staged / iteration_dir.name / path.parent.name / CHECKPOINT_FILENAME
@@ -152,11 +252,12 @@ def stage_megatron(located: tuple[Path, int, bool], staged: Path, family: str | 
 def _stage_megatron_dist(located: tuple[Path, int, bool], staged: Path, family: str | None):
     """Megatron's torch_dist iteration as one tp = pp = 1 gigatron file (whole tensors)."""
     iteration_dir, iteration, release = located
-    args = gigatron_config_dict(read_common(iteration_dir)["args"])
+    saved = read_common(iteration_dir)["args"]
+    args = gigatron_config_dict(saved)
     for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         args["parallel"][size] = 1  # the tensors are read whole
     args["parallel"]["expert_model_parallel_size"] = 1
-    out = {"args": args, "iteration": iteration, "checkpoint_version": 3.0}
+    out = {"args": args, "iteration": iteration, "checkpoint_version": 3.0, **_consumed(saved)}
     if family is not None:
         out["gigatron_family"] = family
     out["model"] = full_model(iteration_dir)

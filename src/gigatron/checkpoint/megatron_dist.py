@@ -48,6 +48,7 @@ from gigatron.checkpoint.global_view import Piece
 from gigatron.checkpoint.megatron_format import (
     gigatron_name,
     is_megatron_state,
+    megatron_mtp_name,
     megatron_te_name,
     rng_to_gigatron,
 )
@@ -96,7 +97,8 @@ def megatron_key(name: str, stored: dict[str, Any]) -> tuple[str, int | None]:
     tensor (None: not a layer tensor). TE's fused norm name when the checkpoint has it."""
     match = _LAYER.match(name)
     if match is None:
-        return name, None
+        mtp = megatron_mtp_name(name)  # an MTP layer: not stacked, TE's norm names
+        return next((k for k in (megatron_te_name(mtp), mtp) if k in stored), mtp), None
     local = f"{match.group('block')}.{match.group('rest')}"
     te = megatron_te_name(local)
     # the experts' stacked weights: [layers, experts, ...] under `mlp.experts.experts.`
@@ -214,7 +216,7 @@ def _load_optimizer(target: TrainingState, common: dict, metadata: Metadata, whe
     pieces = optimizer_pieces(optimizer, target.model_chunks, pctx, keys, for_load=True)
     pieces = [p for p in pieces if not p.key.startswith("optimizer.fp32_param.")]
     if any(k.startswith("optimizer.distributed.") for k in stored):
-        load_flat_moments(pieces, target.model_chunks, common, where, metadata)
+        load_flat_moments(pieces, target.model_chunks, common, where, metadata, pctx)
     else:
         translated = []
         for key in keys:
@@ -302,7 +304,8 @@ def _load_rng(where: Path, metadata: Metadata, args: Any, pctx: ParallelContext,
 def _gigatron_names(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """gigatron's (name, tensor) entries of one Megatron model tensor (layers unstacked)."""
     if not key.startswith("decoder.layers.") and ".decoder.layers." not in key:
-        return [(key, tensor)]
+        name = gigatron_name(key)
+        return [(name, tensor)] if name is not None else []
     block, rest = key.split("decoder.layers.", 1)
     rest = rest.replace("mlp.experts.experts.linear_fc", "mlp.experts.linear_fc")
     out = []
@@ -332,6 +335,7 @@ def full_model(iteration_dir: Path) -> dict[str, torch.Tensor]:
 _EXTRA_MODULES = (
     "self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2",
 )  # fmt: skip
+_MTP_LINEARS = tuple(f"{m}.weight" for m in ("eh_proj", *_EXTRA_MODULES))
 MEGATRON_MARKER = {
     "sharded_backend": "torch_dist", "sharded_backend_version": 1,
     "common_backend": "torch", "common_backend_version": 1,
@@ -353,7 +357,9 @@ def megatron_dist_state(model: dict[str, torch.Tensor]) -> dict[str, Any]:
     for name, tensor in model.items():
         match = _LAYER.match(name)
         if match is None:
-            out[name] = tensor
+            out[megatron_te_name(megatron_mtp_name(name)) if name.startswith("mtp.") else name] = (
+                tensor
+            )
             continue
         key = megatron_te_name(f"{match.group('block')}.{match.group('rest')}")
         key = key.replace(".mlp.experts.linear_fc", ".mlp.experts.experts.linear_fc")
@@ -367,6 +373,8 @@ def megatron_dist_state(model: dict[str, torch.Tensor]) -> dict[str, Any]:
                 out[f"decoder.layers.{module}._extra_state/shard_{i}_{count}"] = (
                     _empty_extra_state()
                 )
+    for key in [k for k in out if k.startswith("mtp.") and k.endswith(_MTP_LINEARS)]:
+        out[key[: -len(".weight")] + "._extra_state/shard_0_1"] = _empty_extra_state()
     for fc in ("linear_fc1", "linear_fc2"):
         experts = out.get(f"decoder.layers.mlp.experts.experts.{fc}.weight")
         for i in range(count if experts is not None else 0):

@@ -73,7 +73,8 @@ def megatron_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> argparse.N
     }
     args = argparse.Namespace(**flat)
     args.norm_epsilon = flat.get("layernorm_epsilon")
-    args.add_position_embedding = flat.get("position_embedding_type") == "learned_absolute"
+    if "add_position_embedding" not in flat:  # older files: Megatron's True unless no positions
+        args.add_position_embedding = flat.get("position_embedding_type") != "none"
     dtype = next((d for flag, d in _DTYPES.items() if flat.get(flag)), torch.float32)
     args.params_dtype = dtype
     model = state.get("model") or state.get("model0") or {}
@@ -82,6 +83,8 @@ def megatron_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> argparse.N
         args.padded_vocab_size = embedding.shape[0] * int(
             flat.get("tensor_model_parallel_size") or 1
         )
+    elif state.get("padded_vocab_size"):  # a torch_dist common.pt: no weights beside it
+        args.padded_vocab_size = int(state["padded_vocab_size"])
     for key in ("consumed_train_samples", "consumed_valid_samples"):
         setattr(args, key, int(state.get(key, 0)))
     args.iteration = int(state.get("iteration", 0))
@@ -99,10 +102,22 @@ def saved_args(cfg_dict: dict[str, Any], state: dict[str, Any]) -> OrderedDict:
 
 
 # ---- names --------------------------------------------------------------------------------------
+# An MTP block's transformer layer: `transformer_layer` in megatron-core 0.16 (and in every
+# version's torch_dist keys), `mtp_model_layer` in later modules and in gigatron.
+_MTP_MEGATRON = re.compile(r"^(mtp\.layers\.\d+)\.transformer_layer\.")
+_MTP_GIGATRON = re.compile(r"^(mtp\.layers\.\d+)\.mtp_model_layer\.")
+
+
+def megatron_mtp_name(name: str) -> str:
+    """Megatron-Core 0.16's name of a gigatron MTP-layer tensor (others unchanged)."""
+    return _MTP_GIGATRON.sub(r"\1.transformer_layer.", name)
+
+
 def gigatron_name(name: str) -> str | None:
     """The gigatron name of a Megatron model entry (None: not a weight, e.g. `_extra_state`)."""
     if name.endswith("_extra_state"):
         return None
+    name = _MTP_MEGATRON.sub(r"\1.mtp_model_layer.", name)
     for te, local in _TE_NORMS.items():
         if name.endswith(te):
             return name[: -len(te)] + local

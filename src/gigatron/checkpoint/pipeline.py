@@ -158,12 +158,17 @@ def read_gigatron(load: Path, iteration: int | None = None, **_: Any) -> Iterato
 
 @contextlib.contextmanager
 def read_megatron(
-    load: Path, iteration: int | None = None, family: str | None = None, **_: Any
+    load: Path,
+    iteration: int | None = None,
+    family: str | None = None,
+    model_flags: tuple[str, ...] = (),
+    **_: Any,
 ) -> Iterator[FullModel]:
-    """Megatron-LM's torch files, renamed to gigatron's names in a scratch directory."""
+    """Megatron-LM's torch files, renamed to gigatron's names in a scratch directory
+    (`model_flags`: the model's flags when its files saved no args)."""
     located = locate(load, iteration)
     with tempfile.TemporaryDirectory(prefix="gigatron-megatron-") as tmp:
-        staged = stage_megatron(located, Path(tmp), family)
+        staged = stage_megatron(located, Path(tmp), family, list(model_flags))
         with read_gigatron(staged) as model:
             model.where = located[0]
             yield model
@@ -221,15 +226,19 @@ def convert(
     log: Log | None = None,
     iteration: int | None = None,
     family: str | None = None,
+    model_flags: tuple[str, ...] = (),
     **writer_options: Any,
 ) -> Path:
     """Read `load` with `READERS[reader]`, write `save` with `WRITERS[writer]`; returns the
-    written iteration directory (or folder)."""
+    written iteration directory (or folder). `model_flags`: a Megatron-LM file's model flags
+    when it saved no args."""
     load, save = Path(load), Path(save)
     if save.resolve() == load.resolve():
         raise GigatronError(f"--save {save}: is the --load directory; give a new directory")
     say = log or (lambda text: None)
-    with READERS[reader](load, iteration=iteration, family=family) as model:
+    with READERS[reader](
+        load, iteration=iteration, family=family, model_flags=model_flags
+    ) as model:
         if family is not None and model.family != family:
             raise GigatronError(
                 f"--load {load}: holds a {model.family} model, not {family}; give the model "
