@@ -21,9 +21,11 @@ from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
 from gigatron.parallel.context import ParallelContext
+from gigatron.quantize.awq import Calibrated, awq, check_foldable
 from gigatron.quantize.methods import Method
 from gigatron.quantize.rtn import quantized_layer
 
+EMBEDDING = "embedding.word_embeddings.weight"
 DAMPING = 0.01  # of the mean diagonal of H, added to it (GPTQ's default)
 
 
@@ -59,32 +61,35 @@ def calibration_samples(path: str, tokenizer: Any, seq: int, size: int, seed: in
     return tokens[: windows * seq].view(windows, seq)[order.sort().values]
 
 
-def build_full_model(model: Any) -> tuple[torch.nn.Module, Any]:
-    """(the model at tp = pp = 1 with the checkpoint's weights, its tokenizer) from a reader's
-    FullModel."""
+def build_full_model(model: Any, vocab_size: int) -> torch.nn.Module:
+    """The model at tp = pp = 1 with the checkpoint's weights, from a reader's FullModel."""
     cfg = copy.deepcopy(model.cfg)  # a copy is unfrozen: run it in one process
     cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
     cfg.parallel.num_virtual_stages_per_pipeline_rank = None
-    tokenizer = build_run_tokenizer(cfg)
     family = get_family(model.family)
-    (chunk,) = family.build_model(cfg, ParallelContext.single(), vocab_size=tokenizer.vocab_size)
+    (chunk,) = family.build_model(cfg, ParallelContext.single(), vocab_size=vocab_size)
     state = chunk.state_dict()
     for name, tensor in model.source.stream():
         if name in state:
             state[name] = tensor
     chunk.load_state_dict(state, strict=True)
-    return chunk.eval(), tokenizer
+    return chunk.eval()
 
 
-def collect_hessians(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, torch.Tensor]:
-    """H = 2 X^T X / n (float64) of every quantized linear layer's inputs over `samples`."""
+def collect_statistics(
+    chunk: torch.nn.Module, samples: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(H = 2 X^T X / n in float64, mean |x| per input feature) of every quantized linear
+    layer's inputs X over `samples`."""
     sums: dict[str, torch.Tensor] = {}
+    absolute: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
     def hook(layer: str):
         def record(_module: Any, inputs: tuple, _output: Any) -> None:
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float64)
             sums[layer] = sums.get(layer, 0) + x.T @ x
+            absolute[layer] = absolute.get(layer, 0) + x.abs().sum(dim=0)
             counts[layer] = counts.get(layer, 0) + x.shape[0]
 
         return record
@@ -101,7 +106,13 @@ def collect_hessians(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str,
     finally:
         for handle in handles:
             handle.remove()
-    return {layer: 2 * sums[layer] / counts[layer] for layer in sums}
+    hessians = {layer: 2 * sums[layer] / counts[layer] for layer in sums}
+    return hessians, {layer: absolute[layer] / counts[layer] for layer in sums}
+
+
+def collect_hessians(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X / n (float64) of every quantized linear layer's inputs over `samples`."""
+    return collect_statistics(chunk, samples)[0]
 
 
 def gptq(
@@ -135,16 +146,31 @@ def gptq(
 
 def calibrate(
     model: Any, method: Method, group_size: int, data: str, size: int, seed: int
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """GPTQ's (codes, scales) of every quantized linear layer of a reader's FullModel."""
+) -> Calibrated:
+    """GPTQ's, or the method's calibration's (AWQ), codes and scales of every quantized linear
+    layer of a reader's FullModel."""
     if size < 1:
         raise GigatronError(f"--calib-size {size}: must be at least 1; e.g. 128")
-    chunk, tokenizer = build_full_model(model)
+    if method.calibration == "awq":
+        check_foldable(model.cfg.model)
+    # A .bin/.idx prefix is tokenized already: a checkpoint without a tokenizer (converted from
+    # Hugging Face weights alone) calibrates on it, its vocabulary the embedding's (padded) rows.
+    tokenless = dataset_exists(data) and model.cfg.tokenizer.tokenizer_type is None
+    tokenizer = None if tokenless else build_run_tokenizer(model.cfg)
+    rows = model.source.meta(EMBEDDING).shape[0]
+    chunk = build_full_model(model, tokenizer.vocab_size if tokenizer else rows)
     seq = model.cfg.model.seq_length
     samples = calibration_samples(data, tokenizer, seq, size, seed)
-    hessians = collect_hessians(chunk, samples)
+    hessians, mean_abs = collect_statistics(chunk, samples)
     weights = chunk.state_dict()
-    return {
-        layer: gptq(weights[f"{layer}.weight"], hessian, method, group_size)
-        for layer, hessian in hessians.items()
-    }
+    if method.calibration == "awq":
+        m = model.cfg.model
+        gated = m.swiglu or m.geglu or m.quick_geglu
+        exact = gated and not m.glu_linear_offset and m.activation_func_clamp_value is None
+        return awq(weights, hessians, mean_abs, method, group_size, gated_exact=exact)
+    return Calibrated(
+        layers={
+            layer: gptq(weights[f"{layer}.weight"], hessian, method, group_size)
+            for layer, hessian in hessians.items()
+        }
+    )

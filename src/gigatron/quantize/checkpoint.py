@@ -21,6 +21,7 @@ import torch
 
 from gigatron.checkpoint.pipeline import Target, read_gigatron, write_gigatron
 from gigatron.errors import GigatronError
+from gigatron.quantize.awq import Calibrated
 from gigatron.quantize.calibration import calibrate
 from gigatron.quantize.methods import METHODS, Method
 from gigatron.quantize.rtn import (
@@ -60,20 +61,22 @@ class MappedSource:
 class Quantizer:
     """Quantizes each linear weight (round-to-nearest, or the codes and scales a calibration
     computed, by layer, in `calibrated`), keeps its codes and scales in `packed` and returns it
-    dequantized."""
+    dequantized; a tensor the calibration changed (AWQ's folded norms) comes out changed."""
 
     def __init__(
-        self, method: Method, group_size: int, calibrated: dict[str, tuple] | None = None
+        self, method: Method, group_size: int, calibrated: Calibrated | None = None
     ) -> None:
         self.method, self.group_size = method, group_size
-        self.calibrated = calibrated or {}
-        self.packed: dict[str, torch.Tensor] = {}
+        self.calibrated = calibrated or Calibrated(layers={})
+        self.packed: dict[str, torch.Tensor] = dict(self.calibrated.extra)
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in self.calibrated.replaced:
+            return self.calibrated.replaced[name].to(tensor.dtype)
         layer = quantized_layer(name)
         if layer is None:
             return tensor
-        codes, scales = self.calibrated.get(layer) or quantize_weight(
+        codes, scales = self.calibrated.layers.get(layer) or quantize_weight(
             tensor, self.method, self.group_size
         )
         stored = pack_int4(codes) if self.method.bits == 4 else codes
@@ -110,7 +113,8 @@ def quantize_checkpoint(
     calibration: dict[str, Any] | None = None,
 ) -> Path:
     """Quantize `load`'s checkpoint into the new directory `save`; returns `save`.
-    `calibration` (data, size, seed): GPTQ on that data, else round-to-nearest."""
+    `calibration` (data, size, seed): GPTQ (or the method's own calibration, AWQ) on that
+    data, else round-to-nearest."""
     method = METHODS[method_name]
     if group_size < 1:
         raise GigatronError(f"--group-size {group_size}: must be at least 1; e.g. 128")
@@ -125,8 +129,13 @@ def quantize_checkpoint(
         layers = plan_layers(model.source, method, group_size)
         if not layers:
             raise GigatronError(f"--load {load}: the model has no linear layers to quantize")
+        if method.calibration and not calibration:
+            raise GigatronError(
+                f"--method {method.name}: calibrates on text; give --calib-data (and --calib-size)"
+            )
+        algorithm = (method.calibration or "gptq") if calibration else "rtn"
         info = {"method": method.name, "bits": method.bits, "group_size": group_size,
-                "algorithm": "gptq" if calibration else "rtn", **(calibration or {}),
+                "algorithm": algorithm, **(calibration or {}),
                 "layers": layers}  # fmt: skip
         calibrated = calibrate(model, method, group_size, **calibration) if calibration else None
         quantizer = Quantizer(method, group_size, calibrated)

@@ -1,6 +1,7 @@
 """`gigatron quantize`: its flags (parsed before torch is imported).
 
-gigatron quantize --load CKPT --method int8-weight|int4-weight [--group-size 128] --save OUT
+gigatron quantize --load CKPT --method int8-weight|int4-weight|int4-awq [--group-size 128]
+    --save OUT [--calib-data DATA]
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from gigatron.quantize.methods import METHODS
 def build_parser() -> Any:
     parser = command_parser(
         "quantize",
-        "Weight-only round-to-nearest quantization of a GPT/Llama checkpoint's linear layers "
+        "Weight-only quantization (round-to-nearest, GPTQ, AWQ) of a GPT/Llama checkpoint's linear layers "
         "(symmetric, one scale per group of input features); writes a fake-quantized gigatron "
         "checkpoint plus the packed codes and scales (docs/quantization.md).",
     )
@@ -27,8 +28,9 @@ def build_parser() -> Any:
     add("--ckpt-step", type=int, default=None, help="iteration to quantize (default: the latest)")
     add(
         "--calib-data", default=None,
-        help="calibrate with GPTQ on this text: JSON lines with a 'text' field, or a "
-        ".bin/.idx prefix of the model's tokenizer (default: round-to-nearest, no calibration)",
+        help="calibrate on this text (GPTQ; AWQ with --method int4-awq, which needs it): JSON "
+        "lines with a 'text' field, or a .bin/.idx prefix of the model's tokenizer (default: "
+        "round-to-nearest, no calibration)",
     )  # fmt: skip
     add("--calib-size", type=int, default=128, help="calibration windows of --seq-length tokens")
     add("--seed", type=int, default=1234, help="seed of the calibration windows' choice")
