@@ -20,9 +20,10 @@ from gigatron.data.indexed import write_dataset
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
 from gigatron.parallel.context import ParallelContext
-from gigatron.quantize.awq import check_foldable, layer_error
+from gigatron.quantize.awq import layer_error
 from gigatron.quantize.calibration import calibration_samples, collect_hessians
 from gigatron.quantize.checkpoint import read_packed
+from gigatron.quantize.folding import check_foldable
 from gigatron.quantize.methods import METHODS
 from gigatron.quantize.rtn import dequantize, quantize_weight, unpack_int4
 from hf_helpers import llama_gqa_config, randomise

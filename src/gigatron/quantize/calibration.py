@@ -21,7 +21,8 @@ from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
 from gigatron.parallel.context import ParallelContext
-from gigatron.quantize.awq import Calibrated, awq, check_foldable
+from gigatron.quantize.awq import awq
+from gigatron.quantize.folding import Calibrated, check_foldable
 from gigatron.quantize.methods import Method
 from gigatron.quantize.rtn import quantized_layer
 

@@ -21,8 +21,8 @@ import torch
 
 from gigatron.checkpoint.pipeline import Target, read_gigatron, write_gigatron
 from gigatron.errors import GigatronError
-from gigatron.quantize.awq import Calibrated
 from gigatron.quantize.calibration import calibrate
+from gigatron.quantize.folding import Calibrated
 from gigatron.quantize.methods import METHODS, Method
 from gigatron.quantize.rtn import (
     check_shape,
