@@ -25,6 +25,7 @@ from gigatron.quantize.awq import awq
 from gigatron.quantize.folding import Calibrated, check_foldable
 from gigatron.quantize.methods import Method
 from gigatron.quantize.rtn import quantized_layer
+from gigatron.quantize.smoothquant import smoothquant
 
 EMBEDDING = "embedding.word_embeddings.weight"
 DAMPING = 0.01  # of the mean diagonal of H, added to it (GPTQ's default)
@@ -79,11 +80,12 @@ def build_full_model(model: Any, vocab_size: int) -> torch.nn.Module:
 
 def collect_statistics(
     chunk: torch.nn.Module, samples: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(H = 2 X^T X / n in float64, mean |x| per input feature) of every quantized linear
-    layer's inputs X over `samples`."""
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(H = 2 X^T X / n in float64, mean |x|, max |x| per input feature) of every quantized
+    linear layer's inputs X over `samples`."""
     sums: dict[str, torch.Tensor] = {}
     absolute: dict[str, torch.Tensor] = {}
+    largest: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
     def hook(layer: str):
@@ -91,6 +93,8 @@ def collect_statistics(
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float64)
             sums[layer] = sums.get(layer, 0) + x.T @ x
             absolute[layer] = absolute.get(layer, 0) + x.abs().sum(dim=0)
+            top = x.abs().amax(dim=0)
+            largest[layer] = torch.maximum(largest[layer], top) if layer in largest else top
             counts[layer] = counts.get(layer, 0) + x.shape[0]
 
         return record
@@ -108,7 +112,7 @@ def collect_statistics(
         for handle in handles:
             handle.remove()
     hessians = {layer: 2 * sums[layer] / counts[layer] for layer in sums}
-    return hessians, {layer: absolute[layer] / counts[layer] for layer in sums}
+    return hessians, {layer: absolute[layer] / counts[layer] for layer in sums}, largest
 
 
 def collect_hessians(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -148,11 +152,11 @@ def gptq(
 def calibrate(
     model: Any, method: Method, group_size: int, data: str, size: int, seed: int
 ) -> Calibrated:
-    """GPTQ's, or the method's calibration's (AWQ), codes and scales of every quantized linear
+    """GPTQ's, or the method's calibration's (AWQ, SmoothQuant), codes and scales of every quantized linear
     layer of a reader's FullModel."""
     if size < 1:
         raise GigatronError(f"--calib-size {size}: must be at least 1; e.g. 128")
-    if method.calibration == "awq":
+    if method.calibration in ("awq", "smoothquant"):
         check_foldable(model.cfg.model)
     # A .bin/.idx prefix is tokenized already: a checkpoint without a tokenizer (converted from
     # Hugging Face weights alone) calibrates on it, its vocabulary the embedding's (padded) rows.
@@ -162,13 +166,15 @@ def calibrate(
     chunk = build_full_model(model, tokenizer.vocab_size if tokenizer else rows)
     seq = model.cfg.model.seq_length
     samples = calibration_samples(data, tokenizer, seq, size, seed)
-    hessians, mean_abs = collect_statistics(chunk, samples)
+    hessians, mean_abs, input_max = collect_statistics(chunk, samples)
     weights = chunk.state_dict()
+    m = model.cfg.model
+    gated = m.swiglu or m.geglu or m.quick_geglu
+    exact = gated and not m.glu_linear_offset and m.activation_func_clamp_value is None
     if method.calibration == "awq":
-        m = model.cfg.model
-        gated = m.swiglu or m.geglu or m.quick_geglu
-        exact = gated and not m.glu_linear_offset and m.activation_func_clamp_value is None
         return awq(weights, hessians, mean_abs, method, group_size, gated_exact=exact)
+    if method.calibration == "smoothquant":
+        return smoothquant(weights, input_max, list(hessians), method, gated_exact=exact)
     return Calibrated(
         layers={
             layer: gptq(weights[f"{layer}.weight"], hessian, method, group_size)

@@ -64,7 +64,7 @@ class Quantizer:
     dequantized; a tensor the calibration changed (AWQ's folded norms) comes out changed."""
 
     def __init__(
-        self, method: Method, group_size: int, calibrated: Calibrated | None = None
+        self, method: Method, group_size: int | None, calibrated: Calibrated | None = None
     ) -> None:
         self.method, self.group_size = method, group_size
         self.calibrated = calibrated or Calibrated(layers={})
@@ -77,7 +77,7 @@ class Quantizer:
         if layer is None:
             return tensor
         codes, scales = self.calibrated.layers.get(layer) or quantize_weight(
-            tensor, self.method, self.group_size
+            tensor, self.method, self.group_size or tensor.shape[1]
         )
         stored = pack_int4(codes) if self.method.bits == 4 else codes
         self.packed[f"{layer}.weight_packed"] = stored.contiguous()
@@ -85,15 +85,33 @@ class Quantizer:
         return dequantize(codes, scales, tensor.dtype)
 
 
-def plan_layers(source: Any, method: Method, group_size: int) -> list[str]:
-    """The layers to quantize, each shape checked before anything is written."""
+def plan_layers(source: Any, method: Method, group_size: int | None) -> list[str]:
+    """The layers to quantize, each shape checked before anything is written (group size None:
+    one scale per output row)."""
     layers = []
     for name in source.names():
         layer = quantized_layer(name)
         if layer is not None:
-            check_shape(layer, tuple(source.meta(name).shape), group_size, method)
+            shape = tuple(source.meta(name).shape)
+            check_shape(layer, shape, group_size or shape[-1], method)
             layers.append(layer)
     return layers
+
+
+def resolve_group_size(method: Method, group_size: int | None) -> int | None:
+    """The group size of a method (None: one scale per output row); --group-size defaults to
+    128 and is refused by per-channel methods."""
+    if method.per_channel:
+        if group_size is not None:
+            raise GigatronError(
+                f"--group-size {group_size}: --method {method.name} has one weight scale per "
+                "output row; drop --group-size"
+            )
+        return None
+    group_size = 128 if group_size is None else group_size
+    if group_size < 1:
+        raise GigatronError(f"--group-size {group_size}: must be at least 1; e.g. 128")
+    return group_size
 
 
 def check_new_directory(flag: str, path: str | Path) -> None:
@@ -107,7 +125,7 @@ def quantize_checkpoint(
     load: str | Path,
     save: str | Path,
     method_name: str,
-    group_size: int = 128,
+    group_size: int | None = None,
     iteration: int | None = None,
     log: Any = print,
     calibration: dict[str, Any] | None = None,
@@ -116,8 +134,7 @@ def quantize_checkpoint(
     `calibration` (data, size, seed): GPTQ (or the method's own calibration, AWQ) on that
     data, else round-to-nearest."""
     method = METHODS[method_name]
-    if group_size < 1:
-        raise GigatronError(f"--group-size {group_size}: must be at least 1; e.g. 128")
+    group_size = resolve_group_size(method, group_size)
     save = Path(save)
     check_new_directory("--save", save)
     with read_gigatron(Path(load), iteration) as model:
@@ -135,7 +152,8 @@ def quantize_checkpoint(
             )
         algorithm = (method.calibration or "gptq") if calibration else "rtn"
         info = {"method": method.name, "bits": method.bits, "group_size": group_size,
-                "algorithm": algorithm, **(calibration or {}),
+                "algorithm": algorithm, "activation_bits": method.activation_bits,
+                **(calibration or {}),
                 "layers": layers}  # fmt: skip
         calibrated = calibrate(model, method, group_size, **calibration) if calibration else None
         quantizer = Quantizer(method, group_size, calibrated)
@@ -151,9 +169,9 @@ def quantize_checkpoint(
             os.replace(tmp, save)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    groups = f"group size {group_size}" if group_size else "per channel"
     log(
-        f"quantized {len(layers)} linear layers ({method.name}, {info['algorithm']}, group size "
-        f"{group_size}) to {save}"
+        f"quantized {len(layers)} linear layers ({method.name}, {info['algorithm']}, {groups}) to {save}"
     )
     return save
 

@@ -24,7 +24,11 @@ def build_parser() -> Any:
     add("--load", required=True, help="gigatron checkpoint directory to quantize")
     add("--save", required=True, help="new directory to write the quantized checkpoint to")
     add("--method", required=True, choices=sorted(METHODS), help="quantization method")
-    add("--group-size", type=int, default=128, help="input features sharing one scale")
+    add(
+        "--group-size", type=int, default=None,
+        help="input features sharing one weight scale (default 128; int8-smoothquant has one "
+        "scale per output row and refuses it)",
+    )  # fmt: skip
     add("--ckpt-step", type=int, default=None, help="iteration to quantize (default: the latest)")
     add(
         "--calib-data", default=None,

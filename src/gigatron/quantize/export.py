@@ -1,6 +1,8 @@
 """Export of a quantized checkpoint as a Hugging Face folder in the compressed-tensors format
-(transformers and vLLM read it): "pack-quantized" (int8: four codes per int32, int4: eight),
-one scale per group, `quantization_config` in config.json, sharded safetensors.
+(transformers and vLLM read it): weight-only "pack-quantized" (int8: four codes per int32, int4:
+eight), one scale per group; W8A8 (SmoothQuant) "int-quantized" (int8 tensors), one scale per
+row, inputs quantized per token at run time; `quantization_config` in config.json, sharded
+safetensors.
 
 The gigatron export (checkpoint/hf_convert.py) writes the fake-quantized weights under Hugging
 Face's names, and once more a checkpoint whose linear weights are their scales repeated over each
@@ -28,7 +30,8 @@ from gigatron.quantize.checkpoint import MappedSource, check_new_directory, read
 from gigatron.quantize.rtn import quantized_layer
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")  # Llama-style: every linear layer an nn.Linear
-FORMATS = {8: "pack-quantized", 4: "pack-quantized"}  # vLLM reads weight-only ints so
+WEIGHT_ONLY_FORMAT = "pack-quantized"  # vLLM reads weight-only ints so
+W8A8_FORMAT = "int-quantized"  # int8 codes as int8 tensors (vLLM's W8A8 kernels)
 WEIGHT_FILES = (".safetensors", ".safetensors.index.json")
 
 
@@ -42,7 +45,7 @@ def require_export_libraries() -> None:
         )
 
 
-def _scheme(bits: int, group_size: int) -> Any:
+def _scheme(info: dict[str, Any]) -> Any:
     # why: compressed-tensors is an optional dependency, needed by the export only
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -50,23 +53,30 @@ def _scheme(bits: int, group_size: int) -> Any:
         QuantizationScheme,
     )
 
-    weights = QuantizationArgs(
-        num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size
-    )
-    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    bits, group_size, activations = info["bits"], info["group_size"], None
+    if info.get("activation_bits"):  # W8A8: per-channel weights, per-token dynamic inputs
+        weights = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="channel")
+        activations = QuantizationArgs(num_bits=info["activation_bits"], type="int",
+                                       symmetric=True, strategy="token", dynamic=True)  # fmt: skip
+    else:
+        weights = QuantizationArgs(
+            num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size
+        )
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
     return QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
 
 
-def _scales_folder(load: Path, tmp: Path, group_size: int) -> Path:
+def _scales_folder(load: Path, tmp: Path) -> Path:
     """A Hugging Face folder whose quantized weights hold their scales, repeated over each
-    group (in the checkpoint's precision)."""
+    group or row (in the checkpoint's precision)."""
     packed, _ = read_packed(load)
 
     def expanded(name: str, tensor: torch.Tensor) -> torch.Tensor:
         layer = quantized_layer(name)
         if layer is None:
             return tensor
-        scales = packed[f"{layer}.weight_scale"].repeat_interleave(group_size, dim=1)
+        scales = packed[f"{layer}.weight_scale"]
+        scales = scales.repeat_interleave(tensor.shape[1] // scales.shape[1], dim=1)
         return scales.to(tensor.dtype)
 
     with read_gigatron(load) as model:
@@ -77,13 +87,14 @@ def _scales_folder(load: Path, tmp: Path, group_size: int) -> Path:
     return tmp / "scales-hf"
 
 
-def _set_scales(model: torch.nn.Module, scales_folder: Path, group_size: int) -> None:
+def _set_scales(model: torch.nn.Module, scales_folder: Path) -> None:
     """Each quantized linear layer's scales, from `scales_folder`; refused when the weight is
     not its integer codes times them (a precision the export cannot keep)."""
     with SafetensorsFolder(scales_folder) as folder:
         for name, module in model.named_modules():
             if not (isinstance(module, torch.nn.Linear) and hasattr(module, "weight_scale")):
                 continue
+            group_size = module.weight.shape[1] // module.weight_scale.shape[1]
             scales = folder.tensor(f"{name}.weight")[:, ::group_size].to(torch.float32)
             ratio = module.weight.detach().float() / scales.repeat_interleave(group_size, 1)
             if (ratio - ratio.round()).abs().nan_to_num(0.0).max() > 0.05:
@@ -100,11 +111,11 @@ def _compress(plain: Path, scales: Path, out: Path, info: dict, shard: int | Non
     from compressed_tensors.quantization import apply_quantization_config
     from transformers import AutoModelForCausalLM
 
-    bits, group_size = info["bits"], info["group_size"]
     model = AutoModelForCausalLM.from_pretrained(plain, dtype="auto").eval()
-    apply_quantization_config(model, _scheme(bits, group_size), show_progress=False)
-    _set_scales(model, scales, group_size)
-    compressor = ModelCompressor.from_pretrained_model(model, FORMATS[bits])
+    apply_quantization_config(model, _scheme(info), show_progress=False)
+    _set_scales(model, scales)
+    form = W8A8_FORMAT if info.get("activation_bits") else WEIGHT_ONLY_FORMAT
+    compressor = ModelCompressor.from_pretrained_model(model, form)
     compressor.compress_model(model)
     model.save_pretrained(out, max_shard_size=shard or "5GB")
     compressor.update_config(str(out))
@@ -128,7 +139,7 @@ def export_compressed(
                 f"--load {load}: a '{model_type}' model; the compressed-tensors export takes "
                 f"{', '.join(MODEL_TYPES)} models (linear layers as nn.Linear)"
             )
-        scales = _scales_folder(load, tmp, info["group_size"])
+        scales = _scales_folder(load, tmp)
         _compress(tmp / "plain", scales, tmp / "out", info, max_shard_bytes)
         for extra in (tmp / "plain").iterdir():  # tokenizer files
             if not extra.name.endswith(WEIGHT_FILES) and extra.name != "config.json":
@@ -136,5 +147,5 @@ def export_compressed(
         os.replace(tmp / "out", save)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"exported {load} ({info['method']}, group size {info['group_size']}) to {save}")
+    log(f"exported {load} ({info['method']}) to {save}")
     return save

@@ -1,11 +1,13 @@
-"""`gigatron quantize --method int4-awq` on a tiny random Llama (SwiGLU, RMSNorm, a few
-outlier input channels) calibrated on a .bin/.idx dataset: the codes reproducible bit for bit,
-each weight's error within half a (scaled) step, each layer's output error on the calibration
-inputs at most round-to-nearest's, the folded model's logits equal to the unfolded hand model's,
-and the compressed-tensors export's logits in transformers equal to gigatron's."""
+"""`gigatron quantize --method int4-awq|int8-smoothquant` on a tiny random Llama (SwiGLU, RMSNorm,
+a few outlier input channels) calibrated on a .bin/.idx dataset: the codes reproducible bit for
+bit, each weight's error within half a (scaled) step; AWQ: each layer's output error on the
+calibration inputs at most round-to-nearest's, the folded model's logits equal to the unfolded
+hand model's; SmoothQuant: hand-computed smoothing scales, per-token int8 inputs; the
+compressed-tensors exports' logits in transformers equal to gigatron's fake-quantized ones."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +21,14 @@ from gigatron.config import config_from_dict
 from gigatron.data.indexed import write_dataset
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
+from gigatron.models.activation_quant import fake_quantize_tokens, quantize_linear_inputs
 from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.awq import layer_error
-from gigatron.quantize.calibration import calibration_samples, collect_hessians
+from gigatron.quantize.calibration import (
+    calibration_samples,
+    collect_hessians,
+    collect_statistics,
+)
 from gigatron.quantize.checkpoint import read_packed
 from gigatron.quantize.folding import check_foldable
 from gigatron.quantize.methods import METHODS
@@ -29,6 +36,7 @@ from gigatron.quantize.rtn import dequantize, quantize_weight, unpack_int4
 from hf_helpers import llama_gqa_config, randomise
 
 VOCAB, SEQ, GROUP, SIZE = 100, 16, 16, 8
+WINDOW = 64  # calibration window: the converted checkpoint's --seq-length (its context)
 OUTLIERS = [3, 17, 40]  # input channels the norms make large: AWQ protects them
 
 
@@ -53,24 +61,32 @@ def runs(tmp_path_factory):
     assert gigatron_main([*base, "--save", str(directory / "a"),
                           "--hf-save", str(directory / "a-hf")]) == 0  # fmt: skip
     assert gigatron_main([*base, "--save", str(directory / "b")]) == 0
+    smooth = [*base[:3], "--method", "int8-smoothquant", *base[7:]]
+    assert gigatron_main([*smooth, "--save", str(directory / "sq"),
+                          "--hf-save", str(directory / "sq-hf")]) == 0  # fmt: skip
+    assert gigatron_main([*smooth, "--save", str(directory / "sq2")]) == 0
     return directory
 
 
-def _model(checkpoint):
+def _model(checkpoint, activations: bool = False):
     state = safe_load(next(checkpoint.glob("*/mp_rank_00/model_optim_rng.pt")))
     cfg = config_from_dict(state["args"])
     (model,) = get_family("gpt").build_model(cfg, ParallelContext.single(), vocab_size=VOCAB)
     model.load_state_dict(state["model"], strict=True)
+    if activations:  # as `generate`/`evaluate` load a W8A8 checkpoint (inference/load.py)
+        info = state["quantization"]
+        quantize_linear_inputs([model], info["layers"], info["activation_bits"], 1)
     return model.eval(), state
 
 
-def _effective(packed, layer, weight):
+def _effective(packed, layer, weight, key="awq_scale"):
     """The weight the folded model computes with: Q(W s) / s, fc1's up rows times fc2's s."""
-    codes = unpack_int4(packed[f"{layer}.weight_packed"], weight.shape[1])
+    codes = packed[f"{layer}.weight_packed"]
+    codes = codes if key == "smooth_scale" else unpack_int4(codes, weight.shape[1])
     effective = dequantize(codes, packed[f"{layer}.weight_scale"], torch.float32)
-    scale = packed.get(f"{layer}.awq_scale", torch.ones(weight.shape[1]))
+    scale = packed.get(f"{layer}.{key}", torch.ones(weight.shape[1]))
     effective = effective / scale
-    after = packed.get(f"{layer.removesuffix('fc1')}fc2.awq_scale")
+    after = packed.get(f"{layer.removesuffix('fc1')}fc2.{key}")
     if layer.endswith("linear_fc1") and after is not None:
         effective[after.numel() :] *= after[:, None]
     return effective, scale
@@ -86,7 +102,7 @@ def test_awq_codes_are_reproducible_and_its_layer_errors_at_most_rtns(runs):
     assert scaled == {f"decoder.layers.{i}.{n}" for i in (0, 1)
                       for n in ("self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")}  # fmt: skip
     model, state = _model(runs / "ckpt")
-    samples = calibration_samples(str(runs / "calib"), None, SEQ, SIZE, 1234)
+    samples = calibration_samples(str(runs / "calib"), None, WINDOW, SIZE, 1234)
     hessians = collect_hessians(model, samples)
     original = model.state_dict()
     for layer in info["layers"]:
@@ -134,3 +150,66 @@ def test_awq_without_calibration_data_or_on_unfoldable_norms_is_refused(runs, ca
     cfg = SimpleNamespace(apply_residual_connection_post_layernorm=True)
     with pytest.raises(GigatronError, match="^--apply-residual-connection-post-layernorm: "):
         check_foldable(cfg)
+
+
+# ---- SmoothQuant (W8A8) ---------------------------------------------------------------------
+def test_smoothquant_scales_codes_and_error_bound(runs):
+    first, info = read_packed(runs / "sq")
+    again, _ = read_packed(runs / "sq2")
+    assert info["algorithm"] == "smoothquant" and info["activation_bits"] == 8
+    assert info["group_size"] is None
+    assert all(torch.equal(first[k], again[k]) for k in first) and first.keys() == again.keys()
+    model, _ = _model(runs / "ckpt")
+    samples = calibration_samples(str(runs / "calib"), None, WINDOW, SIZE, 1234)
+    _, _, input_max = collect_statistics(model, samples)
+    original = model.state_dict()
+    for layer in info["layers"]:
+        weight = original[f"{layer}.weight"]
+        assert first[f"{layer}.weight_packed"].dtype == torch.int8
+        assert first[f"{layer}.weight_scale"].shape == (weight.shape[0], 1)  # one per row
+        if f"{layer}.smooth_scale" in first:  # s = sqrt(max |x_j| / max_i |W_ij|)
+            hand = (input_max[layer] / weight.abs().amax(dim=0).double()).sqrt().float()
+            assert torch.allclose(first[f"{layer}.smooth_scale"], hand, rtol=1e-5)
+        effective, scale = _effective(first, layer, weight, "smooth_scale")
+        if not layer.endswith("linear_fc1"):
+            step = first[f"{layer}.weight_scale"] / scale
+            assert ((weight - effective).abs() <= step / 2 + 1e-6).all(), layer
+    assert "decoder.layers.0.self_attention.linear_proj.smooth_scale" not in first  # s = 1
+
+
+def test_smoothquant_export_computes_gigatrons_per_token_int8_inputs(runs):
+    config = json.loads((runs / "sq-hf" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "int-quantized"
+    group = config["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "channel" and group["weights"]["num_bits"] == 8
+    inputs = group["input_activations"]
+    assert (inputs["strategy"], inputs["dynamic"], inputs["num_bits"]) == ("token", True, 8)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ).expand_as(tokens)
+    with torch.no_grad():
+        ours = _model(runs / "sq", activations=True)[0](tokens, positions)[..., :VOCAB]
+        weights_only = _model(runs / "sq")[0](tokens, positions)[..., :VOCAB]
+        exported = transformers.AutoModelForCausalLM.from_pretrained(runs / "sq-hf").eval()
+        assert (exported(tokens).logits - ours).abs().max() < 1e-3
+    assert (weights_only - ours).abs().max() > 1e-3  # the inputs are quantized too
+
+
+def test_per_token_fake_quantization_by_hand():
+    x = torch.tensor([[2.55, -1.0, 0.0], [0.0, 0.0, 0.0], [0.3, -0.11, 0.021]])
+    out = fake_quantize_tokens(x, 8)
+    step = 2.55 / 127.5  # max |x| / 127.5: the largest value rounds to 128, clamped to 127
+    assert out[0].tolist() == pytest.approx([127 * step, -50 * step, 0.0])
+    assert out[1].tolist() == [0.0, 0.0, 0.0]
+    assert out[2].tolist() == pytest.approx([127 * 0.3 / 127.5, -47 * 0.3 / 127.5, 9 * 0.3 / 127.5])
+    with pytest.raises(GigatronError, match="tensor-parallel 1"):
+        quantize_linear_inputs([torch.nn.Linear(2, 2)], [""], 8, 2)
+
+
+def test_smoothquant_refuses_a_group_size(runs, capsys):
+    argv = ["quantize", "--load", str(runs / "ckpt"), "--save", str(runs / "refused"),
+            "--method", "int8-smoothquant", "--group-size", "16"]  # fmt: skip
+    assert gigatron_main(argv) == 2
+    assert "--group-size 16: --method int8-smoothquant has one weight scale per output row" in (
+        capsys.readouterr().err
+    )  # fmt: skip
+    assert not (runs / "refused").exists()
