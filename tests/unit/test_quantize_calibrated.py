@@ -37,7 +37,8 @@ from hf_helpers import llama_gqa_config, randomise
 
 VOCAB, SEQ, GROUP, SIZE = 100, 16, 16, 8
 WINDOW = 64  # calibration window: the converted checkpoint's --seq-length (its context)
-OUTLIERS = [3, 17, 40]  # input channels the norms make large: AWQ protects them
+OUTLIERS = [3, 17, 40]
+FP8 = ("fp8-channel", "fp8-tensor")  # input channels the norms make large: AWQ protects them
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,10 @@ def runs(tmp_path_factory):
     assert gigatron_main([*smooth, "--save", str(directory / "sq"),
                           "--hf-save", str(directory / "sq-hf")]) == 0  # fmt: skip
     assert gigatron_main([*smooth, "--save", str(directory / "sq2")]) == 0
+    for name in FP8:
+        argv = [*base[:3], "--method", name, *base[7:], "--save", str(directory / name),
+                "--hf-save", str(directory / f"{name}-hf")]  # fmt: skip
+        assert gigatron_main(argv) == 0
     return directory
 
 
@@ -75,7 +80,8 @@ def _model(checkpoint, activations: bool = False):
     model.load_state_dict(state["model"], strict=True)
     if activations:  # as `generate`/`evaluate` load a W8A8 checkpoint (inference/load.py)
         info = state["quantization"]
-        quantize_linear_inputs([model], info["layers"], info["activation_bits"], 1)
+        quantize_linear_inputs([model], info["layers"], info["activation_bits"], 1,
+                               static_scales=info.get("input_scales"))  # fmt: skip
     return model.eval(), state
 
 
@@ -213,3 +219,48 @@ def test_smoothquant_refuses_a_group_size(runs, capsys):
         capsys.readouterr().err
     )  # fmt: skip
     assert not (runs / "refused").exists()
+
+
+# ---- fp8 (e4m3 weights, static e4m3 inputs) -------------------------------------------------
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_codes_scales_and_input_scales(runs, name):
+    packed, info = read_packed(runs / name)
+    assert info["number"] == "float" and info["algorithm"] == "fp8"
+    model, _ = _model(runs / "ckpt")
+    samples = calibration_samples(str(runs / "calib"), None, WINDOW, SIZE, 1234)
+    _, _, input_max = collect_statistics(model, samples)
+    original = model.state_dict()
+    for layer in info["layers"]:
+        weight = original[f"{layer}.weight"]
+        codes, scales = packed[f"{layer}.weight_packed"], packed[f"{layer}.weight_scale"]
+        assert codes.dtype == torch.float8_e4m3fn
+        top = (
+            weight.abs().amax(dim=1, keepdim=True) if name == "fp8-channel" else weight.abs().max()
+        )
+        assert torch.equal(scales, (top / 448).reshape(scales.shape))  # max |w| lands on 448
+        assert scales.shape == ((weight.shape[0], 1) if name == "fp8-channel" else (1, 1))
+        back = codes.float() * scales
+        # e4m3: 3 mantissa bits (half a step: 2^-4 relative), subnormal steps 2^-9 x scale.
+        bound = torch.maximum(weight.abs() * 2**-4, scales * 2**-10)
+        assert ((weight - back).abs() <= bound * (1 + 1e-6)).all(), layer
+        expected = (input_max[layer].max() / 448).float()
+        assert packed[f"{layer}.input_scale"].item() == pytest.approx(expected.item(), rel=1e-6)
+        assert info["input_scales"][layer] == packed[f"{layer}.input_scale"].item()
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_export_loads_in_transformers_with_gigatrons_logits(runs, name):
+    config = json.loads((runs / f"{name}-hf" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "float-quantized"
+    group = config["config_groups"]["group_0"]
+    assert (group["weights"]["type"], group["weights"]["strategy"]) == ("float", name[4:])
+    inputs = group["input_activations"]
+    assert (inputs["type"], inputs["strategy"], inputs["dynamic"]) == ("float", "tensor", False)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ).expand_as(tokens)
+    with torch.no_grad():
+        ours = _model(runs / name, activations=True)[0](tokens, positions)[..., :VOCAB]
+        weights_only = _model(runs / name)[0](tokens, positions)[..., :VOCAB]
+        exported = transformers.AutoModelForCausalLM.from_pretrained(runs / f"{name}-hf").eval()
+        assert (exported(tokens).logits - ours).abs().max() < 1e-3
+    assert (weights_only - ours).abs().max() > 1e-3  # the inputs are quantized too

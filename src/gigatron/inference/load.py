@@ -234,7 +234,8 @@ def _quantize_activations(chunks: list[nn.Module], load_dir: Path, step: Any, tp
     located = locate_iteration(load_dir, step)
     info = saved_header(located[0]).get("quantization") if located else None
     if isinstance(info, dict) and info.get("activation_bits"):
-        quantize_linear_inputs(chunks, info["layers"], info["activation_bits"], tp)
+        bits, scales = info["activation_bits"], info.get("input_scales")
+        quantize_linear_inputs(chunks, info["layers"], bits, tp, static_scales=scales)
 
 
 def add_saved_adapters(

@@ -1,7 +1,8 @@
-"""Fake quantization of linear layers' inputs at run time (W8A8 checkpoints of `gigatron
-quantize --method int8-smoothquant`, docs/quantization.md): each token's input row becomes
-symmetric integer codes times one scale, max |x| / (2^(bits-1) - 1/2) (compressed-tensors'
-dynamic per-token scheme, so gigatron's logits equal the exported model's in transformers).
+"""Fake quantization of linear layers' inputs at run time (`gigatron quantize`'s W8A8 checkpoints,
+docs/quantization.md), as compressed-tensors computes them (so gigatron's logits equal the
+exported model's in transformers): int8 per token (`int8-smoothquant`), each token's input row
+symmetric integer codes times one scale, max |x| / (2^(bits-1) - 1/2); or fp8 e4m3 with one
+static scale per layer (`fp8-*`), x / scale clamped to +-448 and rounded to e4m3.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from torch import nn
 
 from gigatron.errors import GigatronError
 
+E4M3_MAX = 448.0  # e4m3's largest finite value
+
 
 def fake_quantize_tokens(x: torch.Tensor, bits: int) -> torch.Tensor:
     """x with each row (last dimension) rounded to `bits`-bit symmetric codes times its scale."""
@@ -24,13 +27,21 @@ def fake_quantize_tokens(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (torch.round(values / safe).clamp(-top, top - 1) * safe).to(x.dtype)
 
 
+def fake_quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x rounded to e4m3 values times a static scale."""
+    values = (x.to(torch.float32) / scale).clamp(-E4M3_MAX, E4M3_MAX)
+    return (values.to(torch.float8_e4m3fn).to(torch.float32) * scale).to(x.dtype)
+
+
 def quantize_linear_inputs(
-    chunks: Iterable[nn.Module], layers: Iterable[str], bits: int, tensor_parallel: int
-) -> int:
-    """Fake-quantize the inputs of the named linear layers of `chunks` per token; returns how
-    many layers. A row-parallel layer sees a slice of each token's features at tensor-parallel
-    > 1 (its scale would differ), so that is refused."""
-    if tensor_parallel > 1:
+    chunks: Iterable[nn.Module], layers: Iterable[str], bits: int, tensor_parallel: int,
+    static_scales: dict[str, float] | None = None,
+) -> int:  # fmt: skip
+    """Fake-quantize the inputs of the named linear layers of `chunks`, per token, or fp8 with
+    each layer's static scale in `static_scales`; returns how many layers. Per token, a
+    row-parallel layer sees a slice of each token's features at tensor-parallel > 1 (its scale
+    would differ), so that is refused."""
+    if tensor_parallel > 1 and static_scales is None:
         raise GigatronError(
             f"--load: a checkpoint with {bits}-bit activations runs at tensor-parallel 1 here "
             f"(this run: {tensor_parallel}); convert it with gigatron convert-checkpoint "
@@ -38,13 +49,18 @@ def quantize_linear_inputs(
         )
     wanted, count = set(layers), 0
 
-    def hook(_module: Any, inputs: tuple) -> tuple:
-        return (fake_quantize_tokens(inputs[0], bits), *inputs[1:])
+    def hook(layer: str) -> Any:
+        def quantize(_module: Any, inputs: tuple) -> tuple:
+            if static_scales is not None:
+                return (fake_quantize_fp8(inputs[0], static_scales[layer]), *inputs[1:])
+            return (fake_quantize_tokens(inputs[0], bits), *inputs[1:])
+
+        return quantize
 
     for chunk in chunks:
         for name, module in chunk.named_modules():
             if name in wanted:
-                module.register_forward_pre_hook(hook)
+                module.register_forward_pre_hook(hook(name))
                 count += 1
     if wanted and not count:
         raise GigatronError(

@@ -23,6 +23,7 @@ from gigatron.families import get_family
 from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.awq import awq
 from gigatron.quantize.folding import Calibrated, check_foldable
+from gigatron.quantize.fp8 import fp8_calibrated
 from gigatron.quantize.methods import Method
 from gigatron.quantize.rtn import quantized_layer
 from gigatron.quantize.smoothquant import smoothquant
@@ -152,7 +153,7 @@ def gptq(
 def calibrate(
     model: Any, method: Method, group_size: int, data: str, size: int, seed: int
 ) -> Calibrated:
-    """GPTQ's, or the method's calibration's (AWQ, SmoothQuant), codes and scales of every quantized linear
+    """GPTQ's, or the method's calibration's (AWQ, SmoothQuant, fp8), codes and scales of every quantized linear
     layer of a reader's FullModel."""
     if size < 1:
         raise GigatronError(f"--calib-size {size}: must be at least 1; e.g. 128")
@@ -173,6 +174,8 @@ def calibrate(
     exact = gated and not m.glu_linear_offset and m.activation_func_clamp_value is None
     if method.calibration == "awq":
         return awq(weights, hessians, mean_abs, method, group_size, gated_exact=exact)
+    if method.calibration == "fp8":
+        return fp8_calibrated(weights, input_max, list(hessians), method)
     if method.calibration == "smoothquant":
         return smoothquant(weights, input_max, list(hessians), method, gated_exact=exact)
     return Calibrated(

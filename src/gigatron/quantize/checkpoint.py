@@ -150,12 +150,8 @@ def quantize_checkpoint(
             raise GigatronError(
                 f"--method {method.name}: calibrates on text; give --calib-data (and --calib-size)"
             )
-        algorithm = (method.calibration or "gptq") if calibration else "rtn"
-        info = {"method": method.name, "bits": method.bits, "group_size": group_size,
-                "algorithm": algorithm, "activation_bits": method.activation_bits,
-                **(calibration or {}),
-                "layers": layers}  # fmt: skip
         calibrated = calibrate(model, method, group_size, **calibration) if calibration else None
+        info = _header(method, group_size, calibration, layers, calibrated)
         quantizer = Quantizer(method, group_size, calibrated)
         source = MappedSource(model.source, quantizer)
         quantized = dataclasses.replace(model, source=source,
@@ -169,11 +165,26 @@ def quantize_checkpoint(
             os.replace(tmp, save)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    groups = f"group size {group_size}" if group_size else "per channel"
+    groups = f"group size {group_size}" if group_size else f"per {method.weight_scales}"
     log(
         f"quantized {len(layers)} linear layers ({method.name}, {info['algorithm']}, {groups}) to {save}"
     )
     return save
+
+
+def _header(
+    method: Method, group_size: int | None, calibration: dict[str, Any] | None,
+    layers: list[str], calibrated: Calibrated | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The `quantization` entry of the checkpoint's header (and of quantized.safetensors)."""
+    info = {"method": method.name, "bits": method.bits, "group_size": group_size,
+            "algorithm": (method.calibration or "gptq") if calibration else "rtn",
+            "activation_bits": method.activation_bits, "number": method.number,
+            "weight_scales": method.weight_scales, **(calibration or {}), "layers": layers}  # fmt: skip
+    extra = calibrated.extra if calibrated else {}
+    if method.number == "float":  # static input scales, read at load time
+        info["input_scales"] = {layer: extra[f"{layer}.input_scale"].item() for layer in layers}
+    return info
 
 
 def _save_packed(packed: dict[str, torch.Tensor], path: Path, info: dict[str, Any]) -> None:

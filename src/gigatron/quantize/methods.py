@@ -10,12 +10,14 @@ class Method:
     name: str
     bits: int
     calibration: str | None = None  # the calibration the method needs (None: optional GPTQ)
-    activation_bits: int | None = None  # inputs quantized per token at run time (None: not)
+    activation_bits: int | None = None  # inputs quantized at run time (None: not)
+    number: str = "int"  # "int" codes, or "float" (fp8 e4m3)
+    weight_scales: str = "group"  # one weight scale per "group", output row ("channel"), "tensor"
 
     @property
     def per_channel(self) -> bool:
-        """One weight scale per output row (W8A8), not per group of --group-size."""
-        return self.activation_bits is not None
+        """Weight scales not per group of --group-size (per output row, or per tensor)."""
+        return self.weight_scales != "group"
 
     @property
     def code_range(self) -> tuple[int, int]:
@@ -28,6 +30,8 @@ METHODS = {
         Method("int8-weight", 8),
         Method("int4-weight", 4),
         Method("int4-awq", 4, "awq"),
-        Method("int8-smoothquant", 8, "smoothquant", activation_bits=8),
+        Method("int8-smoothquant", 8, "smoothquant", activation_bits=8, weight_scales="channel"),
+        Method("fp8-channel", 8, "fp8", activation_bits=8, number="float", weight_scales="channel"),
+        Method("fp8-tensor", 8, "fp8", activation_bits=8, number="float", weight_scales="tensor"),
     )
 }
