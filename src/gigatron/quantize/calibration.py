@@ -169,6 +169,12 @@ def calibrate(
     samples = calibration_samples(data, tokenizer, seq, size, seed)
     hessians, mean_abs, input_max = collect_statistics(chunk, samples)
     weights = chunk.state_dict()
+    unseen = sorted({quantized_layer(n) for n in weights} - {None} - hessians.keys())
+    if unseen:  # its module is not called with its input (its weight used another way)
+        raise GigatronError(
+            f"{unseen[0]}: the calibration saw no input of this layer; quantize without "
+            "--calib-data (round-to-nearest)"
+        )
     m = model.cfg.model
     gated = m.swiglu or m.geglu or m.quick_geglu
     exact = gated and not m.glu_linear_offset and m.activation_func_clamp_value is None

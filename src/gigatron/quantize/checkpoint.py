@@ -33,7 +33,7 @@ from gigatron.quantize.rtn import (
 )
 
 PACKED_FILENAME = "quantized.safetensors"
-FAMILIES = ("gpt",)  # families whose linear layers are all `linear_*` (Mamba mixers are not)
+FAMILIES = ("gpt", "mamba")  # `linear_*` layers, and Mamba mixers' in_proj / out_proj
 
 
 class MappedSource:
@@ -85,7 +85,9 @@ class Quantizer:
         return dequantize(codes, scales, tensor.dtype)
 
 
-def plan_layers(source: Any, method: Method, group_size: int | None) -> list[str]:
+def plan_layers(
+    source: Any, method: Method, group_size: int | None, calibrating: bool = False
+) -> list[str]:
     """The layers to quantize, each shape checked before anything is written (group size None:
     one scale per output row)."""
     layers = []
@@ -93,7 +95,7 @@ def plan_layers(source: Any, method: Method, group_size: int | None) -> list[str
         layer = quantized_layer(name)
         if layer is not None:
             shape = tuple(source.meta(name).shape)
-            check_shape(layer, shape, group_size or shape[-1], method)
+            check_shape(layer, shape, group_size or shape[-1], method, calibrating)
             layers.append(layer)
     return layers
 
@@ -143,7 +145,7 @@ def quantize_checkpoint(
                 f"--load {load}: a '{model.family}' model; --method {method.name} quantizes the "
                 f"linear layers of {', '.join(FAMILIES)} models only"
             )
-        layers = plan_layers(model.source, method, group_size)
+        layers = plan_layers(model.source, method, group_size, calibration is not None)
         if not layers:
             raise GigatronError(f"--load {load}: the model has no linear layers to quantize")
         if method.calibration and not calibration:
