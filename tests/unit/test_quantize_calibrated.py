@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 from gigatron.checkpoint.hf_convert import hf_to_gigatron
 from gigatron.checkpoint.torch_format import safe_load
@@ -33,6 +34,7 @@ from gigatron.quantize.checkpoint import read_packed
 from gigatron.quantize.folding import check_foldable
 from gigatron.quantize.methods import METHODS
 from gigatron.quantize.rtn import dequantize, quantize_weight, unpack_int4
+from gigatron.quantize.trtllm import export_trtllm
 from hf_helpers import llama_gqa_config, randomise
 
 VOCAB, SEQ, GROUP, SIZE = 100, 16, 16, 8
@@ -264,3 +266,84 @@ def test_fp8_export_loads_in_transformers_with_gigatrons_logits(runs, name):
         exported = transformers.AutoModelForCausalLM.from_pretrained(runs / f"{name}-hf").eval()
         assert (exported(tokens).logits - ours).abs().max() < 1e-3
     assert (weights_only - ours).abs().max() > 1e-3  # the inputs are quantized too
+
+
+# ---- TensorRT-LLM checkpoint ----------------------------------------------------------------
+def _trtllm_qkv(fused: torch.Tensor) -> torch.Tensor:
+    """Megatron's fused QKV rows (per key-value group: its 4 query heads, its key head, its value
+    head; head size 8) as TensorRT-LLM's [all q; all k; all v]."""
+    groups = fused.reshape(2, 6 * 8, *fused.shape[1:])
+    q, k, v = groups[:, : 4 * 8], groups[:, 4 * 8 : 5 * 8], groups[:, 5 * 8 :]
+    return torch.cat([part.reshape(-1, *fused.shape[1:]) for part in (q, k, v)])
+
+
+def _read_all(path):
+    with safe_open(str(path), framework="pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}
+
+
+def test_trtllm_fp8_checkpoint_names_shapes_and_codes_by_hand(runs, capsys):
+    export_trtllm(runs / "fp8-tensor", runs / "trt-fp8", log=lambda _: None)
+    config = json.loads((runs / "trt-fp8" / "config.json").read_text())
+    assert config["architecture"] == "LlamaForCausalLM" and config["dtype"] == "float32"
+    assert config["quantization"]["quant_algo"] == "FP8"
+    expected = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_size": 8,
+                "intermediate_size": 96, "rotary_base": 500.0, "vocab_size": VOCAB}  # fmt: skip
+    assert {key: config[key] for key in expected} == expected
+    assert config["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
+    ours = _read_all(runs / "trt-fp8" / "rank0.safetensors")
+    packed, _ = read_packed(runs / "fp8-tensor")
+    state = _model(runs / "fp8-tensor")[1]["model"]
+    for i in (0, 1):
+        theirs, g = f"transformer.layers.{i}", f"decoder.layers.{i}"
+        codes = {n: packed[f"{g}.{n}.weight_packed"].float() for n in
+                 ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                  "mlp.linear_fc2")}  # fmt: skip
+        by_hand = {
+            "attention.qkv": (_trtllm_qkv(codes["self_attention.linear_qkv"]), "self_attention.linear_qkv"),
+            "attention.dense": (codes["self_attention.linear_proj"], "self_attention.linear_proj"),
+            "mlp.fc": (codes["mlp.linear_fc1"][:96], "mlp.linear_fc1"),  # gate: the activated half
+            "mlp.gate": (codes["mlp.linear_fc1"][96:], "mlp.linear_fc1"),  # up
+            "mlp.proj": (codes["mlp.linear_fc2"], "mlp.linear_fc2"),
+        }  # fmt: skip
+        for name, (weight, layer) in by_hand.items():
+            assert ours[f"{theirs}.{name}.weight"].dtype == torch.float8_e4m3fn
+            assert torch.equal(ours[f"{theirs}.{name}.weight"].float(), weight), name
+            assert torch.equal(ours[f"{theirs}.{name}.weights_scaling_factor"],
+                               packed[f"{g}.{layer}.weight_scale"].reshape(1))  # fmt: skip
+            assert torch.equal(ours[f"{theirs}.{name}.activation_scaling_factor"],
+                               packed[f"{g}.{layer}.input_scale"])  # fmt: skip
+        assert torch.equal(ours[f"{theirs}.post_layernorm.weight"],
+                           state[f"{g}.pre_mlp_layernorm.weight"])  # fmt: skip
+    assert torch.equal(ours["transformer.vocab_embedding.weight"],
+                       state["embedding.word_embeddings.weight"][:VOCAB])  # fmt: skip
+    assert torch.equal(ours["transformer.ln_f.weight"], state["decoder.final_layernorm.weight"])
+    with pytest.raises(GigatronError, match="^--export-format trtllm: --method fp8-channel"):
+        export_trtllm(runs / "fp8-channel", runs / "trt-refused")
+    assert not (runs / "trt-refused").exists()
+
+
+def test_trtllm_checkpoint_of_a_weight_only_method_holds_the_fake_quantized_weights(runs):
+    export_trtllm(runs / "a", runs / "trt-awq", log=lambda _: None)
+    config = json.loads((runs / "trt-awq" / "config.json").read_text())
+    assert config["quantization"]["quant_algo"] is None
+    ours = _read_all(runs / "trt-awq" / "rank0.safetensors")
+    state = _model(runs / "a")[1]["model"]
+    fused = state["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert torch.equal(ours["transformer.layers.1.attention.qkv.weight"], _trtllm_qkv(fused))
+    norm = state["decoder.layers.1.input_layernorm.weight"]  # AWQ's folded norm
+    assert torch.equal(ours["transformer.layers.1.input_layernorm.weight"], norm)
+
+
+def test_export_flags_that_would_go_unused_are_refused(runs, capsys):
+    base = ["quantize", "--load", str(runs / "ckpt"), "--save", str(runs / "unused"),
+            "--method", "int8-weight"]  # fmt: skip
+    assert gigatron_main([*base, "--export-format", "trtllm"]) == 2
+    assert "--export-format trtllm: give --hf-save DIR too" in capsys.readouterr().err
+    argv = [*base, "--hf-save", str(runs / "unused-hf"), "--export-format", "trtllm",
+            "--max-shard-size", "1GB"]  # fmt: skip
+    assert gigatron_main(argv) == 2
+    assert "--max-shard-size 1GB: shards a compressed-tensors --hf-save only" in (
+        capsys.readouterr().err
+    )  # fmt: skip
+    assert not (runs / "unused").exists() and not (runs / "unused-hf").exists()

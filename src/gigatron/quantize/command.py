@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gigatron.config.parser import command_parser
+from gigatron.errors import GigatronError
 from gigatron.quantize.methods import METHODS
 
 
@@ -40,10 +41,18 @@ def build_parser() -> Any:
     add("--seed", type=int, default=1234, help="seed of the calibration windows' choice")
     add(
         "--hf-save", default=None,
-        help="also export a Hugging Face folder in the compressed-tensors format here "
-        "(Llama, Mistral, Qwen2; transformers and vLLM load it) (default: no export)",
+        help="also export the quantized model here, in --export-format (default: no export)",
     )  # fmt: skip
-    add("--max-shard-size", default="5GB", help="largest safetensors shard of --hf-save")
+    add(
+        "--export-format", default=None, choices=["compressed-tensors", "trtllm"],
+        help="what --hf-save writes: a Hugging Face folder in the compressed-tensors format "
+        "(Llama, Mistral, Qwen2; transformers and vLLM load it; the default), or a "
+        "TensorRT-LLM checkpoint (Llama; trtllm-build builds it)",
+    )  # fmt: skip
+    add(
+        "--max-shard-size", default=None,
+        help="largest safetensors shard of a compressed-tensors --hf-save (default 5GB)",
+    )  # fmt: skip
     return parser
 
 
@@ -53,16 +62,34 @@ def main(argv: Sequence[str]) -> int:
     from gigatron.checkpoint.hf_convert import parse_size
     from gigatron.quantize.checkpoint import check_new_directory, quantize_checkpoint
     from gigatron.quantize.export import export_compressed, require_export_libraries
+    from gigatron.quantize.trtllm import export_trtllm
 
-    shard = parse_size(args.max_shard_size)
+    trtllm = _check_export_flags(args)
+    shard = parse_size(args.max_shard_size or "5GB")
     if args.hf_save:
         check_new_directory("--hf-save", args.hf_save)
-        require_export_libraries()
+        if not trtllm:
+            require_export_libraries()
     calibration = None
     if args.calib_data is not None:
         calibration = {"data": args.calib_data, "size": args.calib_size, "seed": args.seed}
     quantize_checkpoint(args.load, args.save, args.method, args.group_size, args.ckpt_step,
                         calibration=calibration)  # fmt: skip
-    if args.hf_save:
+    if args.hf_save and trtllm:
+        export_trtllm(args.save, args.hf_save)
+    elif args.hf_save:
         export_compressed(args.save, args.hf_save, shard)
     return 0
+
+
+def _check_export_flags(args: Any) -> bool:
+    """Whether the export is TensorRT-LLM's; refuses export flags that would go unused."""
+    if args.export_format and not args.hf_save:
+        raise GigatronError(f"--export-format {args.export_format}: give --hf-save DIR too")
+    trtllm = args.export_format == "trtllm"
+    if args.max_shard_size and (trtllm or not args.hf_save):
+        raise GigatronError(
+            f"--max-shard-size {args.max_shard_size}: shards a compressed-tensors --hf-save "
+            "only (a TensorRT-LLM checkpoint is one rank0.safetensors); drop it"
+        )
+    return trtllm
