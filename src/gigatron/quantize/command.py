@@ -1,7 +1,7 @@
 """`gigatron quantize`: its flags (parsed before torch is imported).
 
-gigatron quantize --load CKPT --method int8-weight|int4-weight|int4-awq [--group-size 128]
-    --save OUT [--calib-data DATA]
+gigatron quantize --load CKPT --method METHOD [--group-size 128] --save OUT
+    [--calib-data DATA] [--hf-save DIR [--export-format compressed-tensors|trtllm]]
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from gigatron.quantize.methods import METHODS
 def build_parser() -> Any:
     parser = command_parser(
         "quantize",
-        "Weight-only quantization (round-to-nearest, GPTQ, AWQ) of a GPT/Llama checkpoint's linear layers "
-        "(symmetric, one scale per group of input features); writes a fake-quantized gigatron "
-        "checkpoint plus the packed codes and scales (docs/quantization.md).",
+        "Post-training quantization of a GPT/Llama (or hybrid Mamba) checkpoint's linear "
+        "layers: int8/int4 weights (round-to-nearest, GPTQ, AWQ), SmoothQuant W8A8 or fp8 "
+        "weights and inputs; writes a fake-quantized gigatron checkpoint plus the packed codes "
+        "and scales, and optionally a compressed-tensors or TensorRT-LLM export "
+        "(docs/quantization.md).",
     )
     add = parser.add_argument
     add("--load", required=True, help="gigatron checkpoint directory to quantize")
