@@ -346,4 +346,6 @@ def test_export_flags_that_would_go_unused_are_refused(runs, capsys):
     assert "--max-shard-size 1GB: shards a compressed-tensors --hf-save only" in (
         capsys.readouterr().err
     )  # fmt: skip
+    assert gigatron_main([*base, "--kv-cache-dtype", "fp8"]) == 2
+    assert "--kv-cache-dtype fp8: needs --calib-data" in capsys.readouterr().err
     assert not (runs / "unused").exists() and not (runs / "unused-hf").exists()

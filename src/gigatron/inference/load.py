@@ -29,7 +29,7 @@ from gigatron.inference.block_pool import BlockPool
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
 from gigatron.inference.scheduler import BlockScheduler, DynamicSettings
-from gigatron.models.activation_quant import quantize_linear_inputs
+from gigatron.models.activation_quant import quantize_kv_cache, quantize_linear_inputs
 from gigatron.models.lora import LoRASpec, add_lora_adapters
 from gigatron.models.t5 import T5Model
 from gigatron.parallel.context import ParallelContext
@@ -236,6 +236,8 @@ def _quantize_activations(chunks: list[nn.Module], load_dir: Path, step: Any, tp
     if isinstance(info, dict) and info.get("activation_bits"):
         bits, scales = info["activation_bits"], info.get("input_scales")
         quantize_linear_inputs(chunks, info["layers"], bits, tp, static_scales=scales)
+    if isinstance(info, dict) and info.get("kv_cache_scales"):
+        quantize_kv_cache(chunks, info["kv_cache_scales"])
 
 
 def add_saved_adapters(

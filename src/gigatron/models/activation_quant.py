@@ -68,3 +68,30 @@ def quantize_linear_inputs(
             f"{min(wanted)}) that this model does not have; load it as it was saved"
         )
     return count
+
+
+def quantize_kv_cache(chunks: Iterable[nn.Module], scales: dict[str, list[float]]) -> int:
+    """Round each attention's keys and values to e4m3 with its static scales (`scales`: the
+    core attention module's name -> [key scale, value scale]) before the attention reads them,
+    as an fp8 KV cache stores them; returns how many attentions."""
+
+    def hook(name: str) -> Any:
+        def quantize(_module: Any, inputs: tuple) -> tuple:
+            q, k, v, *rest = inputs
+            key, value = scales[name]
+            return (q, fake_quantize_fp8(k, key), fake_quantize_fp8(v, value), *rest)
+
+        return quantize
+
+    count = 0
+    for chunk in chunks:
+        for name, module in chunk.named_modules():
+            if name in scales:
+                module.register_forward_pre_hook(hook(name))
+                count += 1
+    if scales and not count:
+        raise GigatronError(
+            f"--load: the checkpoint has fp8 KV-cache scales for attentions (e.g. "
+            f"{min(scales)}) that this model does not have; load it as it was saved"
+        )
+    return count

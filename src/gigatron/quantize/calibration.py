@@ -20,6 +20,7 @@ from gigatron.data.json_lines import json_lines
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
+from gigatron.models.activation_quant import E4M3_MAX
 from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.awq import awq
 from gigatron.quantize.folding import Calibrated, check_foldable
@@ -116,6 +117,33 @@ def collect_statistics(
     return hessians, {layer: absolute[layer] / counts[layer] for layer in sums}, largest
 
 
+def collect_kv_scales(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, list[float]]:
+    """Each core attention's [max |key| / 448, max |value| / 448] over `samples` (its fp8
+    KV-cache scales)."""
+    largest: dict[str, list[float]] = {}
+
+    def hook(name: str):
+        def record(_module: Any, inputs: tuple) -> None:
+            seen = [float(t.detach().abs().max()) for t in inputs[1:3]]
+            largest[name] = [max(a, b) for a, b in zip(largest.get(name, seen), seen)]
+
+        return record
+
+    handles = [
+        module.register_forward_pre_hook(hook(name))
+        for name, module in chunk.named_modules()
+        if name.endswith("core_attention")
+    ]
+    try:
+        with torch.no_grad():
+            for row in samples:
+                chunk(row[None, :], None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: [max(m, 1e-12) / E4M3_MAX for m in pair] for name, pair in largest.items()}
+
+
 def collect_hessians(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, torch.Tensor]:
     """H = 2 X^T X / n (float64) of every quantized linear layer's inputs over `samples`."""
     return collect_statistics(chunk, samples)[0]
@@ -151,10 +179,12 @@ def gptq(
 
 
 def calibrate(
-    model: Any, method: Method, group_size: int, data: str, size: int, seed: int
-) -> Calibrated:
-    """GPTQ's, or the method's calibration's (AWQ, SmoothQuant, fp8), codes and scales of every quantized linear
-    layer of a reader's FullModel."""
+    model: Any, method: Method, group_size: int | None, data: str, size: int, seed: int,
+    kv_cache_dtype: str | None = None,
+) -> Calibrated:  # fmt: skip
+    """GPTQ's, or the method's calibration's (AWQ, SmoothQuant, fp8), codes and scales of every
+    quantized linear layer of a reader's FullModel; with `kv_cache_dtype` fp8, each attention's
+    KV-cache scales too."""
     if size < 1:
         raise GigatronError(f"--calib-size {size}: must be at least 1; e.g. 128")
     if method.calibration in ("awq", "smoothquant"):
@@ -165,8 +195,7 @@ def calibrate(
     tokenizer = None if tokenless else build_run_tokenizer(model.cfg)
     rows = model.source.meta(EMBEDDING).shape[0]
     chunk = build_full_model(model, tokenizer.vocab_size if tokenizer else rows)
-    seq = model.cfg.model.seq_length
-    samples = calibration_samples(data, tokenizer, seq, size, seed)
+    samples = calibration_samples(data, tokenizer, model.cfg.model.seq_length, size, seed)
     hessians, mean_abs, input_max = collect_statistics(chunk, samples)
     weights = chunk.state_dict()
     unseen = sorted({quantized_layer(n) for n in weights} - {None} - hessians.keys())
@@ -175,7 +204,17 @@ def calibrate(
             f"{unseen[0]}: the calibration saw no input of this layer; quantize without "
             "--calib-data (round-to-nearest)"
         )
-    m = model.cfg.model
+    result = _method_codes(model.cfg.model, weights, (hessians, mean_abs, input_max), method,
+                           group_size)  # fmt: skip
+    if kv_cache_dtype == "fp8":
+        result.kv_cache = collect_kv_scales(chunk, samples)
+    return result
+
+
+def _method_codes(
+    m: Any, weights: dict[str, torch.Tensor], stats: tuple, method: Method, group_size: Any
+) -> Calibrated:
+    hessians, mean_abs, input_max = stats
     gated = m.swiglu or m.geglu or m.quick_geglu
     exact = gated and not m.glu_linear_offset and m.activation_func_clamp_value is None
     if method.calibration == "awq":

@@ -186,6 +186,8 @@ def _header(
     extra = calibrated.extra if calibrated else {}
     if method.number == "float":  # static input scales, read at load time
         info["input_scales"] = {layer: extra[f"{layer}.input_scale"].item() for layer in layers}
+    if calibrated and calibrated.kv_cache:  # static fp8 KV-cache scales, read at load time
+        info["kv_cache_scales"] = calibrated.kv_cache
     return info
 
 

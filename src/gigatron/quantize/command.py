@@ -42,6 +42,11 @@ def build_parser() -> Any:
     add("--calib-size", type=int, default=128, help="calibration windows of --seq-length tokens")
     add("--seed", type=int, default=1234, help="seed of the calibration windows' choice")
     add(
+        "--kv-cache-dtype", default=None, choices=["fp8"],
+        help="also quantize the KV cache: e4m3 keys and values, one static scale each per "
+        "attention from the calibration (needs --calib-data) (default: not quantized)",
+    )  # fmt: skip
+    add(
         "--hf-save", default=None,
         help="also export the quantized model here, in --export-format (default: no export)",
     )  # fmt: skip
@@ -75,6 +80,8 @@ def main(argv: Sequence[str]) -> int:
     calibration = None
     if args.calib_data is not None:
         calibration = {"data": args.calib_data, "size": args.calib_size, "seed": args.seed}
+        if args.kv_cache_dtype:
+            calibration["kv_cache_dtype"] = args.kv_cache_dtype
     quantize_checkpoint(args.load, args.save, args.method, args.group_size, args.ckpt_step,
                         calibration=calibration)  # fmt: skip
     if args.hf_save and trtllm:
@@ -86,6 +93,11 @@ def main(argv: Sequence[str]) -> int:
 
 def _check_export_flags(args: Any) -> bool:
     """Whether the export is TensorRT-LLM's; refuses export flags that would go unused."""
+    if args.kv_cache_dtype and (args.calib_data is None or args.hf_save):
+        raise GigatronError(
+            f"--kv-cache-dtype {args.kv_cache_dtype}: needs --calib-data (its scales come from "
+            "the calibration) and no --hf-save (the exports carry no KV-cache scales yet)"
+        )
     if args.export_format and not args.hf_save:
         raise GigatronError(f"--export-format {args.export_format}: give --hf-save DIR too")
     trtllm = args.export_format == "trtllm"

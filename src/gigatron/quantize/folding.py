@@ -32,12 +32,13 @@ class Fold:
 
 @dataclass
 class Calibrated:
-    """What a calibration computed: (codes, scales) by layer, tensors it changed (by name), and
-    extra tensors kept beside the codes (by name)."""
+    """What a calibration computed: (codes, scales) by layer, tensors it changed (by name),
+    extra tensors kept beside the codes (by name), and KV-cache scales (by core attention)."""
 
     layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
     replaced: dict[str, torch.Tensor] = field(default_factory=dict)
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    kv_cache: dict[str, list[float]] = field(default_factory=dict)  # fp8 [key, value] scales
 
 
 def check_foldable(model_cfg) -> None:
