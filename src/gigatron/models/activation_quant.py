@@ -47,7 +47,7 @@ def quantize_linear_inputs(
             f"(this run: {tensor_parallel}); convert it with gigatron convert-checkpoint "
             "--target-tensor-parallel-size 1"
         )
-    wanted, count = set(layers), 0
+    wanted = set(layers)
 
     def hook(layer: str) -> Any:
         def quantize(_module: Any, inputs: tuple) -> tuple:
@@ -57,17 +57,7 @@ def quantize_linear_inputs(
 
         return quantize
 
-    for chunk in chunks:
-        for name, module in chunk.named_modules():
-            if name in wanted:
-                module.register_forward_pre_hook(hook(name))
-                count += 1
-    if wanted and not count:
-        raise GigatronError(
-            f"--load: the checkpoint quantizes the inputs of {len(wanted)} layers (e.g. "
-            f"{min(wanted)}) that this model does not have; load it as it was saved"
-        )
-    return count
+    return _hook_modules(chunks, wanted, hook, "quantizes the inputs of layers")
 
 
 def quantize_kv_cache(chunks: Iterable[nn.Module], scales: dict[str, list[float]]) -> int:
@@ -83,15 +73,21 @@ def quantize_kv_cache(chunks: Iterable[nn.Module], scales: dict[str, list[float]
 
         return quantize
 
+    return _hook_modules(chunks, set(scales), hook, "has fp8 KV-cache scales for attentions")
+
+
+def _hook_modules(chunks: Iterable[nn.Module], names: set[str], hook: Any, what: str) -> int:
+    """Register `hook(name)` before each named module of `chunks`; how many. Refused when the
+    checkpoint names modules and none is in the model (pipeline stages hold some each)."""
     count = 0
     for chunk in chunks:
         for name, module in chunk.named_modules():
-            if name in scales:
+            if name in names:
                 module.register_forward_pre_hook(hook(name))
                 count += 1
-    if scales and not count:
+    if names and not count:
         raise GigatronError(
-            f"--load: the checkpoint has fp8 KV-cache scales for attentions (e.g. "
-            f"{min(scales)}) that this model does not have; load it as it was saved"
+            f"--load: the checkpoint {what} (e.g. {min(names)}) that this model does not "
+            "have; load it as it was saved"
         )
     return count

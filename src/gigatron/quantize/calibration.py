@@ -80,6 +80,17 @@ def build_full_model(model: Any, vocab_size: int) -> torch.nn.Module:
     return chunk.eval()
 
 
+def run_samples(chunk: torch.nn.Module, samples: torch.Tensor, handles: list[Any]) -> None:
+    """Run the model on each sample (the hooks of `handles` record), then remove the hooks."""
+    try:
+        with torch.no_grad():
+            for row in samples:
+                chunk(row[None, :], None)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def collect_statistics(
     chunk: torch.nn.Module, samples: torch.Tensor
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -106,13 +117,7 @@ def collect_statistics(
         for name, module in chunk.named_modules()
         if quantized_layer(f"{name}.weight") == name
     ]
-    try:
-        with torch.no_grad():
-            for row in samples:
-                chunk(row[None, :], None)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_samples(chunk, samples, handles)
     hessians = {layer: 2 * sums[layer] / counts[layer] for layer in sums}
     return hessians, {layer: absolute[layer] / counts[layer] for layer in sums}, largest
 
@@ -134,13 +139,7 @@ def collect_kv_scales(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str
         for name, module in chunk.named_modules()
         if name.endswith("core_attention")
     ]
-    try:
-        with torch.no_grad():
-            for row in samples:
-                chunk(row[None, :], None)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_samples(chunk, samples, handles)
     return {name: [max(m, 1e-12) / E4M3_MAX for m in pair] for name, pair in largest.items()}
 
 
