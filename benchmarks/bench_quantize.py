@@ -1,10 +1,12 @@
 """Quality and size of `gigatron quantize` on a small GPT trained here on real text.
 
 Trains a GPT (GPT-2 tokenizer) on the first 90% of tests/data's WikiText-2 test file, saves it,
-quantizes it (int8 and int4 round-to-nearest, int4 GPTQ calibrated on the training text), and
-reports for each: WikiText perplexity of the held-out 10% (`gigatron evaluate`), the size of the
-Hugging Face export on disk (fp32 `gigatron convert --to hf` against the compressed-tensors
-folder of `--hf-save`) and of the linear layers alone.
+quantizes it (int8 and int4 round-to-nearest, int4 GPTQ and AWQ, SmoothQuant W8A8 and fp8 with
+per-channel or per-tensor weight scales, all calibrated on the training text), and reports for
+each: WikiText perplexity of the held-out 10% and LAMBADA accuracy on the first --lambada
+passages of tests/data's LAMBADA test file (`gigatron evaluate`), and the size of the Hugging
+Face export on disk (fp32 `gigatron convert --to hf` against the compressed-tensors folder of
+`--hf-save`).
 
     python benchmarks/bench_quantize.py [--layers 4 --hidden 256 --steps 300 --group-size 64]
 """
@@ -17,6 +19,7 @@ import math
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,6 +82,27 @@ def _ppl(load: Path, wiki: Path, seq: int) -> float:
     return evaluate(flags)["ppl"]
 
 
+def _lambada(load: Path, data: Path) -> float:
+    flags = ["--load", str(load), "--device", "cpu", "--task", "LAMBADA", "--valid-data",
+             str(data), "--no-progress-bar"]  # fmt: skip
+    return evaluate(flags)["accuracy"]
+
+
+def _runs(args: argparse.Namespace, calib: Path) -> list[tuple[str, str, int | None, Any]]:
+    """(label, --method, group size, calibration) of each quantization measured."""
+    data = {"data": str(calib), "size": args.calib_size, "seed": 1234}
+    group = args.group_size
+    return [
+        ("int8-weight RTN", "int8-weight", group, None),
+        ("int4-weight RTN", "int4-weight", group, None),
+        ("int4-weight GPTQ", "int4-weight", group, data),
+        ("int4-awq", "int4-awq", group, data),
+        ("int8-smoothquant (W8A8)", "int8-smoothquant", None, data),
+        ("fp8-channel (W8A8 fp8)", "fp8-channel", None, data),
+        ("fp8-tensor (W8A8 fp8)", "fp8-tensor", None, data),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--layers", type=int, default=4)
@@ -89,6 +113,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--calib-size", type=int, default=32)
+    parser.add_argument("--lambada", type=int, default=300, help="LAMBADA passages scored")
     args = parser.parse_args()
     torch.manual_seed(0)
     lines = (DATA / "wikitext-2-wiki.test.tokens").read_text(encoding="utf-8").splitlines(True)
@@ -99,26 +124,30 @@ def main() -> None:
         wiki.write_text("".join(lines[cut:]), encoding="utf-8")
         calib = root / "calib.jsonl"
         calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:cut] if t.strip()))
+        lambada = root / "lambada.jsonl"
+        passages = (DATA / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines(True)
+        lambada.write_text("".join(passages[: args.lambada]), encoding="utf-8")
         start = time.perf_counter()
         params = train(args, "".join(lines[:cut]), root / "ckpt")
         print(f"trained {params / 1e6:.1f}M parameters in {time.perf_counter() - start:.0f} s")
         gigatron_to_hf(root / "ckpt", root / "hf-fp32", log=lambda _: None)
-        rows = [("fp32 (none)", 32, _ppl(root / "ckpt", wiki, args.seq), _size(root / "hf-fp32"))]
-        runs = [("int8-weight RTN", "int8-weight", None), ("int4-weight RTN", "int4-weight", None),
-                ("int4-weight GPTQ", "int4-weight", {"data": str(calib),
-                 "size": args.calib_size, "seed": 1234})]  # fmt: skip
-        for label, method, calibration in runs:
-            out = root / label.replace(" ", "-")
-            quantize_checkpoint(root / "ckpt", out, method, args.group_size,
-                                calibration=calibration)  # fmt: skip
-            export_compressed(out, root / f"{out.name}-hf", log=lambda _: None)
-            bits = 8 if method.startswith("int8") else 4
-            rows.append((label, bits, _ppl(out, wiki, args.seq), _size(root / f"{out.name}-hf")))
-        base = rows[0][3]
-        print("| method | bits | WikiText ppl (held-out) | HF folder MiB | / fp32 |")
-        print("|---|---|---|---|---|")
-        for label, bits, ppl, size in rows:
-            print(f"| {label} | {bits} | {ppl:.2f} | {size / 2**20:.1f} | {size / base:.2f} |")
+        ckpt = root / "ckpt"
+        rows = [("fp32 (none)", 32, _ppl(ckpt, wiki, args.seq), _lambada(ckpt, lambada),
+                 _size(root / "hf-fp32"))]  # fmt: skip
+        for label, method, group, calibration in _runs(args, calib):
+            out = root / method / label.split()[-1]
+            quantize_checkpoint(ckpt, out, method, group, calibration=calibration)
+            export_compressed(out, root / f"{method}-{out.name}-hf", log=lambda _: None)
+            bits = 4 if method.startswith("int4") else 8
+            rows.append((label, bits, _ppl(out, wiki, args.seq), _lambada(out, lambada),
+                         _size(root / f"{method}-{out.name}-hf")))  # fmt: skip
+            print(rows[-1], flush=True)
+        base = rows[0][4]
+        print("| method | bits | WikiText ppl (held-out) | LAMBADA acc | HF folder MiB | / fp32 |")
+        print("|---|---|---|---|---|---|")
+        for label, bits, ppl, acc, size in rows:
+            print(f"| {label} | {bits} | {ppl:.2f} | {acc:.4f} | {size / 2**20:.1f} | "
+                  f"{size / base:.2f} |")  # fmt: skip
         assert all(math.isfinite(r[2]) for r in rows)
 
 

@@ -78,7 +78,30 @@ def test_only_linear_layers_of_transformer_layers_are_quantized():
 def test_shapes_the_method_cannot_take_are_refused_naming_the_layer():
     method = METHODS["int4-weight"]
     with pytest.raises(GigatronError, match=r"^decoder.layers.1.mlp.linear_fc2: 96 input features"):
-        check_shape("decoder.layers.1.mlp.linear_fc2", (64, 96), 64, method)
+        check_shape("decoder.layers.1.mlp.linear_fc2", (64, 96), 64, method, False)
+    check_shape("decoder.layers.1.mlp.linear_fc2", (64, 96), 32, method, False)
+    # Grouped expert weights: round-to-nearest only (a calibration sees no per-expert inputs).
+    check_shape("decoder.layers.0.mlp.experts.linear_fc1", (4, 64, 64), 32, method, False)
     with pytest.raises(GigatronError, match=r"^decoder.layers.0.mlp.experts.linear_fc1: .*2-D"):
-        check_shape("decoder.layers.0.mlp.experts.linear_fc1", (4, 64, 64), 64, method)
-    check_shape("decoder.layers.1.mlp.linear_fc2", (64, 96), 32, method)
+        check_shape("decoder.layers.0.mlp.experts.linear_fc1", (4, 64, 64), 32, method, True)
+    # A Mamba mixer: weight-only methods (GPTQ too), not AWQ / SmoothQuant / fp8.
+    mixer = "decoder.layers.2.mixer.in_proj"
+    assert quantized_layer(f"{mixer}.weight") == mixer
+    check_shape(mixer, (328, 64), 32, method, True)
+    with pytest.raises(
+        GigatronError, match=rf"^{mixer}: a Mamba mixer projection; --method int4-awq"
+    ):
+        check_shape(mixer, (328, 64), 32, METHODS["int4-awq"], True)
+
+
+def test_grouped_expert_weights_quantize_each_expert_like_a_2d_weight():
+    torch.manual_seed(1)
+    experts = torch.randn(3, 8, 32)
+    codes, scales = quantize_weight(experts, METHODS["int4-weight"], 16)
+    assert codes.shape == (3, 8, 32) and scales.shape == (3, 8, 2)
+    for expert in range(3):
+        alone = quantize_weight(experts[expert], METHODS["int4-weight"], 16)
+        assert torch.equal(codes[expert], alone[0]) and torch.equal(scales[expert], alone[1])
+    back = dequantize(codes, scales, torch.float32)
+    assert torch.equal(back[2], dequantize(codes[2], scales[2], torch.float32))
+    assert torch.equal(unpack_int4(pack_int4(codes), 32), codes)

@@ -33,6 +33,7 @@ from gigatron.inference.draft_speculative import DraftProposer
 from gigatron.inference.engine import InferenceEngine, validate_engine_sizes
 from gigatron.inference.runner import ModelRunner
 from gigatron.inference.scheduler import BlockScheduler, DynamicSettings
+from gigatron.models.activation_quant import quantize_kv_cache, quantize_linear_inputs
 from gigatron.models.lora import LoRASpec, add_lora_adapters
 from gigatron.models.t5 import T5Model
 from gigatron.parallel.context import ParallelContext
@@ -251,7 +252,20 @@ def _build_and_load(
         add_saved_adapters(chunks, Path(args.lora_checkpoint), pctx, cfg)
     for chunk in chunks:
         chunk.eval()
+    _quantize_activations(chunks, load_dir, step, cfg.parallel.tensor_model_parallel_size)
     return LoadedModel(cfg, pctx, chunks, tokenizer, iteration)
+
+
+def _quantize_activations(chunks: list[nn.Module], load_dir: Path, step: Any, tp: int) -> None:
+    """A W8A8 checkpoint (`gigatron quantize`'s header says its activation bits): its linear
+    layers' inputs fake-quantized per token, as the exported model computes them."""
+    located = locate_iteration(load_dir, step)
+    info = saved_header(located[0]).get("quantization") if located else None
+    if isinstance(info, dict) and info.get("activation_bits"):
+        bits, scales = info["activation_bits"], info.get("input_scales")
+        quantize_linear_inputs(chunks, info["layers"], bits, tp, static_scales=scales)
+    if isinstance(info, dict) and info.get("kv_cache_scales"):
+        quantize_kv_cache(chunks, info["kv_cache_scales"])
 
 
 def add_saved_adapters(

@@ -20,10 +20,16 @@ from gigatron.data.json_lines import json_lines
 from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
+from gigatron.models.activation_quant import E4M3_MAX
 from gigatron.parallel.context import ParallelContext
+from gigatron.quantize.awq import awq
+from gigatron.quantize.folding import Calibrated, check_foldable
+from gigatron.quantize.fp8 import fp8_calibrated
 from gigatron.quantize.methods import Method
 from gigatron.quantize.rtn import quantized_layer
+from gigatron.quantize.smoothquant import smoothquant
 
+EMBEDDING = "embedding.word_embeddings.weight"
 DAMPING = 0.01  # of the mean diagonal of H, added to it (GPTQ's default)
 
 
@@ -59,32 +65,49 @@ def calibration_samples(path: str, tokenizer: Any, seq: int, size: int, seed: in
     return tokens[: windows * seq].view(windows, seq)[order.sort().values]
 
 
-def build_full_model(model: Any) -> tuple[torch.nn.Module, Any]:
-    """(the model at tp = pp = 1 with the checkpoint's weights, its tokenizer) from a reader's
-    FullModel."""
+def build_full_model(model: Any, vocab_size: int) -> torch.nn.Module:
+    """The model at tp = pp = 1 with the checkpoint's weights, from a reader's FullModel."""
     cfg = copy.deepcopy(model.cfg)  # a copy is unfrozen: run it in one process
     cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
     cfg.parallel.num_virtual_stages_per_pipeline_rank = None
-    tokenizer = build_run_tokenizer(cfg)
     family = get_family(model.family)
-    (chunk,) = family.build_model(cfg, ParallelContext.single(), vocab_size=tokenizer.vocab_size)
+    (chunk,) = family.build_model(cfg, ParallelContext.single(), vocab_size=vocab_size)
     state = chunk.state_dict()
     for name, tensor in model.source.stream():
         if name in state:
             state[name] = tensor
     chunk.load_state_dict(state, strict=True)
-    return chunk.eval(), tokenizer
+    return chunk.eval()
 
 
-def collect_hessians(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, torch.Tensor]:
-    """H = 2 X^T X / n (float64) of every quantized linear layer's inputs over `samples`."""
+def run_samples(chunk: torch.nn.Module, samples: torch.Tensor, handles: list[Any]) -> None:
+    """Run the model on each sample (the hooks of `handles` record), then remove the hooks."""
+    try:
+        with torch.no_grad():
+            for row in samples:
+                chunk(row[None, :], None)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def collect_statistics(
+    chunk: torch.nn.Module, samples: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(H = 2 X^T X / n in float64, mean |x|, max |x| per input feature) of every quantized
+    linear layer's inputs X over `samples`."""
     sums: dict[str, torch.Tensor] = {}
+    absolute: dict[str, torch.Tensor] = {}
+    largest: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
     def hook(layer: str):
         def record(_module: Any, inputs: tuple, _output: Any) -> None:
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float64)
             sums[layer] = sums.get(layer, 0) + x.T @ x
+            absolute[layer] = absolute.get(layer, 0) + x.abs().sum(dim=0)
+            top = x.abs().amax(dim=0)
+            largest[layer] = torch.maximum(largest[layer], top) if layer in largest else top
             counts[layer] = counts.get(layer, 0) + x.shape[0]
 
         return record
@@ -94,14 +117,35 @@ def collect_hessians(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str,
         for name, module in chunk.named_modules()
         if quantized_layer(f"{name}.weight") == name
     ]
-    try:
-        with torch.no_grad():
-            for row in samples:
-                chunk(row[None, :], None)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {layer: 2 * sums[layer] / counts[layer] for layer in sums}
+    run_samples(chunk, samples, handles)
+    hessians = {layer: 2 * sums[layer] / counts[layer] for layer in sums}
+    return hessians, {layer: absolute[layer] / counts[layer] for layer in sums}, largest
+
+
+def collect_kv_scales(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, list[float]]:
+    """Each core attention's [max |key| / 448, max |value| / 448] over `samples` (its fp8
+    KV-cache scales)."""
+    largest: dict[str, list[float]] = {}
+
+    def hook(name: str):
+        def record(_module: Any, inputs: tuple) -> None:
+            seen = [float(t.detach().abs().max()) for t in inputs[1:3]]
+            largest[name] = [max(a, b) for a, b in zip(largest.get(name, seen), seen)]
+
+        return record
+
+    handles = [
+        module.register_forward_pre_hook(hook(name))
+        for name, module in chunk.named_modules()
+        if name.endswith("core_attention")
+    ]
+    run_samples(chunk, samples, handles)
+    return {name: [max(m, 1e-12) / E4M3_MAX for m in pair] for name, pair in largest.items()}
+
+
+def collect_hessians(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, torch.Tensor]:
+    """H = 2 X^T X / n (float64) of every quantized linear layer's inputs over `samples`."""
+    return collect_statistics(chunk, samples)[0]
 
 
 def gptq(
@@ -134,17 +178,53 @@ def gptq(
 
 
 def calibrate(
-    model: Any, method: Method, group_size: int, data: str, size: int, seed: int
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """GPTQ's (codes, scales) of every quantized linear layer of a reader's FullModel."""
+    model: Any, method: Method, group_size: int | None, data: str, size: int, seed: int,
+    kv_cache_dtype: str | None = None,
+) -> Calibrated:  # fmt: skip
+    """GPTQ's, or the method's calibration's (AWQ, SmoothQuant, fp8), codes and scales of every
+    quantized linear layer of a reader's FullModel; with `kv_cache_dtype` fp8, each attention's
+    KV-cache scales too."""
     if size < 1:
         raise GigatronError(f"--calib-size {size}: must be at least 1; e.g. 128")
-    chunk, tokenizer = build_full_model(model)
-    seq = model.cfg.model.seq_length
-    samples = calibration_samples(data, tokenizer, seq, size, seed)
-    hessians = collect_hessians(chunk, samples)
+    if method.calibration in ("awq", "smoothquant"):
+        check_foldable(model.cfg.model)
+    # A .bin/.idx prefix is tokenized already: a checkpoint without a tokenizer (converted from
+    # Hugging Face weights alone) calibrates on it, its vocabulary the embedding's (padded) rows.
+    tokenless = dataset_exists(data) and model.cfg.tokenizer.tokenizer_type is None
+    tokenizer = None if tokenless else build_run_tokenizer(model.cfg)
+    rows = model.source.meta(EMBEDDING).shape[0]
+    chunk = build_full_model(model, tokenizer.vocab_size if tokenizer else rows)
+    samples = calibration_samples(data, tokenizer, model.cfg.model.seq_length, size, seed)
+    hessians, mean_abs, input_max = collect_statistics(chunk, samples)
     weights = chunk.state_dict()
-    return {
-        layer: gptq(weights[f"{layer}.weight"], hessian, method, group_size)
-        for layer, hessian in hessians.items()
-    }
+    unseen = sorted({quantized_layer(n) for n in weights} - {None} - hessians.keys())
+    if unseen:  # its module is not called with its input (its weight used another way)
+        raise GigatronError(
+            f"{unseen[0]}: the calibration saw no input of this layer; quantize without "
+            "--calib-data (round-to-nearest)"
+        )
+    result = _method_codes(model.cfg.model, weights, (hessians, mean_abs, input_max), method,
+                           group_size)  # fmt: skip
+    if kv_cache_dtype == "fp8":
+        result.kv_cache = collect_kv_scales(chunk, samples)
+    return result
+
+
+def _method_codes(
+    m: Any, weights: dict[str, torch.Tensor], stats: tuple, method: Method, group_size: Any
+) -> Calibrated:
+    hessians, mean_abs, input_max = stats
+    gated = m.swiglu or m.geglu or m.quick_geglu
+    exact = gated and not m.glu_linear_offset and m.activation_func_clamp_value is None
+    if method.calibration == "awq":
+        return awq(weights, hessians, mean_abs, method, group_size, gated_exact=exact)
+    if method.calibration == "fp8":
+        return fp8_calibrated(weights, input_max, list(hessians), method)
+    if method.calibration == "smoothquant":
+        return smoothquant(weights, input_max, list(hessians), method, gated_exact=exact)
+    return Calibrated(
+        layers={
+            layer: gptq(weights[f"{layer}.weight"], hessian, method, group_size)
+            for layer, hessian in hessians.items()
+        }
+    )

@@ -22,6 +22,7 @@ import torch
 from gigatron.checkpoint.pipeline import Target, read_gigatron, write_gigatron
 from gigatron.errors import GigatronError
 from gigatron.quantize.calibration import calibrate
+from gigatron.quantize.folding import Calibrated
 from gigatron.quantize.methods import METHODS, Method
 from gigatron.quantize.rtn import (
     check_shape,
@@ -32,7 +33,7 @@ from gigatron.quantize.rtn import (
 )
 
 PACKED_FILENAME = "quantized.safetensors"
-FAMILIES = ("gpt",)  # families whose linear layers are all `linear_*` (Mamba mixers are not)
+FAMILIES = ("gpt", "mamba")  # `linear_*` layers, and Mamba mixers' in_proj / out_proj
 
 
 class MappedSource:
@@ -60,21 +61,23 @@ class MappedSource:
 class Quantizer:
     """Quantizes each linear weight (round-to-nearest, or the codes and scales a calibration
     computed, by layer, in `calibrated`), keeps its codes and scales in `packed` and returns it
-    dequantized."""
+    dequantized; a tensor the calibration changed (AWQ's folded norms) comes out changed."""
 
     def __init__(
-        self, method: Method, group_size: int, calibrated: dict[str, tuple] | None = None
+        self, method: Method, group_size: int | None, calibrated: Calibrated | None = None
     ) -> None:
         self.method, self.group_size = method, group_size
-        self.calibrated = calibrated or {}
-        self.packed: dict[str, torch.Tensor] = {}
+        self.calibrated = calibrated or Calibrated(layers={})
+        self.packed: dict[str, torch.Tensor] = dict(self.calibrated.extra)
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in self.calibrated.replaced:
+            return self.calibrated.replaced[name].to(tensor.dtype)
         layer = quantized_layer(name)
         if layer is None:
             return tensor
-        codes, scales = self.calibrated.get(layer) or quantize_weight(
-            tensor, self.method, self.group_size
+        codes, scales = self.calibrated.layers.get(layer) or quantize_weight(
+            tensor, self.method, self.group_size or tensor.shape[1]
         )
         stored = pack_int4(codes) if self.method.bits == 4 else codes
         self.packed[f"{layer}.weight_packed"] = stored.contiguous()
@@ -82,15 +85,35 @@ class Quantizer:
         return dequantize(codes, scales, tensor.dtype)
 
 
-def plan_layers(source: Any, method: Method, group_size: int) -> list[str]:
-    """The layers to quantize, each shape checked before anything is written."""
+def plan_layers(
+    source: Any, method: Method, group_size: int | None, calibrating: bool = False
+) -> list[str]:
+    """The layers to quantize, each shape checked before anything is written (group size None:
+    one scale per output row)."""
     layers = []
     for name in source.names():
         layer = quantized_layer(name)
         if layer is not None:
-            check_shape(layer, tuple(source.meta(name).shape), group_size, method)
+            shape = tuple(source.meta(name).shape)
+            check_shape(layer, shape, group_size or shape[-1], method, calibrating)
             layers.append(layer)
     return layers
+
+
+def resolve_group_size(method: Method, group_size: int | None) -> int | None:
+    """The group size of a method (None: one scale per output row); --group-size defaults to
+    128 and is refused by per-channel methods."""
+    if method.per_channel:
+        if group_size is not None:
+            raise GigatronError(
+                f"--group-size {group_size}: --method {method.name} has one weight scale per "
+                "output row; drop --group-size"
+            )
+        return None
+    group_size = 128 if group_size is None else group_size
+    if group_size < 1:
+        raise GigatronError(f"--group-size {group_size}: must be at least 1; e.g. 128")
+    return group_size
 
 
 def check_new_directory(flag: str, path: str | Path) -> None:
@@ -104,16 +127,16 @@ def quantize_checkpoint(
     load: str | Path,
     save: str | Path,
     method_name: str,
-    group_size: int = 128,
+    group_size: int | None = None,
     iteration: int | None = None,
     log: Any = print,
     calibration: dict[str, Any] | None = None,
 ) -> Path:
     """Quantize `load`'s checkpoint into the new directory `save`; returns `save`.
-    `calibration` (data, size, seed): GPTQ on that data, else round-to-nearest."""
+    `calibration` (data, size, seed): GPTQ (or the method's own calibration, AWQ) on that
+    data, else round-to-nearest."""
     method = METHODS[method_name]
-    if group_size < 1:
-        raise GigatronError(f"--group-size {group_size}: must be at least 1; e.g. 128")
+    group_size = resolve_group_size(method, group_size)
     save = Path(save)
     check_new_directory("--save", save)
     with read_gigatron(Path(load), iteration) as model:
@@ -122,13 +145,15 @@ def quantize_checkpoint(
                 f"--load {load}: a '{model.family}' model; --method {method.name} quantizes the "
                 f"linear layers of {', '.join(FAMILIES)} models only"
             )
-        layers = plan_layers(model.source, method, group_size)
+        layers = plan_layers(model.source, method, group_size, calibration is not None)
         if not layers:
             raise GigatronError(f"--load {load}: the model has no linear layers to quantize")
-        info = {"method": method.name, "bits": method.bits, "group_size": group_size,
-                "algorithm": "gptq" if calibration else "rtn", **(calibration or {}),
-                "layers": layers}  # fmt: skip
+        if method.calibration and not calibration:
+            raise GigatronError(
+                f"--method {method.name}: calibrates on text; give --calib-data (and --calib-size)"
+            )
         calibrated = calibrate(model, method, group_size, **calibration) if calibration else None
+        info = _header(method, group_size, calibration, layers, calibrated)
         quantizer = Quantizer(method, group_size, calibrated)
         source = MappedSource(model.source, quantizer)
         quantized = dataclasses.replace(model, source=source,
@@ -142,11 +167,28 @@ def quantize_checkpoint(
             os.replace(tmp, save)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    groups = f"group size {group_size}" if group_size else f"per {method.weight_scales}"
     log(
-        f"quantized {len(layers)} linear layers ({method.name}, {info['algorithm']}, group size "
-        f"{group_size}) to {save}"
+        f"quantized {len(layers)} linear layers ({method.name}, {info['algorithm']}, {groups}) to {save}"
     )
     return save
+
+
+def _header(
+    method: Method, group_size: int | None, calibration: dict[str, Any] | None,
+    layers: list[str], calibrated: Calibrated | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The `quantization` entry of the checkpoint's header (and of quantized.safetensors)."""
+    info = {"method": method.name, "bits": method.bits, "group_size": group_size,
+            "algorithm": (method.calibration or "gptq") if calibration else "rtn",
+            "activation_bits": method.activation_bits, "number": method.number,
+            "weight_scales": method.weight_scales, **(calibration or {}), "layers": layers}  # fmt: skip
+    extra = calibrated.extra if calibrated else {}
+    if method.number == "float":  # static input scales, read at load time
+        info["input_scales"] = {layer: extra[f"{layer}.input_scale"].item() for layer in layers}
+    if calibrated and calibrated.kv_cache:  # static fp8 KV-cache scales, read at load time
+        info["kv_cache_scales"] = calibrated.kv_cache
+    return info
 
 
 def _save_packed(packed: dict[str, torch.Tensor], path: Path, info: dict[str, Any]) -> None:

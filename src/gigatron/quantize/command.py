@@ -1,6 +1,7 @@
 """`gigatron quantize`: its flags (parsed before torch is imported).
 
-gigatron quantize --load CKPT --method int8-weight|int4-weight [--group-size 128] --save OUT
+gigatron quantize --load CKPT --method METHOD [--group-size 128] --save OUT
+    [--calib-data DATA] [--hf-save DIR [--export-format compressed-tensors|trtllm]]
 """
 
 from __future__ import annotations
@@ -9,35 +10,56 @@ from collections.abc import Sequence
 from typing import Any
 
 from gigatron.config.parser import command_parser
+from gigatron.errors import GigatronError
 from gigatron.quantize.methods import METHODS
 
 
 def build_parser() -> Any:
     parser = command_parser(
         "quantize",
-        "Weight-only round-to-nearest quantization of a GPT/Llama checkpoint's linear layers "
-        "(symmetric, one scale per group of input features); writes a fake-quantized gigatron "
-        "checkpoint plus the packed codes and scales (docs/quantization.md).",
+        "Post-training quantization of a GPT/Llama (or hybrid Mamba) checkpoint's linear "
+        "layers: int8/int4 weights (round-to-nearest, GPTQ, AWQ), SmoothQuant W8A8 or fp8 "
+        "weights and inputs; writes a fake-quantized gigatron checkpoint plus the packed codes "
+        "and scales, and optionally a compressed-tensors or TensorRT-LLM export "
+        "(docs/quantization.md).",
     )
     add = parser.add_argument
     add("--load", required=True, help="gigatron checkpoint directory to quantize")
     add("--save", required=True, help="new directory to write the quantized checkpoint to")
     add("--method", required=True, choices=sorted(METHODS), help="quantization method")
-    add("--group-size", type=int, default=128, help="input features sharing one scale")
+    add(
+        "--group-size", type=int, default=None,
+        help="input features sharing one weight scale (default 128; int8-smoothquant has one "
+        "scale per output row and refuses it)",
+    )  # fmt: skip
     add("--ckpt-step", type=int, default=None, help="iteration to quantize (default: the latest)")
     add(
         "--calib-data", default=None,
-        help="calibrate with GPTQ on this text: JSON lines with a 'text' field, or a "
-        ".bin/.idx prefix of the model's tokenizer (default: round-to-nearest, no calibration)",
+        help="calibrate on this text (GPTQ; AWQ with --method int4-awq, which needs it): JSON "
+        "lines with a 'text' field, or a .bin/.idx prefix of the model's tokenizer (default: "
+        "round-to-nearest, no calibration)",
     )  # fmt: skip
     add("--calib-size", type=int, default=128, help="calibration windows of --seq-length tokens")
     add("--seed", type=int, default=1234, help="seed of the calibration windows' choice")
     add(
-        "--hf-save", default=None,
-        help="also export a Hugging Face folder in the compressed-tensors format here "
-        "(Llama, Mistral, Qwen2; transformers and vLLM load it) (default: no export)",
+        "--kv-cache-dtype", default=None, choices=["fp8"],
+        help="also quantize the KV cache: e4m3 keys and values, one static scale each per "
+        "attention from the calibration (needs --calib-data) (default: not quantized)",
     )  # fmt: skip
-    add("--max-shard-size", default="5GB", help="largest safetensors shard of --hf-save")
+    add(
+        "--hf-save", default=None,
+        help="also export the quantized model here, in --export-format (default: no export)",
+    )  # fmt: skip
+    add(
+        "--export-format", default=None, choices=["compressed-tensors", "trtllm"],
+        help="what --hf-save writes: a Hugging Face folder in the compressed-tensors format "
+        "(Llama, Mistral, Qwen2; transformers and vLLM load it; the default), or a "
+        "TensorRT-LLM checkpoint (Llama; trtllm-build builds it)",
+    )  # fmt: skip
+    add(
+        "--max-shard-size", default=None,
+        help="largest safetensors shard of a compressed-tensors --hf-save (default 5GB)",
+    )  # fmt: skip
     return parser
 
 
@@ -47,16 +69,41 @@ def main(argv: Sequence[str]) -> int:
     from gigatron.checkpoint.hf_convert import parse_size
     from gigatron.quantize.checkpoint import check_new_directory, quantize_checkpoint
     from gigatron.quantize.export import export_compressed, require_export_libraries
+    from gigatron.quantize.trtllm import export_trtllm
 
-    shard = parse_size(args.max_shard_size)
+    trtllm = _check_export_flags(args)
+    shard = parse_size(args.max_shard_size or "5GB")
     if args.hf_save:
         check_new_directory("--hf-save", args.hf_save)
-        require_export_libraries()
+        if not trtllm:
+            require_export_libraries()
     calibration = None
     if args.calib_data is not None:
         calibration = {"data": args.calib_data, "size": args.calib_size, "seed": args.seed}
+        if args.kv_cache_dtype:
+            calibration["kv_cache_dtype"] = args.kv_cache_dtype
     quantize_checkpoint(args.load, args.save, args.method, args.group_size, args.ckpt_step,
                         calibration=calibration)  # fmt: skip
-    if args.hf_save:
+    if args.hf_save and trtllm:
+        export_trtllm(args.save, args.hf_save)
+    elif args.hf_save:
         export_compressed(args.save, args.hf_save, shard)
     return 0
+
+
+def _check_export_flags(args: Any) -> bool:
+    """Whether the export is TensorRT-LLM's; refuses export flags that would go unused."""
+    if args.kv_cache_dtype and (args.calib_data is None or args.hf_save):
+        raise GigatronError(
+            f"--kv-cache-dtype {args.kv_cache_dtype}: needs --calib-data (its scales come from "
+            "the calibration) and no --hf-save (the exports carry no KV-cache scales yet)"
+        )
+    if args.export_format and not args.hf_save:
+        raise GigatronError(f"--export-format {args.export_format}: give --hf-save DIR too")
+    trtllm = args.export_format == "trtllm"
+    if args.max_shard_size and (trtllm or not args.hf_save):
+        raise GigatronError(
+            f"--max-shard-size {args.max_shard_size}: shards a compressed-tensors --hf-save "
+            "only (a TensorRT-LLM checkpoint is one rank0.safetensors); drop it"
+        )
+    return trtllm

@@ -1,6 +1,9 @@
 """Export of a quantized checkpoint as a Hugging Face folder in the compressed-tensors format
-(transformers and vLLM read it): "pack-quantized" (int8: four codes per int32, int4: eight),
-one scale per group, `quantization_config` in config.json, sharded safetensors.
+(transformers and vLLM read it): weight-only "pack-quantized" (int8: four codes per int32, int4:
+eight), one scale per group; W8A8 (SmoothQuant) "int-quantized" (int8 tensors), one scale per
+row, inputs quantized per token at run time; fp8 "float-quantized" (e4m3 tensors), one scale
+per row or tensor, a static input scale per layer; `quantization_config` in config.json,
+sharded safetensors.
 
 The gigatron export (checkpoint/hf_convert.py) writes the fake-quantized weights under Hugging
 Face's names, and once more a checkpoint whose linear weights are their scales repeated over each
@@ -14,6 +17,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,17 @@ from gigatron.quantize.checkpoint import MappedSource, check_new_directory, read
 from gigatron.quantize.rtn import quantized_layer
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")  # Llama-style: every linear layer an nn.Linear
-FORMATS = {8: "pack-quantized", 4: "pack-quantized"}  # vLLM reads weight-only ints so
+WEIGHT_ONLY_FORMAT = "pack-quantized"  # vLLM reads weight-only ints so
+W8A8_FORMAT = "int-quantized"  # int8 codes as int8 tensors (vLLM's W8A8 kernels)
+FP8_FORMAT = "float-quantized"  # e4m3 codes as float8_e4m3fn tensors
+# The Llama modules each gigatron linear layer becomes (by its name in a transformer layer).
+HF_MODULES = {
+    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attention.linear_proj": ("self_attn.o_proj",),
+    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.linear_fc2": ("mlp.down_proj",),
+}
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 WEIGHT_FILES = (".safetensors", ".safetensors.index.json")
 
 
@@ -42,7 +56,7 @@ def require_export_libraries() -> None:
         )
 
 
-def _scheme(bits: int, group_size: int) -> Any:
+def _scheme(info: dict[str, Any]) -> Any:
     # why: compressed-tensors is an optional dependency, needed by the export only
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -50,23 +64,36 @@ def _scheme(bits: int, group_size: int) -> Any:
         QuantizationScheme,
     )
 
-    weights = QuantizationArgs(
-        num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size
-    )
-    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    bits, group_size, activations = info["bits"], info["group_size"], None
+    if info.get("number") == "float":  # fp8: per-channel or per-tensor weights, static inputs
+        weights = QuantizationArgs(num_bits=bits, type="float", symmetric=True,
+                                   strategy=info["weight_scales"])  # fmt: skip
+        activations = QuantizationArgs(num_bits=info["activation_bits"], type="float",
+                                       symmetric=True, strategy="tensor", dynamic=False)  # fmt: skip
+    elif info.get("activation_bits"):  # W8A8: per-channel weights, per-token dynamic inputs
+        weights = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="channel")
+        activations = QuantizationArgs(num_bits=info["activation_bits"], type="int",
+                                       symmetric=True, strategy="token", dynamic=True)  # fmt: skip
+    else:
+        weights = QuantizationArgs(
+            num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group_size
+        )
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
     return QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
 
 
-def _scales_folder(load: Path, tmp: Path, group_size: int) -> Path:
+def _scales_folder(load: Path, tmp: Path) -> Path:
     """A Hugging Face folder whose quantized weights hold their scales, repeated over each
-    group (in the checkpoint's precision)."""
+    group or row (in the checkpoint's precision)."""
     packed, _ = read_packed(load)
 
     def expanded(name: str, tensor: torch.Tensor) -> torch.Tensor:
         layer = quantized_layer(name)
         if layer is None:
             return tensor
-        scales = packed[f"{layer}.weight_scale"].repeat_interleave(group_size, dim=1)
+        scales = packed[f"{layer}.weight_scale"]
+        scales = scales.repeat_interleave(tensor.shape[0] // scales.shape[0], dim=0)
+        scales = scales.repeat_interleave(tensor.shape[1] // scales.shape[1], dim=1)
         return scales.to(tensor.dtype)
 
     with read_gigatron(load) as model:
@@ -77,34 +104,67 @@ def _scales_folder(load: Path, tmp: Path, group_size: int) -> Path:
     return tmp / "scales-hf"
 
 
-def _set_scales(model: torch.nn.Module, scales_folder: Path, group_size: int) -> None:
-    """Each quantized linear layer's scales, from `scales_folder`; refused when the weight is
-    not its integer codes times them (a precision the export cannot keep)."""
+def _set_scales(model: torch.nn.Module, scales_folder: Path, integer: bool) -> None:
+    """Each quantized linear layer's scales (per group, row or tensor), from `scales_folder`;
+    integer codes: refused when the weight is not its codes times them (a precision the export
+    cannot keep)."""
     with SafetensorsFolder(scales_folder) as folder:
         for name, module in model.named_modules():
             if not (isinstance(module, torch.nn.Linear) and hasattr(module, "weight_scale")):
                 continue
-            scales = folder.tensor(f"{name}.weight")[:, ::group_size].to(torch.float32)
-            ratio = module.weight.detach().float() / scales.repeat_interleave(group_size, 1)
+            shape = module.weight_scale.shape
+            rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (1, 1)
+            full = folder.tensor(f"{name}.weight").to(torch.float32)
+            scales = full[:: full.shape[0] // rows, :: full.shape[1] // cols]
+            module.weight_scale.data = scales.reshape(shape).to(module.weight_scale.dtype)
+            if not integer:
+                continue
+            ratio = module.weight.detach().float() / full
             if (ratio - ratio.round()).abs().nan_to_num(0.0).max() > 0.05:
                 raise GigatronError(
                     f"{name}: its weights are not integer multiples of its scales in the "
                     "checkpoint's precision; export a float32 checkpoint"
                 )
-            module.weight_scale.data = scales.to(module.weight_scale.dtype)
 
 
-def _compress(plain: Path, scales: Path, out: Path, info: dict, shard: int | None) -> None:
+def _set_input_scales(model: torch.nn.Module, packed: dict[str, torch.Tensor]) -> None:
+    """Each fp8 layer's static input scale on the Hugging Face modules it became (q/k/v share
+    linear_qkv's input, gate/up linear_fc1's)."""
+    modules = dict(model.named_modules())
+    for key, scale in packed.items():
+        layer = key.removesuffix(".input_scale")
+        if layer == key:
+            continue
+        match = _LAYER.fullmatch(layer)
+        targets = HF_MODULES.get(match.group(2)) if match else None
+        if targets is None:
+            raise GigatronError(
+                f"{layer}: no Llama module of this name; the fp8 export takes the attention "
+                "and dense MLP layers of Llama-style models"
+            )
+        for target in targets:
+            module = modules[f"model.layers.{match.group(1)}.{target}"]
+            value = scale.reshape(module.input_scale.shape).to(module.input_scale.dtype)
+            module.input_scale.data = value.clone()  # a tensor each: shared ones are refused
+
+
+def _compress(
+    load: Path, plain: Path, scales: Path, out: Path, info: dict, shard: int | None
+) -> None:
     # why: transformers and compressed-tensors are heavy optional dependencies
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import apply_quantization_config
     from transformers import AutoModelForCausalLM
 
-    bits, group_size = info["bits"], info["group_size"]
     model = AutoModelForCausalLM.from_pretrained(plain, dtype="auto").eval()
-    apply_quantization_config(model, _scheme(bits, group_size), show_progress=False)
-    _set_scales(model, scales, group_size)
-    compressor = ModelCompressor.from_pretrained_model(model, FORMATS[bits])
+    apply_quantization_config(model, _scheme(info), show_progress=False)
+    _set_scales(model, scales, integer=info.get("number", "int") == "int")
+    if info.get("number") == "float":
+        _set_input_scales(model, read_packed(load)[0])
+        form = FP8_FORMAT
+    else:
+        form = W8A8_FORMAT if info.get("activation_bits") else WEIGHT_ONLY_FORMAT
+    compressor = ModelCompressor.from_pretrained_model(model, form)
     compressor.compress_model(model)
     model.save_pretrained(out, max_shard_size=shard or "5GB")
     compressor.update_config(str(out))
@@ -128,13 +188,13 @@ def export_compressed(
                 f"--load {load}: a '{model_type}' model; the compressed-tensors export takes "
                 f"{', '.join(MODEL_TYPES)} models (linear layers as nn.Linear)"
             )
-        scales = _scales_folder(load, tmp, info["group_size"])
-        _compress(tmp / "plain", scales, tmp / "out", info, max_shard_bytes)
+        scales = _scales_folder(load, tmp)
+        _compress(load, tmp / "plain", scales, tmp / "out", info, max_shard_bytes)
         for extra in (tmp / "plain").iterdir():  # tokenizer files
             if not extra.name.endswith(WEIGHT_FILES) and extra.name != "config.json":
                 shutil.copy2(extra, tmp / "out" / extra.name)
         os.replace(tmp / "out", save)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"exported {load} ({info['method']}, group size {info['group_size']}) to {save}")
+    log(f"exported {load} ({info['method']}) to {save}")
     return save

@@ -9,6 +9,7 @@ gives back the same codes and scales.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -16,8 +17,12 @@ import torch
 from gigatron.errors import GigatronError
 from gigatron.quantize.methods import Method
 
-# The linear layers of a transformer layer (attention, MLA projections, MLP): `linear_*` weights.
-_LINEAR = re.compile(r"(.*\.layers\.\d+\..*\blinear_[a-z0-9_]+)\.weight")
+# The linear layers of a decoder layer: `linear_*` weights (attention, MLA projections, MLP, MoE
+# experts: grouped [experts, out, in] or one per expert) and a Mamba mixer's in_proj / out_proj.
+_LINEAR = re.compile(
+    r"(.*\.layers\.\d+\..*\b(?:linear_[a-z0-9_]+|mixer\.in_proj|mixer\.out_proj))\.weight"
+)
+_MAMBA = re.compile(r".*\.mixer\.(?:in_proj|out_proj)")
 
 
 def quantized_layer(name: str) -> str | None:
@@ -27,17 +32,31 @@ def quantized_layer(name: str) -> str | None:
     return match.group(1) if match else None
 
 
-def check_shape(layer: str, shape: tuple[int, ...], group_size: int, method: Method) -> None:
-    """Refuse, naming the layer, a weight the method cannot take."""
-    if len(shape) != 2:
+def is_mamba_projection(layer: str) -> bool:
+    """Whether a quantized layer is a Mamba mixer's in_proj or out_proj."""
+    return _MAMBA.fullmatch(layer) is not None
+
+
+def check_shape(
+    layer: str, shape: tuple[int, ...], group_size: int, method: Method, calibrating: bool
+) -> None:
+    """Refuse, naming the layer, a weight the method (or a calibration) cannot take."""
+    if len(shape) not in (2, 3) or (calibrating and len(shape) == 3):
         raise GigatronError(
-            f"{layer}: a weight of shape {tuple(shape)}; --method {method.name} quantizes 2-D "
-            "linear weights only (grouped expert weights are not supported yet); quantize a "
-            "model without them"
+            f"{layer}: a weight of shape {tuple(shape)}; --method {method.name} "
+            f"{'with --calib-data ' if calibrating else ''}quantizes 2-D linear weights "
+            "(grouped [experts, out, in] expert weights by round-to-nearest only); quantize "
+            "with int8-weight or int4-weight without --calib-data"
         )
-    if shape[1] % group_size:
+    if calibrating and method.calibration and is_mamba_projection(layer):
         raise GigatronError(
-            f"{layer}: {shape[1]} input features are not divisible by --group-size "
+            f"{layer}: a Mamba mixer projection; --method {method.name} needs input scales "
+            "folded into (or inputs quantized before) the layer, not supported for Mamba "
+            "mixers; use int8-weight or int4-weight (GPTQ or round-to-nearest)"
+        )
+    if shape[-1] % group_size:
+        raise GigatronError(
+            f"{layer}: {shape[-1]} input features are not divisible by --group-size "
             f"{group_size}; give a group size that divides every linear layer's input size"
         )
 
@@ -45,22 +64,26 @@ def check_shape(layer: str, shape: tuple[int, ...], group_size: int, method: Met
 def quantize_weight(
     weight: torch.Tensor, method: Method, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes int8 [out, in], scales float32 [out, in / group_size]) of a 2-D weight."""
-    rows, cols = weight.shape
+    """(codes int8 [..., out, in], scales float32 [..., out, in / group_size]) of a weight
+    (2-D, or 3-D grouped experts: each expert's rows as a 2-D weight's)."""
+    *lead, cols = weight.shape
+    rows = math.prod(lead)
     groups = weight.detach().to(torch.float32).reshape(rows, cols // group_size, group_size)
     low, high = method.code_range
     scales = groups.abs().amax(dim=-1) / high
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.round(groups / safe[..., None]).clamp(low, high).to(torch.int8)
-    return codes.reshape(rows, cols), scales
+    return codes.reshape(*lead, cols), scales.reshape(*lead, cols // group_size)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes x scales, each scale repeated over its group, in `dtype`."""
-    rows, cols = codes.shape
-    group_size = cols // scales.shape[1]
-    groups = codes.to(torch.float32).reshape(rows, -1, group_size) * scales[..., None]
-    return groups.reshape(rows, cols).to(dtype)
+    *lead, cols = codes.shape
+    group_size = cols // scales.shape[-1]
+    flat = scales.reshape(-1, scales.shape[-1])
+    rows = math.prod(lead)
+    groups = codes.to(torch.float32).reshape(rows, -1, group_size) * flat[..., None]
+    return groups.reshape(*lead, cols).to(dtype)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

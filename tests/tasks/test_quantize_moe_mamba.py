@@ -1,0 +1,117 @@
+"""`gigatron quantize` beyond dense GPT layers: grouped MoE expert weights ([experts, out, in],
+round-to-nearest per expert) and a hybrid Mamba model's mixer in_proj / out_proj (GPTQ on
+calibration data); the fake-quantized checkpoints hold the codes' dequantization, and the
+combinations a method cannot take are refused naming the layer."""
+
+from __future__ import annotations
+
+import torch
+from task_helpers import model_flags
+
+from gigatron.checkpoint.torch_format import CHECKPOINT_FILENAME, safe_load, save_checkpoint
+from gigatron.cli import main as gigatron_main
+from gigatron.config import parse_config
+from gigatron.data.indexed import write_dataset
+from gigatron.models import build_model
+from gigatron.models.hybrid import build_model as build_hybrid
+from gigatron.parallel.context import ParallelContext
+from gigatron.quantize.awq import layer_error
+from gigatron.quantize.calibration import calibration_samples, collect_hessians
+from gigatron.quantize.checkpoint import read_packed
+from gigatron.quantize.methods import METHODS
+from gigatron.quantize.rtn import dequantize, quantize_weight, unpack_int4
+from gigatron.training.pretrain import parse_pretrain_config
+
+VOCAB, WINDOW = 96, 32
+HYBRID = [
+    "--hybrid-layer-pattern", "M*M-", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--mamba-state-dim", "16", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
+    "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope",
+    "--seq-length", str(WINDOW), "--max-position-embeddings", str(WINDOW), "--vocab-size",
+    str(VOCAB), "--make-vocab-size-divisible-by", "32", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--seed", "3",
+]  # fmt: skip
+
+
+def _saved(directory):
+    (path,) = directory.glob(f"iter_*/mp_rank_*/{CHECKPOINT_FILENAME}")
+    return safe_load(path)
+
+
+def _save(directory, cfg, chunk, family):
+    save_checkpoint(directory, 1, [chunk], None, None, ParallelContext.single(), cfg,
+                    extra={"gigatron_family": family})  # fmt: skip
+
+
+def test_grouped_expert_weights_round_to_nearest_per_expert(tmp_path, capsys):
+    cfg = parse_pretrain_config(
+        model_flags() + ["--num-experts", "4", "--moe-ffn-hidden-size", "64"], world_size=1
+    )
+    (chunk,) = build_model(cfg, ParallelContext.single(), vocab_size=50257)
+    _save(tmp_path / "ckpt", cfg, chunk, "gpt")
+    base = ["quantize", "--load", str(tmp_path / "ckpt"), "--method", "int4-weight",
+            "--group-size", "32"]  # fmt: skip
+    assert gigatron_main([*base, "--save", str(tmp_path / "int4")]) == 0
+    packed, info = read_packed(tmp_path / "int4")
+    state, original = _saved(tmp_path / "int4")["model"], chunk.state_dict()
+    layer = "decoder.layers.1.mlp.experts.linear_fc2"
+    assert layer in info["layers"]
+    weight = original[f"{layer}.weight"]
+    codes = unpack_int4(packed[f"{layer}.weight_packed"], 64)
+    assert codes.shape == (4, 64, 64) and packed[f"{layer}.weight_scale"].shape == (4, 64, 2)
+    for expert in range(4):  # each expert as a 2-D weight of its own
+        alone = quantize_weight(weight[expert], METHODS["int4-weight"], 32)
+        assert torch.equal(codes[expert], alone[0])
+    back = dequantize(codes, packed[f"{layer}.weight_scale"], weight.dtype)
+    assert torch.equal(state[f"{layer}.weight"], back)
+    assert torch.equal(state["decoder.layers.1.mlp.router.weight"],
+                       original["decoder.layers.1.mlp.router.weight"])  # fmt: skip
+    data = tmp_path / "calib"
+    write_dataset(data, [[list(range(50, 50 + 200))]])
+    argv = [*base, "--save", str(tmp_path / "gptq"), "--calib-data", str(data), "--calib-size", "2"]
+    assert gigatron_main(argv) == 2
+    assert "decoder.layers.0.mlp.experts.linear_fc1: a weight of shape (4, 64, 64)" in (
+        capsys.readouterr().err
+    )  # fmt: skip
+    assert not (tmp_path / "gptq").exists()
+
+
+def test_mamba_mixer_projections_take_gptq_and_refuse_awq(tmp_path, capsys):
+    cfg = parse_config(HYBRID)
+    (chunk,) = build_hybrid(cfg, ParallelContext.single(), vocab_size=VOCAB)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for param in chunk.parameters():
+            param.add_(torch.randn_like(param) * 0.2)
+    _save(tmp_path / "ckpt", cfg, chunk.eval(), "mamba")
+    generator = torch.Generator().manual_seed(0)
+    write_dataset(
+        tmp_path / "calib", [[torch.randint(0, VOCAB, (300,), generator=generator).tolist()]]
+    )
+    base = ["quantize", "--load", str(tmp_path / "ckpt"), "--group-size", "32", "--calib-data",
+            str(tmp_path / "calib"), "--calib-size", "4"]  # fmt: skip
+    assert gigatron_main([*base, "--method", "int4-weight", "--save", str(tmp_path / "gptq")]) == 0
+    packed, info = read_packed(tmp_path / "gptq")
+    state, original = _saved(tmp_path / "gptq")["model"], chunk.state_dict()
+    mixers = [layer for layer in info["layers"] if ".mixer." in layer]
+    assert mixers == [
+        f"decoder.layers.{i}.mixer.{p}" for i in (0, 2) for p in ("in_proj", "out_proj")
+    ]
+    hessians = collect_hessians(
+        chunk, calibration_samples(str(tmp_path / "calib"), None, WINDOW, 4, 1234)
+    )
+    for layer in mixers:
+        weight = original[f"{layer}.weight"]
+        codes = unpack_int4(packed[f"{layer}.weight_packed"], weight.shape[1])
+        ours = dequantize(codes, packed[f"{layer}.weight_scale"], torch.float32)
+        assert torch.equal(state[f"{layer}.weight"], ours)
+        rtn = dequantize(*quantize_weight(weight, METHODS["int4-weight"], 32), torch.float32)
+        errors = [layer_error(weight, w, hessians[layer]) for w in (ours, rtn)]
+        assert errors[0] < errors[1], layer  # GPTQ lowers the mixer's output error
+    conv = "decoder.layers.0.mixer.conv1d.weight"
+    assert torch.equal(state[conv], original[conv])  # not a linear layer: kept
+    assert gigatron_main([*base, "--method", "int4-awq", "--save", str(tmp_path / "awq")]) == 2
+    assert "decoder.layers.0.mixer.in_proj: a Mamba mixer projection; --method int4-awq" in (
+        capsys.readouterr().err
+    )  # fmt: skip
+    assert not (tmp_path / "awq").exists()

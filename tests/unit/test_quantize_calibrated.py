@@ -1,0 +1,351 @@
+"""`gigatron quantize --method int4-awq|int8-smoothquant` on a tiny random Llama (SwiGLU, RMSNorm,
+a few outlier input channels) calibrated on a .bin/.idx dataset: the codes reproducible bit for
+bit, each weight's error within half a (scaled) step; AWQ: each layer's output error on the
+calibration inputs at most round-to-nearest's, the folded model's logits equal to the unfolded
+hand model's; SmoothQuant: hand-computed smoothing scales, per-token int8 inputs; the
+compressed-tensors exports' logits in transformers equal to gigatron's fake-quantized ones."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from gigatron.checkpoint.hf_convert import hf_to_gigatron
+from gigatron.checkpoint.torch_format import safe_load
+from gigatron.cli import main as gigatron_main
+from gigatron.config import config_from_dict
+from gigatron.data.indexed import write_dataset
+from gigatron.errors import GigatronError
+from gigatron.families import get_family
+from gigatron.models.activation_quant import fake_quantize_tokens, quantize_linear_inputs
+from gigatron.parallel.context import ParallelContext
+from gigatron.quantize.awq import layer_error
+from gigatron.quantize.calibration import (
+    calibration_samples,
+    collect_hessians,
+    collect_statistics,
+)
+from gigatron.quantize.checkpoint import read_packed
+from gigatron.quantize.folding import check_foldable
+from gigatron.quantize.methods import METHODS
+from gigatron.quantize.rtn import dequantize, quantize_weight, unpack_int4
+from gigatron.quantize.trtllm import export_trtllm
+from hf_helpers import llama_gqa_config, randomise
+
+VOCAB, SEQ, GROUP, SIZE = 100, 16, 16, 8
+WINDOW = 64  # calibration window: the converted checkpoint's --seq-length (its context)
+OUTLIERS = [3, 17, 40]
+FP8 = ("fp8-channel", "fp8-tensor")  # input channels the norms make large: AWQ protects them
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("awq")
+    torch.manual_seed(3)
+    hf = transformers.AutoModelForCausalLM.from_config(llama_gqa_config(VOCAB))
+    randomise(hf, 0.1)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[OUTLIERS] = 8.0
+    hf.eval().save_pretrained(directory / "hf")
+    hf_to_gigatron(directory / "hf", directory / "ckpt", log=lambda _: None)
+    generator = torch.Generator().manual_seed(0)
+    documents = [[torch.randint(0, VOCAB, (200,), generator=generator).tolist()] for _ in range(4)]
+    write_dataset(directory / "calib", documents)
+    base = ["quantize", "--load", str(directory / "ckpt"), "--method", "int4-awq",
+            "--group-size", str(GROUP), "--calib-data", str(directory / "calib"),
+            "--calib-size", str(SIZE)]  # fmt: skip
+    assert gigatron_main([*base, "--save", str(directory / "a"),
+                          "--hf-save", str(directory / "a-hf")]) == 0  # fmt: skip
+    assert gigatron_main([*base, "--save", str(directory / "b")]) == 0
+    smooth = [*base[:3], "--method", "int8-smoothquant", *base[7:]]
+    assert gigatron_main([*smooth, "--save", str(directory / "sq"),
+                          "--hf-save", str(directory / "sq-hf")]) == 0  # fmt: skip
+    assert gigatron_main([*smooth, "--save", str(directory / "sq2")]) == 0
+    for name in FP8:
+        argv = [*base[:3], "--method", name, *base[7:], "--save", str(directory / name),
+                "--hf-save", str(directory / f"{name}-hf")]  # fmt: skip
+        assert gigatron_main(argv) == 0
+    return directory
+
+
+def _model(checkpoint, activations: bool = False):
+    state = safe_load(next(checkpoint.glob("*/mp_rank_00/model_optim_rng.pt")))
+    cfg = config_from_dict(state["args"])
+    (model,) = get_family("gpt").build_model(cfg, ParallelContext.single(), vocab_size=VOCAB)
+    model.load_state_dict(state["model"], strict=True)
+    if activations:  # as `generate`/`evaluate` load a W8A8 checkpoint (inference/load.py)
+        info = state["quantization"]
+        quantize_linear_inputs([model], info["layers"], info["activation_bits"], 1,
+                               static_scales=info.get("input_scales"))  # fmt: skip
+    return model.eval(), state
+
+
+def _effective(packed, layer, weight, key="awq_scale"):
+    """The weight the folded model computes with: Q(W s) / s, fc1's up rows times fc2's s."""
+    codes = packed[f"{layer}.weight_packed"]
+    codes = codes if key == "smooth_scale" else unpack_int4(codes, weight.shape[1])
+    effective = dequantize(codes, packed[f"{layer}.weight_scale"], torch.float32)
+    scale = packed.get(f"{layer}.{key}", torch.ones(weight.shape[1]))
+    effective = effective / scale
+    after = packed.get(f"{layer.removesuffix('fc1')}fc2.{key}")
+    if layer.endswith("linear_fc1") and after is not None:
+        effective[after.numel() :] *= after[:, None]
+    return effective, scale
+
+
+def test_awq_codes_are_reproducible_and_its_layer_errors_at_most_rtns(runs):
+    first, info = read_packed(runs / "a")
+    again, _ = read_packed(runs / "b")
+    assert info["algorithm"] == "awq" and info["size"] == SIZE
+    assert first.keys() == again.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)  # bit for bit
+    scaled = {k.removesuffix(".awq_scale") for k in first if k.endswith(".awq_scale")}
+    assert scaled == {f"decoder.layers.{i}.{n}" for i in (0, 1)
+                      for n in ("self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")}  # fmt: skip
+    model, state = _model(runs / "ckpt")
+    samples = calibration_samples(str(runs / "calib"), None, WINDOW, SIZE, 1234)
+    hessians = collect_hessians(model, samples)
+    original = model.state_dict()
+    for layer in info["layers"]:
+        weight = original[f"{layer}.weight"]
+        effective, scale = _effective(first, layer, weight)
+        if not layer.endswith("linear_fc1"):  # fc1's up rows also carry fc2's 1/s
+            step = first[f"{layer}.weight_scale"].repeat_interleave(GROUP, 1) / scale
+            assert ((weight - effective).abs() <= step / 2 + 1e-6).all(), layer
+        rtn = dequantize(*quantize_weight(weight, METHODS["int4-weight"], GROUP), torch.float32)
+        errors = [layer_error(weight, w, hessians[layer]) for w in (effective, rtn)]
+        if layer in scaled and not layer.endswith("linear_fc1"):
+            assert errors[0] < 0.9 * errors[1], layer  # the outlier channels are protected
+        elif layer not in scaled:
+            assert errors[0] == errors[1], layer  # s = 1: round-to-nearest
+
+
+def test_folded_checkpoint_computes_the_hand_model_and_transformers_the_same(runs):
+    packed, _ = read_packed(runs / "a")
+    fake, state = _model(runs / "a")
+    hand, _ = _model(runs / "ckpt")
+    weights = hand.state_dict()
+    for layer in state["quantization"]["layers"]:
+        weights[f"{layer}.weight"] = _effective(packed, layer, weights[f"{layer}.weight"])[0]
+    hand.load_state_dict(weights)
+    norm = "decoder.layers.0.input_layernorm.weight"
+    scale = packed["decoder.layers.0.self_attention.linear_qkv.awq_scale"]
+    assert torch.allclose(state["model"][norm] * scale, weights[norm], rtol=1e-6)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ).expand_as(tokens)
+    with torch.no_grad():
+        ours = fake(tokens, positions)[..., :VOCAB]
+        assert (hand(tokens, positions)[..., :VOCAB] - ours).abs().max() < 1e-4
+        exported = transformers.AutoModelForCausalLM.from_pretrained(runs / "a-hf").eval()
+        assert (exported(tokens).logits - ours).abs().max() < 1e-3
+        original = _model(runs / "ckpt")[0](tokens, positions)[..., :VOCAB]
+    assert (ours - original).abs().max() > 1e-2  # the quantization shows
+
+
+def test_awq_without_calibration_data_or_on_unfoldable_norms_is_refused(runs, capsys):
+    argv = ["quantize", "--load", str(runs / "ckpt"), "--save", str(runs / "refused"),
+            "--method", "int4-awq", "--group-size", str(GROUP)]  # fmt: skip
+    assert gigatron_main(argv) == 2
+    assert "--method int4-awq: calibrates on text; give --calib-data" in capsys.readouterr().err
+    assert not (runs / "refused").exists()
+    cfg = SimpleNamespace(apply_residual_connection_post_layernorm=True)
+    with pytest.raises(GigatronError, match="^--apply-residual-connection-post-layernorm: "):
+        check_foldable(cfg)
+
+
+# ---- SmoothQuant (W8A8) ---------------------------------------------------------------------
+def test_smoothquant_scales_codes_and_error_bound(runs):
+    first, info = read_packed(runs / "sq")
+    again, _ = read_packed(runs / "sq2")
+    assert info["algorithm"] == "smoothquant" and info["activation_bits"] == 8
+    assert info["group_size"] is None
+    assert all(torch.equal(first[k], again[k]) for k in first) and first.keys() == again.keys()
+    model, _ = _model(runs / "ckpt")
+    samples = calibration_samples(str(runs / "calib"), None, WINDOW, SIZE, 1234)
+    _, _, input_max = collect_statistics(model, samples)
+    original = model.state_dict()
+    for layer in info["layers"]:
+        weight = original[f"{layer}.weight"]
+        assert first[f"{layer}.weight_packed"].dtype == torch.int8
+        assert first[f"{layer}.weight_scale"].shape == (weight.shape[0], 1)  # one per row
+        if f"{layer}.smooth_scale" in first:  # s = sqrt(max |x_j| / max_i |W_ij|)
+            hand = (input_max[layer] / weight.abs().amax(dim=0).double()).sqrt().float()
+            assert torch.allclose(first[f"{layer}.smooth_scale"], hand, rtol=1e-5)
+        effective, scale = _effective(first, layer, weight, "smooth_scale")
+        if not layer.endswith("linear_fc1"):
+            step = first[f"{layer}.weight_scale"] / scale
+            assert ((weight - effective).abs() <= step / 2 + 1e-6).all(), layer
+    assert "decoder.layers.0.self_attention.linear_proj.smooth_scale" not in first  # s = 1
+
+
+def test_smoothquant_export_computes_gigatrons_per_token_int8_inputs(runs):
+    config = json.loads((runs / "sq-hf" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "int-quantized"
+    group = config["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "channel" and group["weights"]["num_bits"] == 8
+    inputs = group["input_activations"]
+    assert (inputs["strategy"], inputs["dynamic"], inputs["num_bits"]) == ("token", True, 8)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ).expand_as(tokens)
+    with torch.no_grad():
+        ours = _model(runs / "sq", activations=True)[0](tokens, positions)[..., :VOCAB]
+        weights_only = _model(runs / "sq")[0](tokens, positions)[..., :VOCAB]
+        exported = transformers.AutoModelForCausalLM.from_pretrained(runs / "sq-hf").eval()
+        assert (exported(tokens).logits - ours).abs().max() < 1e-3
+    assert (weights_only - ours).abs().max() > 1e-3  # the inputs are quantized too
+
+
+def test_per_token_fake_quantization_by_hand():
+    x = torch.tensor([[2.55, -1.0, 0.0], [0.0, 0.0, 0.0], [0.3, -0.11, 0.021]])
+    out = fake_quantize_tokens(x, 8)
+    step = 2.55 / 127.5  # max |x| / 127.5: the largest value rounds to 128, clamped to 127
+    assert out[0].tolist() == pytest.approx([127 * step, -50 * step, 0.0])
+    assert out[1].tolist() == [0.0, 0.0, 0.0]
+    assert out[2].tolist() == pytest.approx([127 * 0.3 / 127.5, -47 * 0.3 / 127.5, 9 * 0.3 / 127.5])
+    with pytest.raises(GigatronError, match="tensor-parallel 1"):
+        quantize_linear_inputs([torch.nn.Linear(2, 2)], [""], 8, 2)
+
+
+def test_smoothquant_refuses_a_group_size(runs, capsys):
+    argv = ["quantize", "--load", str(runs / "ckpt"), "--save", str(runs / "refused"),
+            "--method", "int8-smoothquant", "--group-size", "16"]  # fmt: skip
+    assert gigatron_main(argv) == 2
+    assert "--group-size 16: --method int8-smoothquant has one weight scale per output row" in (
+        capsys.readouterr().err
+    )  # fmt: skip
+    assert not (runs / "refused").exists()
+
+
+# ---- fp8 (e4m3 weights, static e4m3 inputs) -------------------------------------------------
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_codes_scales_and_input_scales(runs, name):
+    packed, info = read_packed(runs / name)
+    assert info["number"] == "float" and info["algorithm"] == "fp8"
+    model, _ = _model(runs / "ckpt")
+    samples = calibration_samples(str(runs / "calib"), None, WINDOW, SIZE, 1234)
+    _, _, input_max = collect_statistics(model, samples)
+    original = model.state_dict()
+    for layer in info["layers"]:
+        weight = original[f"{layer}.weight"]
+        codes, scales = packed[f"{layer}.weight_packed"], packed[f"{layer}.weight_scale"]
+        assert codes.dtype == torch.float8_e4m3fn
+        top = (
+            weight.abs().amax(dim=1, keepdim=True) if name == "fp8-channel" else weight.abs().max()
+        )
+        assert torch.equal(scales, (top / 448).reshape(scales.shape))  # max |w| lands on 448
+        assert scales.shape == ((weight.shape[0], 1) if name == "fp8-channel" else (1, 1))
+        back = codes.float() * scales
+        # e4m3: 3 mantissa bits (half a step: 2^-4 relative), subnormal steps 2^-9 x scale.
+        bound = torch.maximum(weight.abs() * 2**-4, scales * 2**-10)
+        assert ((weight - back).abs() <= bound * (1 + 1e-6)).all(), layer
+        expected = (input_max[layer].max() / 448).float()
+        assert packed[f"{layer}.input_scale"].item() == pytest.approx(expected.item(), rel=1e-6)
+        assert info["input_scales"][layer] == packed[f"{layer}.input_scale"].item()
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_fp8_export_loads_in_transformers_with_gigatrons_logits(runs, name):
+    config = json.loads((runs / f"{name}-hf" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "float-quantized"
+    group = config["config_groups"]["group_0"]
+    assert (group["weights"]["type"], group["weights"]["strategy"]) == ("float", name[4:])
+    inputs = group["input_activations"]
+    assert (inputs["type"], inputs["strategy"], inputs["dynamic"]) == ("float", "tensor", False)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ).expand_as(tokens)
+    with torch.no_grad():
+        ours = _model(runs / name, activations=True)[0](tokens, positions)[..., :VOCAB]
+        weights_only = _model(runs / name)[0](tokens, positions)[..., :VOCAB]
+        exported = transformers.AutoModelForCausalLM.from_pretrained(runs / f"{name}-hf").eval()
+        assert (exported(tokens).logits - ours).abs().max() < 1e-3
+    assert (weights_only - ours).abs().max() > 1e-3  # the inputs are quantized too
+
+
+# ---- TensorRT-LLM checkpoint ----------------------------------------------------------------
+def _trtllm_qkv(fused: torch.Tensor) -> torch.Tensor:
+    """Megatron's fused QKV rows (per key-value group: its 4 query heads, its key head, its value
+    head; head size 8) as TensorRT-LLM's [all q; all k; all v]."""
+    groups = fused.reshape(2, 6 * 8, *fused.shape[1:])
+    q, k, v = groups[:, : 4 * 8], groups[:, 4 * 8 : 5 * 8], groups[:, 5 * 8 :]
+    return torch.cat([part.reshape(-1, *fused.shape[1:]) for part in (q, k, v)])
+
+
+def _read_all(path):
+    with safe_open(str(path), framework="pt") as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}
+
+
+def test_trtllm_fp8_checkpoint_names_shapes_and_codes_by_hand(runs, capsys):
+    export_trtllm(runs / "fp8-tensor", runs / "trt-fp8", log=lambda _: None)
+    config = json.loads((runs / "trt-fp8" / "config.json").read_text())
+    assert config["architecture"] == "LlamaForCausalLM" and config["dtype"] == "float32"
+    assert config["quantization"]["quant_algo"] == "FP8"
+    expected = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_size": 8,
+                "intermediate_size": 96, "rotary_base": 500.0, "vocab_size": VOCAB}  # fmt: skip
+    assert {key: config[key] for key in expected} == expected
+    assert config["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
+    ours = _read_all(runs / "trt-fp8" / "rank0.safetensors")
+    packed, _ = read_packed(runs / "fp8-tensor")
+    state = _model(runs / "fp8-tensor")[1]["model"]
+    for i in (0, 1):
+        theirs, g = f"transformer.layers.{i}", f"decoder.layers.{i}"
+        codes = {n: packed[f"{g}.{n}.weight_packed"].float() for n in
+                 ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                  "mlp.linear_fc2")}  # fmt: skip
+        by_hand = {
+            "attention.qkv": (_trtllm_qkv(codes["self_attention.linear_qkv"]), "self_attention.linear_qkv"),
+            "attention.dense": (codes["self_attention.linear_proj"], "self_attention.linear_proj"),
+            "mlp.fc": (codes["mlp.linear_fc1"][:96], "mlp.linear_fc1"),  # gate: the activated half
+            "mlp.gate": (codes["mlp.linear_fc1"][96:], "mlp.linear_fc1"),  # up
+            "mlp.proj": (codes["mlp.linear_fc2"], "mlp.linear_fc2"),
+        }  # fmt: skip
+        for name, (weight, layer) in by_hand.items():
+            assert ours[f"{theirs}.{name}.weight"].dtype == torch.float8_e4m3fn
+            assert torch.equal(ours[f"{theirs}.{name}.weight"].float(), weight), name
+            assert torch.equal(ours[f"{theirs}.{name}.weights_scaling_factor"],
+                               packed[f"{g}.{layer}.weight_scale"].reshape(1))  # fmt: skip
+            assert torch.equal(ours[f"{theirs}.{name}.activation_scaling_factor"],
+                               packed[f"{g}.{layer}.input_scale"])  # fmt: skip
+        assert torch.equal(ours[f"{theirs}.post_layernorm.weight"],
+                           state[f"{g}.pre_mlp_layernorm.weight"])  # fmt: skip
+    assert torch.equal(ours["transformer.vocab_embedding.weight"],
+                       state["embedding.word_embeddings.weight"][:VOCAB])  # fmt: skip
+    assert torch.equal(ours["transformer.ln_f.weight"], state["decoder.final_layernorm.weight"])
+    with pytest.raises(GigatronError, match="^--export-format trtllm: --method fp8-channel"):
+        export_trtllm(runs / "fp8-channel", runs / "trt-refused")
+    assert not (runs / "trt-refused").exists()
+
+
+def test_trtllm_checkpoint_of_a_weight_only_method_holds_the_fake_quantized_weights(runs):
+    export_trtllm(runs / "a", runs / "trt-awq", log=lambda _: None)
+    config = json.loads((runs / "trt-awq" / "config.json").read_text())
+    assert config["quantization"]["quant_algo"] is None
+    ours = _read_all(runs / "trt-awq" / "rank0.safetensors")
+    state = _model(runs / "a")[1]["model"]
+    fused = state["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert torch.equal(ours["transformer.layers.1.attention.qkv.weight"], _trtllm_qkv(fused))
+    norm = state["decoder.layers.1.input_layernorm.weight"]  # AWQ's folded norm
+    assert torch.equal(ours["transformer.layers.1.input_layernorm.weight"], norm)
+
+
+def test_export_flags_that_would_go_unused_are_refused(runs, capsys):
+    base = ["quantize", "--load", str(runs / "ckpt"), "--save", str(runs / "unused"),
+            "--method", "int8-weight"]  # fmt: skip
+    assert gigatron_main([*base, "--export-format", "trtllm"]) == 2
+    assert "--export-format trtllm: give --hf-save DIR too" in capsys.readouterr().err
+    argv = [*base, "--hf-save", str(runs / "unused-hf"), "--export-format", "trtllm",
+            "--max-shard-size", "1GB"]  # fmt: skip
+    assert gigatron_main(argv) == 2
+    assert "--max-shard-size 1GB: shards a compressed-tensors --hf-save only" in (
+        capsys.readouterr().err
+    )  # fmt: skip
+    assert gigatron_main([*base, "--kv-cache-dtype", "fp8"]) == 2
+    assert "--kv-cache-dtype fp8: needs --calib-data" in capsys.readouterr().err
+    assert not (runs / "unused").exists() and not (runs / "unused-hf").exists()
