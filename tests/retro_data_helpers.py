@@ -8,6 +8,9 @@ import numpy as np
 
 from gigatron.config import GigatronConfig
 from gigatron.data.indexed import write_dataset
+from gigatron.data.retro.database import build_database
+from gigatron.data.retro.project import ProjectDir, write_json
+from gigatron.data.retro.store import ChunkDatabase
 from gigatron.data.tokenizers import GPT2BPETokenizer
 from helpers import DATA
 
@@ -57,3 +60,19 @@ def brute_force(database: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray
     """Ids of the k nearest database rows of each query by exact squared L2 distance."""
     distances = ((queries[:, None, :] - database[None, :, :]) ** 2).sum(-1)
     return np.argsort(distances, axis=1, kind="stable")[:, :k]
+
+
+def tiny_database(root: Path, seq_length: int, chunk_length: int, doc_block_size: int):
+    """(corpus prefix, tokenizer, project, database, bag-of-tokens embeddings of its chunks): a
+    Retro project over 40 WikiText-2 paragraphs, its chunk database built."""
+    prefix = write_corpus(root, 40)
+    tokenizer = gpt_tokenizer()
+    project = ProjectDir(root / "project")
+    write_json(project.config, {"seq_length": seq_length})
+    build_database(
+        project, [prefix], chunk_length, tokenizer.eod, tokenizer.detokenize,
+        lambda text: len(text.split()), doc_block_size=doc_block_size,
+    )  # fmt: skip
+    database = ChunkDatabase(project)
+    embeddings = bag_of_tokens([database.tokens(i) for i in range(len(database))])
+    return prefix, tokenizer, project, database, embeddings

@@ -98,18 +98,22 @@ class Trace(ScheduleObserver):
         self.timings.append((compute_s, recv_wait_s))
 
 
-def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses and final weights of the same training in one process without pipelining."""
-    cfg = parse_config(BASE_FLAGS, world_size=1)
+def reference_run(
+    flags=BASE_FLAGS, batches=None, iterations=ITERATIONS
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses and final weights of the same training in one process without pipelining
+    (`batches(iteration)`: the micro-batches of an iteration; default `microbatches`)."""
+    batches = batches or microbatches
+    cfg = parse_config(flags, world_size=1)
     pctx = ParallelContext.single()
     torch.manual_seed(0)
     (model,) = build_model(cfg, pctx)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS)
     losses = []
-    for iteration in range(ITERATIONS):
+    for iteration in range(iterations):
         optimizer.zero_grad()
         reports = forward_backward(
-            forward_step, iter(microbatches(iteration)), [model], MICROBATCHES, pctx,
+            forward_step, iter(batches(iteration)), [model], len(batches(iteration)), pctx,
             schedule_config(cfg),
         )  # fmt: skip
         losses.append(iteration_loss(reports))

@@ -31,6 +31,7 @@ from test_pipeline import (
     microbatches,
     schedule_config,
 )
+from test_pipeline import reference_run as pipeline_reference_run
 
 from gigatron.config import parse_config
 from gigatron.models import build_model
@@ -66,20 +67,7 @@ def batches(iteration: int) -> list[dict[str, torch.Tensor]]:
 
 
 def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
-    cfg = parse_config(FLAGS, world_size=1)
-    pctx = ParallelContext.single()
-    (model,) = build_model(cfg, pctx)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS)
-    losses = []
-    for iteration in range(ITERATIONS):
-        optimizer.zero_grad()
-        reports = forward_backward(
-            forward_step, iter(batches(iteration)), [model], MICROBATCHES, pctx,
-            schedule_config(cfg),
-        )  # fmt: skip
-        losses.append(iteration_loss(reports))
-        optimizer.step()
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    return pipeline_reference_run(FLAGS, batches, ITERATIONS)
 
 
 def run_layout(tp: int, pp: int, overlap_p2p: bool, reference) -> None:

@@ -12,19 +12,15 @@ from pathlib import Path
 import pytest
 
 from gigatron.data.gpt_dataset import build_gpt_datasets
-from gigatron.data.retro.database import build_database
-from gigatron.data.retro.project import ProjectDir, write_json
 from gigatron.data.retro.query import QuerySettings, query_split
 from gigatron.data.retro.samples import SampleChunks
-from gigatron.data.retro.store import ChunkDatabase
 from helpers import gigatron_runs, train_values
 from retro_data_helpers import (
     GPT_FILES,
     bag_of_tokens,
     brute_force,
     gpt_config,
-    gpt_tokenizer,
-    write_corpus,
+    tiny_database,
 )
 
 MODEL = [
@@ -56,16 +52,9 @@ GPT2 = [
 def build_project(root: Path) -> tuple[str, Path]:
     """A Retro project over 40 WikiText-2 paragraphs with exact (brute force) neighbours for the
     train samples of the run below (3 iterations of 4 samples)."""
-    prefix = write_corpus(root, 40)
-    tokenizer = gpt_tokenizer()
-    project = ProjectDir(root / "project")
-    write_json(project.config, {"seq_length": PROJECT_SEQ})
-    build_database(
-        project, [prefix], PROJECT_CHUNK, tokenizer.eod, tokenizer.detokenize,
-        lambda text: len(text.split()), doc_block_size=16,
-    )  # fmt: skip
-    database = ChunkDatabase(project)
-    embeddings = bag_of_tokens([database.tokens(i) for i in range(len(database))])
+    prefix, tokenizer, project, database, embeddings = tiny_database(
+        root, PROJECT_SEQ, PROJECT_CHUNK, doc_block_size=16
+    )
     cfg = gpt_config(prefix, PROJECT_SEQ, split="100,0,0")
     train, _, _ = build_gpt_datasets(cfg, tokenizer, (12, None, None))
     identity = {"db_identity": database.identity, "dataset_description": train.description}

@@ -4,9 +4,11 @@ to memorise a few LAMBADA passages), and the model they hold, in this process.""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from gigatron.checkpoint.torch_format import save_checkpoint
 from gigatron.data.tokenizers import build_tokenizer
@@ -14,6 +16,7 @@ from gigatron.families.gpt import token_losses
 from gigatron.models import build_model
 from gigatron.parallel.context import ParallelContext
 from gigatron.tasks.lambada import passage_sample, split_passage
+from gigatron.tasks.wikitext import wikitext_detokenize
 from gigatron.training.pretrain import parse_pretrain_config
 from helpers import DATA, LAMBADA
 
@@ -80,3 +83,15 @@ def memorise(chunk, tokenizer, texts: list[str], seq_length: int, steps: int = 2
         if loss.item() < 0.02:
             break
     chunk.eval()
+
+
+def window_perplexity(model, tokenizer, text: str) -> float:
+    """Perplexity of a one-chunk model over the detokenized WikiText `text`, in windows of SEQ."""
+    tokens = torch.tensor(tokenizer.tokenize(wikitext_detokenize(text)))
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(tokens) - 1, SEQ):
+            window = tokens[start : start + SEQ + 1]
+            logits = model(window[None, :-1], None)[0].float()
+            total += F.cross_entropy(logits, window[1:], reduction="sum").item()
+    return math.exp(total / (len(tokens) - 1))

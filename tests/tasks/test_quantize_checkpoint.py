@@ -5,12 +5,10 @@ nothing."""
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from task_helpers import SEQ, WIKITEXT, lambada_texts, save, tiny_model
+from task_helpers import SEQ, WIKITEXT, lambada_texts, save, tiny_model, window_perplexity
 
 from gigatron.checkpoint.torch_format import CHECKPOINT_FILENAME, safe_load
 from gigatron.cli import main as gigatron_main
@@ -18,7 +16,6 @@ from gigatron.quantize.calibration import calibration_samples, collect_hessians
 from gigatron.quantize.checkpoint import read_packed
 from gigatron.quantize.rtn import dequantize, unpack_int4
 from gigatron.tasks.evaluate import evaluate
-from gigatron.tasks.wikitext import wikitext_detokenize
 from helpers import write_jsonl
 
 LINEAR = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -91,17 +88,6 @@ def test_codes_scales_and_weights_equal_a_hand_dequantization(quantized, name):
                        original["embedding.word_embeddings.weight"])  # fmt: skip
 
 
-def _perplexity(model, tokenizer, text):
-    tokens = torch.tensor(tokenizer.tokenize(wikitext_detokenize(text)))
-    total = 0.0
-    with torch.no_grad():
-        for start in range(0, len(tokens) - 1, SEQ):
-            window = tokens[start : start + SEQ + 1]
-            logits = model(window[None, :-1], None)[0].float()
-            total += F.cross_entropy(logits, window[1:], reduction="sum").item()
-    return math.exp(total / (len(tokens) - 1))
-
-
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_fake_quantized_perplexity_equals_the_hand_dequantized_models(quantized, name):
     directory, tokenizer, chunk, wiki = quantized
@@ -110,10 +96,10 @@ def test_fake_quantized_perplexity_equals_the_hand_dequantized_models(quantized,
     result = evaluate(["--load", str(directory / name), "--device", "cpu", "--task",
                        "WIKITEXT103", "--valid-data", str(wiki), "--overlapping-eval", str(SEQ),
                        "--no-progress-bar"])  # fmt: skip
-    expected = _perplexity(hand_model(chunk, bits, group), tokenizer, text)
+    expected = window_perplexity(hand_model(chunk, bits, group), tokenizer, text)
     assert result["ppl"] == pytest.approx(expected, rel=1e-4)
     # The quantization changed the model: the original's perplexity differs.
-    assert _perplexity(chunk, tokenizer, text) != pytest.approx(expected, rel=1e-6)
+    assert window_perplexity(chunk, tokenizer, text) != pytest.approx(expected, rel=1e-6)
 
 
 def test_bad_inputs_are_refused_and_write_nothing(quantized, capsys):

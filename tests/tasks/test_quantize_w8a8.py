@@ -5,12 +5,9 @@ model's (the checkpoint's weights, inputs quantized by hand), not the weights-on
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
-from task_helpers import SEQ, WIKITEXT, lambada_texts, save, tiny_model
+from task_helpers import SEQ, WIKITEXT, lambada_texts, save, tiny_model, window_perplexity
 
 from gigatron.checkpoint.torch_format import CHECKPOINT_FILENAME, safe_load
 from gigatron.cli import main as gigatron_main
@@ -23,19 +20,7 @@ from gigatron.models.activation_quant import (
 from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.calibration import calibration_samples
 from gigatron.tasks.evaluate import evaluate
-from gigatron.tasks.wikitext import wikitext_detokenize
 from helpers import write_jsonl
-
-
-def _perplexity(model, tokenizer, text):
-    tokens = torch.tensor(tokenizer.tokenize(wikitext_detokenize(text)))
-    total = 0.0
-    with torch.no_grad():
-        for start in range(0, len(tokens) - 1, SEQ):
-            window = tokens[start : start + SEQ + 1]
-            logits = model(window[None, :-1], None)[0].float()
-            total += F.cross_entropy(logits, window[1:], reduction="sum").item()
-    return math.exp(total / (len(tokens) - 1))
 
 
 def test_evaluate_runs_a_w8a8_checkpoint_with_int8_inputs(tmp_path):
@@ -54,11 +39,11 @@ def test_evaluate_runs_a_w8a8_checkpoint_with_int8_inputs(tmp_path):
     state = safe_load(path)
     chunk.load_state_dict(state["model"])
     text = wiki.read_text(encoding="utf-8")
-    weights_only = _perplexity(chunk.eval(), tokenizer, text)
+    weights_only = window_perplexity(chunk.eval(), tokenizer, text)
     modules = dict(chunk.named_modules())
     for layer in state["quantization"]["layers"]:  # by hand: each input row to int8 codes
         modules[layer].register_forward_pre_hook(lambda _, x: (fake_quantize_tokens(x[0], 8),))
-    assert result["ppl"] == pytest.approx(_perplexity(chunk, tokenizer, text), rel=1e-5)
+    assert result["ppl"] == pytest.approx(window_perplexity(chunk, tokenizer, text), rel=1e-5)
     assert result["ppl"] != pytest.approx(weights_only, rel=1e-5)
 
 
@@ -100,7 +85,7 @@ def test_fp8_kv_cache_scales_from_calibration_and_evaluate(tmp_path):
     info = state["quantization"]
     quantize_linear_inputs([model], info["layers"], 8, 1, static_scales=info["input_scales"])
     text = wiki.read_text(encoding="utf-8")
-    without_kv = _perplexity(model.eval(), tokenizer, text)
+    without_kv = window_perplexity(model.eval(), tokenizer, text)
     for name, (key, value) in scales.items():  # e4m3 keys and values by hand
         dict(model.named_modules())[name].register_forward_pre_hook(
             lambda _, x, k=key, v=value: (
@@ -110,5 +95,5 @@ def test_fp8_kv_cache_scales_from_calibration_and_evaluate(tmp_path):
                 *x[3:],
             )  # fmt: skip
         )
-    assert result["ppl"] == pytest.approx(_perplexity(model, tokenizer, text), rel=1e-5)
+    assert result["ppl"] == pytest.approx(window_perplexity(model, tokenizer, text), rel=1e-5)
     assert result["ppl"] != pytest.approx(without_kv, rel=1e-6)

@@ -160,6 +160,14 @@ def test_awq_without_calibration_data_or_on_unfoldable_norms_is_refused(runs, ca
         check_foldable(cfg)
 
 
+def _weights_and_input_max(runs):
+    """The unquantized model's weights and each layer's input max |x| over the calibration set."""
+    model, _ = _model(runs / "ckpt")
+    samples = calibration_samples(str(runs / "calib"), None, WINDOW, SIZE, 1234)
+    _, _, input_max = collect_statistics(model, samples)
+    return model.state_dict(), input_max
+
+
 # ---- SmoothQuant (W8A8) ---------------------------------------------------------------------
 def test_smoothquant_scales_codes_and_error_bound(runs):
     first, info = read_packed(runs / "sq")
@@ -167,10 +175,7 @@ def test_smoothquant_scales_codes_and_error_bound(runs):
     assert info["algorithm"] == "smoothquant" and info["activation_bits"] == 8
     assert info["group_size"] is None
     assert all(torch.equal(first[k], again[k]) for k in first) and first.keys() == again.keys()
-    model, _ = _model(runs / "ckpt")
-    samples = calibration_samples(str(runs / "calib"), None, WINDOW, SIZE, 1234)
-    _, _, input_max = collect_statistics(model, samples)
-    original = model.state_dict()
+    original, input_max = _weights_and_input_max(runs)
     for layer in info["layers"]:
         weight = original[f"{layer}.weight"]
         assert first[f"{layer}.weight_packed"].dtype == torch.int8
@@ -228,10 +233,7 @@ def test_smoothquant_refuses_a_group_size(runs, capsys):
 def test_fp8_codes_scales_and_input_scales(runs, name):
     packed, info = read_packed(runs / name)
     assert info["number"] == "float" and info["algorithm"] == "fp8"
-    model, _ = _model(runs / "ckpt")
-    samples = calibration_samples(str(runs / "calib"), None, WINDOW, SIZE, 1234)
-    _, _, input_max = collect_statistics(model, samples)
-    original = model.state_dict()
+    original, input_max = _weights_and_input_max(runs)
     for layer in info["layers"]:
         weight = original[f"{layer}.weight"]
         codes, scales = packed[f"{layer}.weight_packed"], packed[f"{layer}.weight_scale"]

@@ -6,13 +6,19 @@ import numpy as np
 import pytest
 
 from gigatron.data.gpt_dataset import build_gpt_datasets
-from gigatron.data.retro.database import build_database
-from gigatron.data.retro.project import ProjectDir, write_json
+from gigatron.data.retro.project import ProjectDir
 from gigatron.data.retro.query import QuerySettings, query_split
 from gigatron.data.retro.samples import SampleChunks
-from gigatron.data.retro.store import ChunkDatabase, RetroNeighbourStore
+from gigatron.data.retro.store import RetroNeighbourStore
 from gigatron.errors import GigatronError
-from retro_data_helpers import bag_of_tokens, brute_force, gpt_config, gpt_tokenizer, write_corpus
+from retro_data_helpers import (
+    bag_of_tokens,
+    brute_force,
+    gpt_config,
+    gpt_tokenizer,
+    tiny_database,
+    write_corpus,
+)
 
 CHUNK, SEQ = 32, 128
 
@@ -20,17 +26,9 @@ CHUNK, SEQ = 32, 128
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     root = tmp_path_factory.mktemp("retro")
-    prefix = write_corpus(root, 40)
-    tokenizer = gpt_tokenizer()
-    project = ProjectDir(root / "project")
-    write_json(project.config, {"seq_length": SEQ})
-    build_database(
-        project, [prefix], CHUNK, tokenizer.eod, tokenizer.detokenize,
-        lambda text: len(text.split()), doc_block_size=7,
-    )  # fmt: skip
-    database = ChunkDatabase(project)
-    db_tokens = [database.tokens(i) for i in range(len(database))]
-    db_embeddings = bag_of_tokens(db_tokens)
+    prefix, tokenizer, project, database, db_embeddings = tiny_database(
+        root, SEQ, CHUNK, doc_block_size=7
+    )
     train, _, _ = build_gpt_datasets(gpt_config(prefix, SEQ), tokenizer, (20, 2, 0))
     chunks = SampleChunks(train, [prefix], SEQ, CHUNK)
     identity = {"db_identity": database.identity, "dataset_description": train.description}
