@@ -278,12 +278,30 @@ def describe_data_loader_failure(error: RuntimeError) -> DataLoaderFault | None:
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     if not text.startswith("DataLoader worker (pid"):
         return None
+    if "bus error" in text.lower():  # a fault reading a memory map: the file, not the memory
+        return DataLoaderFault(
+            f"a data-loader worker process died reading a memory-mapped data file "
+            f"({text.rstrip('. ')}): a .bin, .idx or index-cache file was truncated or became "
+            "unreadable (an I/O error) while the run read it. Restore the file, then resume "
+            "with --load (--num-workers 0 names the file)",
+            report_key="data-loader-fault",
+        )
     return DataLoaderFault(
         f"a data-loader worker process died ({text.rstrip('. ')}); it was killed, often by the "
         "out-of-memory killer. Checkpoints already in --save are kept: resume with --load, with "
         "fewer --num-workers if memory is short (--num-workers 0 reads in the main process)",
         report_key="data-loader-fault",
     )
+
+
+def worker_error_message(error: BaseException) -> str:
+    """The message of an error raised in a data-loader worker: torch raises it again in the main
+    process with the worker's whole traceback in the message; this keeps the original line."""
+    text = str(error)
+    if not text.startswith("Caught ") or "Original Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]  # "package.module.ErrorClass: the original message"
+    return last.partition(": ")[2] or last
 
 
 def name_distributed_failures(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

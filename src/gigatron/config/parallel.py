@@ -117,6 +117,18 @@ class ParallelConfig(Section):
         flag="--no-overlap-p2p-communication",
         store_false=True,
     )
+    inprocess_restart: bool = flag_field(
+        False,
+        "under torchrun: on a failed collective or an error in a training step, every rank "
+        "leaves its process groups, meets the others again and resumes from the newest "
+        "checkpoint in --save, in the same processes (docs/resilience.md)",
+    )
+    inprocess_max_iterations: Optional[int] = flag_field(
+        None, "in-process restarts at most", default_help="3"
+    )
+    inprocess_barrier_timeout: float = flag_field(
+        120, "seconds the ranks wait for each other to meet again after an in-process restart"
+    )
 
     def problems(self) -> list[str]:
         """Sizes, gradient reduction, overlap and the fully sharded data-parallel choices."""

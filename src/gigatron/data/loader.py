@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gigatron.errors import GigatronError
-from gigatron.faults import data_loader_worker_init
+from gigatron.faults import data_loader_worker_init, worker_error_message
 
 
 class PretrainingBatchSampler:
@@ -126,7 +126,7 @@ def build_data_iterator(
         data_parallel_rank,
     )
     if not cycle:
-        return iter(loader)
+        return _batches(loader)
     if len(loader.batch_sampler) == 0:  # type: ignore[arg-type]
         raise GigatronError(
             f"the dataset has {len(dataset)} samples, fewer than one micro-batch across all "
@@ -135,6 +135,15 @@ def build_data_iterator(
     return _cycle(loader)
 
 
+def _batches(loader: DataLoader) -> Iterator[dict[str, torch.Tensor]]:
+    """The loader's batches; a GigatronError raised in a worker process (a data file truncated
+    mid-run) keeps its one-line message instead of carrying the worker's traceback."""
+    try:
+        yield from loader
+    except GigatronError as error:
+        raise type(error)(worker_error_message(error)) from None
+
+
 def _cycle(loader: DataLoader) -> Iterator[dict[str, torch.Tensor]]:
     while True:
-        yield from loader
+        yield from _batches(loader)

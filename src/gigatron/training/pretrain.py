@@ -43,6 +43,7 @@ from gigatron.training.metrics import (
     gather_from_ranks,
     memory_footprint,
 )
+from gigatron.training.resilience_inprocess import abort_process_groups, restarting_in_process
 from gigatron.training.run import (
     RunParts,
     apply_thread_choice,
@@ -114,6 +115,22 @@ def pretrain(
     """Run pretraining for a validated config. Returns the result and, with `keep_model`, the
     unwrapped model chunks (quickstart samples from them); otherwise None.
     `evaluate_on_early_exit` validates once more when an exit condition stops the run."""
+    options = (stream, family, progress_bar, keep_model, evaluate_on_early_exit)
+    if not cfg.parallel.inprocess_restart:
+        return _pretrain_attempt(cfg, *options)
+    print_line = partial(print, file=stream or sys.stdout, flush=True)
+    return restarting_in_process(cfg, lambda c: _pretrain_attempt(c, *options), print_line)
+
+
+def _pretrain_attempt(
+    cfg: GigatronConfig,
+    stream: Any,
+    family: str | ModelFamily,
+    progress_bar: bool | None,
+    keep_model: bool,
+    evaluate_on_early_exit: bool,
+) -> tuple[TrainResult, Any]:
+    """One attempt of `pretrain` (in-process restarts make several)."""
     family = get_family(family) if isinstance(family, str) else family
     print_line = partial(print, file=stream or sys.stdout, flush=True)
     parts = build_run(cfg, family, print_line=print_line)
@@ -141,6 +158,10 @@ def pretrain(
             saver.close()  # the last checkpoint is complete before the run ends
             saver = None
         return result, ([m.module for m in parts.model] if keep_model else None)
+    except Exception:
+        if cfg.parallel.inprocess_restart:
+            abort_process_groups()  # the other ranks' collectives with this one fail now
+        raise
     finally:
         if saver is not None:
             saver.abandon()  # an error: the save in flight stays unpublished
