@@ -1,9 +1,14 @@
 """Data files that change under a running loader: one line naming the file, with and without
-worker processes; worker processes resume at the same sample as the main process."""
+worker processes; worker processes resume at the same sample as the main process; a process
+whose loader is still open at exit does not wait forever for its workers."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -90,3 +95,45 @@ def test_worker_error_messages():
         "memory-mapped data file (DataLoader worker (pid 42) is killed by signal: Bus error)"
         in (str(fault))
     )
+
+
+EXIT_WITH_AN_OPEN_LOADER = """
+import multiprocessing, sys
+from gigatron.data.loader import build_data_iterator
+
+class Samples:
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, k):
+        return {"tokens": k}
+
+iterator = build_data_iterator(Samples(), 2, 0, None, num_workers=1)
+next(iterator)
+print(multiprocessing.active_children()[0].pid, flush=True)
+sys.stdin.readline()  # meanwhile the test sends the worker a SIGTERM of its own
+print(next(iterator)["tokens"].tolist(), flush=True)
+# the interpreter exits with the loader open (as after an error): multiprocessing stops the
+# worker with SIGTERM and waits for it
+"""
+
+
+def test_a_worker_ignores_other_senders_sigterm_and_its_process_exits_with_the_loader_open():
+    process = subprocess.Popen(
+        [sys.executable, "-c", EXIT_WITH_AN_OPEN_LOADER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        worker = int(process.stdout.readline())
+        os.kill(worker, signal.SIGTERM)  # torchrun's SIGTERM to the process group: for the main
+        time.sleep(0.5)
+        process.stdin.write("\n")
+        process.stdin.flush()
+        assert process.stdout.readline().strip() == "[2, 3]"  # the worker still serves
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker, 0)
