@@ -1,5 +1,5 @@
 """--inprocess-restart's decisions: which faults restart, the bound, the resumed --load, the
-flags it needs, and the rejoin barrier naming the ranks that did not come back."""
+flags it needs, the active world size, and which processes count as dead."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import torch.distributed as dist
 from gigatron.config import GigatronConfig
 from gigatron.errors import GigatronError
 from gigatron.faults import DistributedFault
-from gigatron.parallel.context import wait_for_ranks
-from gigatron.training.resilience_inprocess import is_restartable, restarting_in_process
+from gigatron.training.resilience_inprocess import (
+    BeatWatch,
+    active_world_size,
+    is_restartable,
+    restarting_in_process,
+)
 
 
 def config(tmp_path, limit=None) -> GigatronConfig:
@@ -65,17 +69,32 @@ def test_an_input_error_is_not_retried_and_save_is_required(tmp_path, monkeypatc
     cfg.checkpoint.save = None
     with pytest.raises(GigatronError, match="--inprocess-restart: .* add --save DIR"):
         restarting_in_process(cfg, attempt, print)
+    cfg.checkpoint.save = str(tmp_path)
+    cfg.parallel.inprocess_heartbeat_timeout = 30
+    with pytest.raises(GigatronError, match="--inprocess-heartbeat-timeout 30: must exceed"):
+        restarting_in_process(cfg, attempt, print)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(GigatronError, match="launch with torchrun"):
         restarting_in_process(config(tmp_path), attempt, print)
 
 
-def test_the_rejoin_barrier_names_the_ranks_that_did_not_come():
-    store = dist.HashStore()
-    store.set("joined/2", "1")
-    with pytest.raises(GigatronError, match=r"ranks 1, 3 did not rejoin within 0.2 s"):
-        wait_for_ranks(store, 0, 4, 0.2)
-    for rank in (1, 3):
-        store.set(f"joined/{rank}", "1")
-    wait_for_ranks(store, 0, 4, 0.2)  # everyone: returns
+def test_the_active_world_size_leaves_the_other_processes_as_spares():
+    assert active_world_size(["--lr", "1e-3"], 5) == 5
+    assert active_world_size(["--inprocess-active-world-size", "4"], 5) == 4
+    assert active_world_size(["--inprocess-active-world-size=2"], 5) == 2
+    with pytest.raises(GigatronError, match="--inprocess-active-world-size 6: must be between 1"):
+        active_world_size(["--inprocess-active-world-size", "6"], 5)
+
+
+def test_a_process_is_dead_when_its_heartbeat_counter_stops(monkeypatch):
+    store, now = dist.HashStore(), [100.0]
+    monkeypatch.setattr("time.monotonic", lambda: now[0])
+    watch = BeatWatch(store, "p", 3, timeout_s=2.0)
+    assert watch.silent() == set()  # first look: every counter is new
+    now[0] += 1.5
+    store.add("p/beat/0", 1)
+    assert watch.silent() == set()
+    now[0] += 1.0  # rank 0 beat 1 s ago, ranks 1 and 2 not for 2.5 s
+    store.add("p/beat/2", 1)
+    assert watch.silent() == {1}

@@ -129,6 +129,18 @@ class ParallelConfig(Section):
     inprocess_barrier_timeout: float = flag_field(
         120, "seconds the ranks wait for each other to meet again after an in-process restart"
     )
+    inprocess_active_world_size: Optional[int] = flag_field(
+        None,
+        "with --inprocess-restart: processes that train; the other launched processes wait as "
+        "warm spares and replace ranks that die",
+        default_help="WORLD_SIZE",
+    )
+    inprocess_heartbeat_interval: float = flag_field(
+        30, "seconds between the heartbeats each process writes to the store (in-process restart)"
+    )
+    inprocess_heartbeat_timeout: float = flag_field(
+        60, "seconds without a heartbeat after which a process counts as dead (in-process restart)"
+    )
 
     def problems(self) -> list[str]:
         """Sizes, gradient reduction, overlap and the fully sharded data-parallel choices."""

@@ -18,7 +18,6 @@ import datetime
 import itertools
 import os
 import socket
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -387,52 +386,20 @@ def destroy(ctx: ParallelContext | None = None) -> None:
         dist.destroy_process_group()
 
 
-def init_default_group(
-    backend: str,
-    timeout: datetime.timedelta,
-    inprocess_round: int = 0,
-    join_timeout_s: float = 120.0,
-) -> None:
+def init_default_group(backend: str, timeout: datetime.timedelta) -> None:
     """The default process group from the launcher's environment. Under torchrun the keys go
     under a prefix of the restart round (TORCHELASTIC_RESTART_COUNT): the agent's store outlives
     a failed round, and workers of a new round must not read the dead round's addresses (Gloo
-    then connects to a process that is gone, or hangs). An in-process restart
-    (`inprocess_round` > 0) meets under a prefix of its own, waiting `join_timeout_s` at most."""
+    then connects to a process that is gone, or hangs)."""
     restart_round = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart_round is None:
         dist.init_process_group(backend=backend, timeout=timeout)
         return
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    prefix = f"gigatron/round{restart_round}"
-    if inprocess_round:
-        prefix += f"/inprocess{inprocess_round}"
-    store = dist.PrefixStore(prefix, store)
-    if inprocess_round:
-        wait_for_ranks(store, rank, world_size, join_timeout_s)
+    store = dist.PrefixStore(f"gigatron/round{restart_round}", store)
     dist.init_process_group(
         backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
     )
-
-
-def wait_for_ranks(store: Any, rank: int, world_size: int, timeout_s: float) -> None:
-    """Check in under `store` and wait until every rank has; a GigatronError naming the ranks
-    that did not come within `timeout_s` (dead, or still stuck in the failed collective)."""
-    store.set(f"joined/{rank}", "1")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        missing = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
-        if not missing:
-            return
-        if time.monotonic() > deadline:
-            label = "rank" if len(missing) == 1 else "ranks"
-            raise GigatronError(
-                f"in-process restart: {label} {', '.join(map(str, missing))} did not rejoin "
-                f"within {timeout_s:g} s (--inprocess-barrier-timeout): a process that died or "
-                "hangs cannot be replaced in-process; the run stops here and the newest "
-                "checkpoint in --save is kept (resume with --load, or launch with torchrun "
-                "--max-restarts to restart every process)"
-            )
-        time.sleep(0.05)
 
 
 def run_distributed(

@@ -33,6 +33,7 @@ from gigatron.faults import RestartLedger, name_distributed_failures
 from gigatron.models.embedding import resolve_vocab_size
 from gigatron.models.flops import device_peak_flops, precision_name
 from gigatron.models.moe.spec import MoESpec
+from gigatron.parallel.data_parallel import DistributedDataParallel
 from gigatron.parallel.schedules import ScheduleConfig
 from gigatron.training.loop import Run, TrainResult, TrainState, train
 from gigatron.training.metrics import (
@@ -43,7 +44,11 @@ from gigatron.training.metrics import (
     gather_from_ranks,
     memory_footprint,
 )
-from gigatron.training.resilience_inprocess import abort_process_groups, restarting_in_process
+from gigatron.training.resilience_inprocess import (
+    abort_process_groups,
+    active_world_size,
+    restarting_in_process,
+)
 from gigatron.training.run import (
     RunParts,
     apply_thread_choice,
@@ -66,6 +71,7 @@ def parse_pretrain_config(
     """Flags of `gigatron pretrain <family>`, validated for a training run."""
     family = get_family(family) if isinstance(family, str) else family
     world_size = launch_world_size() if world_size is None else world_size
+    world_size = active_world_size(argv, world_size)  # in-process restart's spares do not train
     # A Megatron-LM checkpoint under --load gives the model shape the flags leave out.
     cfg = parse_config_with_checkpoint_args(
         list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size
@@ -160,6 +166,9 @@ def _pretrain_attempt(
         return result, ([m.module for m in parts.model] if keep_model else None)
     except Exception:
         if cfg.parallel.inprocess_restart:
+            for chunk in parts.model:
+                if isinstance(chunk, DistributedDataParallel):
+                    chunk.release()  # its hooks kept the failed groups open
             abort_process_groups()  # the other ranks' collectives with this one fail now
         raise
     finally:
