@@ -1,10 +1,11 @@
 """In-process restart (`--inprocess-restart`): when a training step fails on one rank (an error
 raised there, or a collective that timed out or lost its peer), every rank leaves its process
-groups, the ranks meet again through the launcher's store under a new prefix, rebuild the run
+groups, the live processes meet again through the launch's store in a new round, rebuild the run
 from the newest checkpoint in --save and continue, in the same processes (no launcher restart,
-no new Python start-up). Bounded by --inprocess-max-iterations restarts. A process that died
-cannot be replaced this way: the others stop after --inprocess-barrier-timeout naming it (under
-torchrun the agent already stops them when a worker exits; docs/resilience.md)."""
+no new Python start-up). Bounded by --inprocess-max-iterations restarts. Processes beyond
+--inprocess-active-world-size wait as warm spares and take the place of processes that died
+(found by their silent heartbeats), under a launcher that keeps the survivors running (torchrun's
+agent stops them all when a worker exits; docs/resilience.md)."""
 
 from __future__ import annotations
 
@@ -137,11 +138,9 @@ def _leave_groups() -> None:
 
 
 def abort_process_groups() -> None:
-    """Close every process group of this rank at once, so that the other ranks waiting in a
-    collective on it fail now instead of at --distributed-timeout-minutes. A destroyed Gloo group
-    closes its connections only when the last reference goes, and the failed step's model still
-    holds its groups; torch's abort closes them regardless (a private torch function, hence the
-    fallback to the plain destroy)."""
+    """Abort every process group of this rank (NCCL: its communicators end now), else destroy
+    them. torch's abort (a private torch function, hence the fallback) does nothing for Gloo: a
+    Gloo group closes its connections only when its last reference goes (`_leave_groups`)."""
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
