@@ -81,10 +81,13 @@ def test_an_input_error_is_not_retried_and_save_is_required(tmp_path, monkeypatc
 
 def test_the_active_world_size_leaves_the_other_processes_as_spares():
     assert active_world_size(["--lr", "1e-3"], 5) == 5
-    assert active_world_size(["--inprocess-active-world-size", "4"], 5) == 4
-    assert active_world_size(["--inprocess-active-world-size=2"], 5) == 2
+    restart = ["--inprocess-restart"]
+    assert active_world_size([*restart, "--inprocess-active-world-size", "4"], 5) == 4
+    assert active_world_size(["--inprocess-active-world-size=2", *restart], 5) == 2
     with pytest.raises(GigatronError, match="--inprocess-active-world-size 6: must be between 1"):
-        active_world_size(["--inprocess-active-world-size", "6"], 5)
+        active_world_size([*restart, "--inprocess-active-world-size", "6"], 5)
+    with pytest.raises(GigatronError, match="only with --inprocess-restart; add it"):
+        active_world_size(["--inprocess-active-world-size", "4"], 5)
 
 
 def test_a_process_is_dead_when_its_heartbeat_counter_stops(monkeypatch):

@@ -70,9 +70,16 @@ def active_world_size(argv: Sequence[str], world_size: int) -> int:
     checks the parallel layout against it."""
     reader = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     reader.add_argument("--inprocess-active-world-size", type=int, default=None)
-    active = reader.parse_known_args(list(argv))[0].inprocess_active_world_size
+    reader.add_argument("--inprocess-restart", action="store_true")
+    flags = reader.parse_known_args(list(argv))[0]
+    active = flags.inprocess_active_world_size
     if active is None:
         return world_size
+    if not flags.inprocess_restart:
+        raise GigatronError(
+            f"--inprocess-active-world-size {active}: spares replace ranks only with "
+            "--inprocess-restart; add it, or launch only the processes that train"
+        )
     if not 1 <= active <= world_size:
         raise GigatronError(
             f"--inprocess-active-world-size {active}: must be between 1 and the {world_size} "
