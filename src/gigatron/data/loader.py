@@ -135,7 +135,9 @@ def build_data_iterator(
         data_parallel_rank,
     )
     if not cycle:
-        return _batches(loader)
+        # iter() now, not at the first batch: it draws the loader's seed from torch's generator,
+        # and a later draw would change the random stream of the model (dropout).
+        return _batches(iter(loader))
     if len(loader.batch_sampler) == 0:  # type: ignore[arg-type]
         raise GigatronError(
             f"the dataset has {len(dataset)} samples, fewer than one micro-batch across all "
@@ -144,15 +146,15 @@ def build_data_iterator(
     return _cycle(loader)
 
 
-def _batches(loader: DataLoader) -> Iterator[dict[str, torch.Tensor]]:
+def _batches(batches: Iterator[Any]) -> Iterator[dict[str, torch.Tensor]]:
     """The loader's batches; a GigatronError raised in a worker process (a data file truncated
     mid-run) keeps its one-line message instead of carrying the worker's traceback."""
     try:
-        yield from loader
+        yield from batches
     except GigatronError as error:
         raise type(error)(worker_error_message(error)) from None
 
 
 def _cycle(loader: DataLoader) -> Iterator[dict[str, torch.Tensor]]:
     while True:
-        yield from _batches(loader)
+        yield from _batches(iter(loader))
