@@ -7,22 +7,25 @@
   run's key-value store (torchrun's, or torch.distributed's).
 - A collective that times out (`--distributed-timeout-minutes`) or loses its peer becomes a
   `DistributedFault` naming the collective, the group and the ranks that did not answer.
-- Data-loader workers ignore SIGTERM (torchrun sends it to each worker's whole process group;
-  the main process saves a checkpoint with `--exit-signal-handler` and then stops its workers) and
-  die with their main process, quietly, instead of printing connection errors when it is gone.
+- Data-loader workers ignore SIGTERM from anyone but their main process (torchrun sends it to
+  each worker's whole process group; the main process saves a checkpoint with
+  `--exit-signal-handler` and then stops its workers, also at exit) and die with their main
+  process, quietly, instead of printing connection errors when it is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import re
 import signal
 import sys
+import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from gigatron.errors import GigatronError
@@ -278,12 +281,30 @@ def describe_data_loader_failure(error: RuntimeError) -> DataLoaderFault | None:
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     if not text.startswith("DataLoader worker (pid"):
         return None
+    if "bus error" in text.lower():  # a fault reading a memory map: the file, not the memory
+        return DataLoaderFault(
+            f"a data-loader worker process died reading a memory-mapped data file "
+            f"({text.rstrip('. ')}): a .bin, .idx or index-cache file was truncated or became "
+            "unreadable (an I/O error) while the run read it. Restore the file, then resume "
+            "with --load (--num-workers 0 names the file)",
+            report_key="data-loader-fault",
+        )
     return DataLoaderFault(
         f"a data-loader worker process died ({text.rstrip('. ')}); it was killed, often by the "
         "out-of-memory killer. Checkpoints already in --save are kept: resume with --load, with "
         "fewer --num-workers if memory is short (--num-workers 0 reads in the main process)",
         report_key="data-loader-fault",
     )
+
+
+def worker_error_message(error: BaseException) -> str:
+    """The message of an error raised in a data-loader worker: torch raises it again in the main
+    process with the worker's whole traceback in the message; this keeps the original line."""
+    text = str(error)
+    if not text.startswith("Caught ") or "Original Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]  # "package.module.ErrorClass: the original message"
+    return last.partition(": ")[2] or last
 
 
 def name_distributed_failures(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -333,10 +354,48 @@ def _quiet_when_the_main_process_is_gone(previous: Callable[..., Any]) -> Callab
     return hook
 
 
+@contextlib.contextmanager
+def sigterm_blocked() -> Iterator[None]:
+    """SIGTERM held back in this thread (delivered when the block ends): processes forked in
+    the block start with it blocked in all their threads."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _end_on_the_parents_sigterm(parent_pid: int) -> None:
+    """SIGTERM from the main process ends this worker; from anyone else it is ignored.
+
+    torchrun signals each worker's whole process group: that SIGTERM is for the main process,
+    which saves (--exit-signal-handler) and then stops its workers itself. The main process
+    stops them with SIGTERM too (torch's loader after a short wait, and multiprocessing at
+    interpreter exit, which then waits for them): a worker that ignored every SIGTERM would hang
+    its main process at exit whenever a loader was still open. The sender is known only to
+    sigwaitinfo, so SIGTERM must be blocked in every thread of the worker (`sigterm_blocked`
+    around the fork: torch starts threads before this runs) and a watcher thread takes it; the
+    no-op handler keeps a thread that does not block it from ending the worker."""
+    if not hasattr(signal, "sigwaitinfo"):  # not on macOS: ignore all, as torchrun's matter more
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads torch starts later
+
+    def watch() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent_pid:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="gigatron-worker-sigterm", daemon=True).start()
+
+
 def data_loader_worker_init(parent_pid: int, worker_id: int) -> None:
     """`worker_init_fn` of gigatron's data loaders (bind `parent_pid` with functools.partial)."""
-    # SIGTERM is for the main process: it saves (--exit-signal-handler) and stops its workers.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _end_on_the_parents_sigterm(parent_pid)
     # multiprocessing's resource sharer (tensors sent to the main process) reports through this.
     sys.excepthook = _quiet_when_the_main_process_is_gone(sys.excepthook)
     _die_with_parent(parent_pid)

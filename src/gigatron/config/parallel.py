@@ -125,6 +125,30 @@ class ParallelConfig(Section):
         flag="--no-overlap-p2p-communication",
         store_false=True,
     )
+    inprocess_restart: bool = flag_field(
+        False,
+        "under torchrun: on a failed collective or an error in a training step, every rank "
+        "leaves its process groups, meets the others again and resumes from the newest "
+        "checkpoint in --save, in the same processes (docs/resilience.md)",
+    )
+    inprocess_max_iterations: Optional[int] = flag_field(
+        None, "in-process restarts at most", default_help="3"
+    )
+    inprocess_barrier_timeout: float = flag_field(
+        120, "seconds the ranks wait for each other to meet again after an in-process restart"
+    )
+    inprocess_active_world_size: Optional[int] = flag_field(
+        None,
+        "with --inprocess-restart: processes that train; the other launched processes wait as "
+        "warm spares and replace ranks that die",
+        default_help="WORLD_SIZE",
+    )
+    inprocess_heartbeat_interval: float = flag_field(
+        30, "seconds between the heartbeats each process writes to the store (in-process restart)"
+    )
+    inprocess_heartbeat_timeout: float = flag_field(
+        60, "seconds without a heartbeat after which a process counts as dead (in-process restart)"
+    )
 
     def problems(self) -> list[str]:
         """Sizes, gradient reduction, overlap and the fully sharded data-parallel choices."""

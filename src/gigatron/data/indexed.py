@@ -8,6 +8,7 @@ so opening a dataset costs no more than reading its header.
 from __future__ import annotations
 
 import difflib
+import mmap
 import os
 import shutil
 import struct
@@ -155,11 +156,13 @@ class IndexedDataset(DocumentTable):
         idx_path = index_file_path(self.prefix)
         sequence_count, document_count = self._read_header(idx_path)
 
+        self._idx_map = _map_file(idx_path)
+        self._mapped_sizes = [(idx_path, self._idx_map, os.path.getsize(idx_path))]
+
         def view(dtype: str, count: int, offset: int) -> np.ndarray:
             if count == 0:
                 return np.zeros(0, dtype=dtype)
-            mapped = np.memmap(idx_path, dtype=dtype, mode="r", offset=offset, shape=(count,))
-            return mapped.view(np.ndarray)  # a plain read-only array; the map stays its base
+            return np.frombuffer(self._idx_map, dtype=dtype, count=count, offset=offset)
 
         offset = HEADER_SIZE
         self._sequence_lengths = view("<i4", sequence_count, offset)
@@ -251,8 +254,9 @@ class IndexedDataset(DocumentTable):
         if bin_size == 0:
             self._tokens = np.zeros(0, dtype=self._dtype.newbyteorder("<"))
         else:
-            mapped = np.memmap(bin_path, dtype=self._dtype.newbyteorder("<"), mode="r")
-            self._tokens = mapped.view(np.ndarray)
+            bin_map = _map_file(bin_path)
+            self._mapped_sizes.append((bin_path, bin_map, bin_size))
+            self._tokens = np.frombuffer(bin_map, dtype=self._dtype.newbyteorder("<"))
 
     @property
     def dtype(self) -> np.dtype:
@@ -278,8 +282,21 @@ class IndexedDataset(DocumentTable):
             )
         return index % count
 
+    def _check_files_unchanged(self) -> None:
+        """Stop with the file's name when a mapped file changed size since it was opened: reading
+        a truncated map would kill the process (SIGBUS) instead of raising an error."""
+        for path, mapping, size in self._mapped_sizes:
+            current = mapping.size()  # one fstat of the map's own descriptor
+            if current != size:
+                raise GigatronError(
+                    f"{path}: its size changed from {size} to {current} bytes while the run "
+                    "was reading it (truncated or rewritten in place); restore the file, then "
+                    "resume from the last checkpoint with --load"
+                )
+
     def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens `offset : offset + length` of sequence `index` (to its end when length is None)."""
+        self._check_files_unchanged()
         index = self._check_index(int(index))
         sequence_length = int(self._sequence_lengths[index])
         if length is None:
@@ -479,6 +496,12 @@ class IndexedDatasetBuilder:
         if not self._bin.closed:
             self._bin.close()
         _remove_quietly(self._tmp_bin_path)
+
+
+def _map_file(path: str) -> mmap.mmap:
+    """A read-only map of the whole file (its `size()` is the file's current size)."""
+    with open(path, "rb") as stream:
+        return mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 def _remove_quietly(path: str) -> None:

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from gigatron.errors import GigatronError
-from gigatron.faults import data_loader_worker_init
+from gigatron.faults import data_loader_worker_init, sigterm_blocked, worker_error_message
 
 
 class PretrainingBatchSampler:
@@ -62,6 +62,15 @@ class PretrainingBatchSampler:
             yield list(range(start + first, start + first + self.micro_batch_size))
 
 
+class _Loader(DataLoader):
+    """A DataLoader whose worker processes start with SIGTERM blocked in every thread, so that
+    they can tell their main process's SIGTERM from torchrun's (faults.data_loader_worker_init)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        with sigterm_blocked():  # the workers are forked here
+            return super().__iter__()
+
+
 def build_data_loader(
     dataset: Sized,
     micro_batch_size: int,
@@ -73,15 +82,15 @@ def build_data_loader(
 ) -> DataLoader:
     """A torch DataLoader over this rank's micro-batches (tensors stacked by default_collate).
 
-    Worker processes ignore SIGTERM (the main process handles it and stops them) and die with the
-    main process (see gigatron/faults.py).
+    Worker processes ignore SIGTERM but their main process's (which handles it and stops them,
+    also at exit) and die with the main process (see gigatron/faults.py).
     """
     dp_size = data_parallel_size if data_parallel_size is not None else _pctx(pctx, "dp_size")
     dp_rank = data_parallel_rank if data_parallel_rank is not None else _pctx(pctx, "dp_rank")
     sampler = PretrainingBatchSampler(
         len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size
     )
-    return DataLoader(
+    return _Loader(
         dataset,  # type: ignore[arg-type]
         batch_sampler=sampler,
         num_workers=num_workers,
@@ -112,7 +121,9 @@ def build_data_iterator(
         return None
     loader = build_data_loader(dataset, *loader_args, **loader_kwargs)
     if not cycle:
-        return iter(loader)
+        # iter() now, not at the first batch: it draws the loader's seed from torch's generator,
+        # and a later draw would change the random stream of the model (dropout).
+        return _batches(iter(loader))
     if len(loader.batch_sampler) == 0:  # type: ignore[arg-type]
         raise GigatronError(
             f"the dataset has {len(dataset)} samples, fewer than one micro-batch across all "
@@ -121,6 +132,15 @@ def build_data_iterator(
     return _cycle(loader)
 
 
+def _batches(batches: Iterator[Any]) -> Iterator[dict[str, torch.Tensor]]:
+    """The loader's batches; a GigatronError raised in a worker process (a data file truncated
+    mid-run) keeps its one-line message instead of carrying the worker's traceback."""
+    try:
+        yield from batches
+    except GigatronError as error:
+        raise type(error)(worker_error_message(error)) from None
+
+
 def _cycle(loader: DataLoader) -> Iterator[dict[str, torch.Tensor]]:
     while True:
-        yield from loader
+        yield from _batches(iter(loader))

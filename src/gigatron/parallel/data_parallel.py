@@ -267,6 +267,18 @@ class DistributedDataParallel(ChunkWrapper):
                         submodule.register_forward_pre_hook(self._wait_param_gather)
                     )
 
+    def release(self) -> None:
+        """Remove the gradient hooks and forget the process groups and pending collectives: a
+        failed run's Gloo groups then close their connections as soon as the run's objects go
+        (in-process restart), so that peers still waiting on this rank fail at once."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        for buffer in self.buffers_:
+            buffer.group = None
+            for bucket in buffer.buckets:
+                bucket.reduce_handle = bucket.gather_handle = None
+
     # ---- transparency (attribute reads go to .module: ChunkWrapper) ----------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

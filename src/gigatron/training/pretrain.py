@@ -33,6 +33,7 @@ from gigatron.faults import RestartLedger, name_distributed_failures
 from gigatron.models.embedding import resolve_vocab_size
 from gigatron.models.flops import device_peak_flops, precision_name
 from gigatron.models.moe.spec import MoESpec
+from gigatron.parallel.data_parallel import DistributedDataParallel
 from gigatron.parallel.schedules import ScheduleConfig
 from gigatron.training.loop import Run, TrainResult, TrainState, train
 from gigatron.training.metrics import (
@@ -42,6 +43,11 @@ from gigatron.training.metrics import (
     count_parameters_by_kind,
     gather_from_ranks,
     memory_footprint,
+)
+from gigatron.training.resilience_inprocess import (
+    abort_process_groups,
+    active_world_size,
+    restarting_in_process,
 )
 from gigatron.training.run import (
     RunParts,
@@ -65,6 +71,7 @@ def parse_pretrain_config(
     """Flags of `gigatron pretrain <family>`, validated for a training run."""
     family = get_family(family) if isinstance(family, str) else family
     world_size = launch_world_size() if world_size is None else world_size
+    world_size = active_world_size(argv, world_size)  # in-process restart's spares do not train
     # A Megatron-LM checkpoint under --load gives the model shape the flags leave out.
     cfg = parse_config_with_checkpoint_args(
         list(argv), prog=f"gigatron pretrain {family.name}", world_size=world_size
@@ -114,6 +121,22 @@ def pretrain(
     """Run pretraining for a validated config. Returns the result and, with `keep_model`, the
     unwrapped model chunks (quickstart samples from them); otherwise None.
     `evaluate_on_early_exit` validates once more when an exit condition stops the run."""
+    options = (stream, family, progress_bar, keep_model, evaluate_on_early_exit)
+    if not cfg.parallel.inprocess_restart:
+        return _pretrain_attempt(cfg, *options)
+    print_line = partial(print, file=stream or sys.stdout, flush=True)
+    return restarting_in_process(cfg, lambda c: _pretrain_attempt(c, *options), print_line)
+
+
+def _pretrain_attempt(
+    cfg: GigatronConfig,
+    stream: Any,
+    family: str | ModelFamily,
+    progress_bar: bool | None,
+    keep_model: bool,
+    evaluate_on_early_exit: bool,
+) -> tuple[TrainResult, Any]:
+    """One attempt of `pretrain` (in-process restarts make several)."""
     family = get_family(family) if isinstance(family, str) else family
     print_line = partial(print, file=stream or sys.stdout, flush=True)
     parts = build_run(cfg, family, print_line=print_line)
@@ -141,6 +164,13 @@ def pretrain(
             saver.close()  # the last checkpoint is complete before the run ends
             saver = None
         return result, ([m.module for m in parts.model] if keep_model else None)
+    except Exception:
+        if cfg.parallel.inprocess_restart:
+            for chunk in parts.model:
+                if isinstance(chunk, DistributedDataParallel):
+                    chunk.release()  # its hooks kept the failed groups open
+            abort_process_groups()  # the other ranks' collectives with this one fail now
+        raise
     finally:
         if saver is not None:
             saver.abandon()  # an error: the save in flight stays unpublished
