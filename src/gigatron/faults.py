@@ -320,6 +320,31 @@ def name_distributed_failures(function: Callable[..., Any], *args: Any, **kwargs
         if not is_distributed_failure(error):
             raise
         raise describe_distributed_failure(error) from error
+    except (ConnectionError, EOFError) as error:
+        # A worker that dies while handing a batch over breaks the connection before torch
+        # has noticed its death: ask torch about its workers.
+        dead = _dead_worker_error()
+        data_fault = describe_data_loader_failure(dead) if dead is not None else None
+        if data_fault is None:
+            raise
+        raise data_fault from error
+
+
+def _dead_worker_error(wait_s: float = 2.0) -> RuntimeError | None:
+    """torch's error for a data-loader worker of this process that died, if one did within
+    `wait_s` (the kernel reports the death a moment after the worker's sockets close)."""
+    # why: torch only here, when a connection to a worker broke (faults.py loads without it)
+    from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            _error_if_any_worker_fails()
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        except RuntimeError as error:  # raised by the check, or by torch's SIGCHLD handler
+            return error
 
 
 # ---- data-loader workers ------------------------------------------------------------------------
