@@ -1,11 +1,13 @@
 """Faults of multi-process runs (gigatron/faults.py): every group gets the configured timeout and
-a stuck peer becomes a message naming the collective and the rank; an error that every rank hits
+a stopped peer (SIGSTOP) becomes a message naming the collective and the rank; an error that every rank hits
 is printed once."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -25,9 +27,20 @@ def _stuck_peer(rank: int, world_size: int, out: str) -> None:
     # Every group of the context must carry the short timeout (the default group does not).
     pctx = ParallelContext.from_sizes(tp=2, timeout_minutes=TIMEOUT_S / 60)
     assert pctx.timeout is not None and pctx.timeout.total_seconds() == pytest.approx(TIMEOUT_S)
-    if rank == 1:
-        time.sleep(TIMEOUT_S + 8.0)  # never joins the all-reduce nor checks in: a stopped peer
-        return
+    if rank == 1:  # stopped by SIGSTOP: never joins the all-reduce nor checks in
+        Path(out + ".pid").write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return  # rank 0 wakes it up (SIGCONT) once it has named it
+    try:
+        Path(out).write_text(json.dumps(_all_reduce_with_a_stopped_peer(pctx)))
+    finally:  # wake the stopped peer whatever happened, or the test would wait for it forever
+        pid_file, deadline = Path(out + ".pid"), time.monotonic() + 30
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(int(pid_file.read_text()), signal.SIGCONT)
+
+
+def _all_reduce_with_a_stopped_peer(pctx: ParallelContext) -> dict:
     start = time.monotonic()
 
     def reduce() -> None:
@@ -36,19 +49,16 @@ def _stuck_peer(rank: int, world_size: int, out: str) -> None:
     try:
         name_distributed_failures(reduce)
     except DistributedFault as fault:
-        result = {"message": str(fault), "elapsed": time.monotonic() - start}
-    else:
-        result = {"message": None, "elapsed": time.monotonic() - start}
-    Path(out).write_text(json.dumps(result))
+        return {"message": str(fault), "elapsed": time.monotonic() - start}
+    return {"message": None, "elapsed": time.monotonic() - start}
 
 
-def test_a_stuck_peer_times_out_with_the_collective_and_the_rank_named(tmp_path):
+def test_a_stopped_peer_times_out_with_the_collective_and_the_rank_named(tmp_path):
     out = tmp_path / "rank0.json"
     run_distributed(_stuck_peer, 2, str(out))
     result = json.loads(out.read_text())
     assert result["message"] is not None, "the all-reduce did not fail"
-    # The timeout of the group (2 s), plus the check-in wait: not torch's 30-minute default, and
-    # before the peer wakes up (10 s).
+    # The timeout of the group (2 s), plus the check-in wait: not torch's 30-minute default.
     assert result["elapsed"] < TIMEOUT_S + 7.0
     message = result["message"]
     assert message.startswith("rank 0: all_reduce at gigatron/parallel/context.py")
