@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gigatron.config.fields import flag_field
+from gigatron.config.fields import flag_field, off_switch
 from gigatron.config.rules import Section
 
 
@@ -61,25 +61,16 @@ class CheckpointConfig(Section):
         "after loading, save the checkpoint in this format to --ckpt-convert-save and exit",
         choices=["torch", "torch_dist"],
     )
-    ckpt_convert_save: Optional[str] = flag_field(
-        None, "where --ckpt-convert-format writes the converted checkpoint"
-    )
-    async_save: bool = flag_field(
-        False, "torch_dist: write checkpoints in the background while training continues"
-    )
-    verify_checkpoint: bool = flag_field(
-        True,
-        "load a checkpoint without checking its files against the checksums saved with it",
-        flag="--no-verify-checkpoint",
-        store_false=True,
+    ckpt_convert_save: Optional[str] = flag_field(None, "where --ckpt-convert-format writes the converted checkpoint")
+    async_save: bool = flag_field(False, "torch_dist: write checkpoints in the background while training continues")
+    verify_checkpoint: bool = off_switch(
+        "load a checkpoint without checking its files against the checksums saved with it"
     )
 
     def problems(self) -> list[str]:
         """Conversion on load and asynchronous saving."""
         found = []
-        if self.ckpt_convert_format is not None and (
-            self.ckpt_convert_save is None or self.load is None
-        ):
+        if self.ckpt_convert_format is not None and (self.ckpt_convert_save is None or self.load is None):
             found.append(
                 f"--ckpt-convert-format {self.ckpt_convert_format} converts the --load "
                 "checkpoint into --ckpt-convert-save DIR; give both"

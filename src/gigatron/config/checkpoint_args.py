@@ -66,9 +66,7 @@ def accepted_fields(skip: Collection[str] = ()) -> dict[str, list[str]]:
     picked = {
         "model": [f.name for f in _section_fields("model")],
         "moe": [f.name for f in _section_fields("moe")],
-        "tokenizer": [
-            f.name for f in _section_fields("tokenizer") if f.name not in TOKENIZER_FILES
-        ],
+        "tokenizer": [f.name for f in _section_fields("tokenizer") if f.name not in TOKENIZER_FILES],
         "parallel": list(PARALLEL_SIZES),
         "training": list(PRECISION),
         "checkpoint": list(LOADER),
@@ -112,9 +110,7 @@ def given_flags(namespace: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(namespace, name) for name in names if hasattr(namespace, name)}
 
 
-def apply_checkpoint_flags(
-    cfg: Any, namespace: argparse.Namespace, only: Collection[str] | None = None
-) -> None:
+def apply_checkpoint_flags(cfg: Any, namespace: argparse.Namespace, only: Collection[str] | None = None) -> None:
     """Check the typed shape/layout/tokenizer flags against the checkpoint's configuration `cfg`
     (filling what it does not record) and apply the precision flags; every mismatch is named in
     one error. `only`: check these fields alone (fine-tuning may change the rest)."""
@@ -138,9 +134,7 @@ def apply_checkpoint_flags(
         if saved is None:
             setattr(getattr(cfg, section), name, value)
         elif saved != value:
-            mismatches.append(
-                f"{_flag(section, name)} {_shown(value)} (checkpoint: {_shown(saved)})"
-            )
+            mismatches.append(f"{_flag(section, name)} {_shown(value)} (checkpoint: {_shown(saved)})")
     if mismatches:
         raise GigatronError(
             f"{'; '.join(mismatches)}: differ from the configuration saved in the checkpoint; "

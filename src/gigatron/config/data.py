@@ -7,16 +7,14 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from gigatron.config.fields import flag_field
+from gigatron.config.fields import flag_field, off_switch
 from gigatron.config.rules import Section, fraction_problem
 from gigatron.errors import GigatronError
 
 
 @dataclass
 class DataConfig(Section):
-    data_path: Optional[list[str]] = flag_field(
-        None, "dataset prefix, or weighted prefixes '0.3 a 0.7 b'", nargs="*"
-    )
+    data_path: Optional[list[str]] = flag_field(None, "dataset prefix, or weighted prefixes '0.3 a 0.7 b'", nargs="*")
     split: Optional[str] = flag_field(None, "train,valid,test proportions, e.g. 969,30,1")
     train_data_path: Optional[list[str]] = flag_field(None, "training prefixes", nargs="*")
     valid_data_path: Optional[list[str]] = flag_field(None, "validation prefixes", nargs="*")
@@ -42,22 +40,15 @@ class DataConfig(Section):
     data_cache_path: Optional[str] = flag_field(None, "where dataset indices are cached")
     mid_level_dataset_surplus: float = flag_field(0.005, "extra samples asked of blended members")
     mask_prob: float = flag_field(0.15, "BERT: share of the tokens masked for the masked-LM loss")
-    short_seq_prob: float = flag_field(
-        0.1, "BERT: probability that a sample is given a random shorter target length"
-    )
+    short_seq_prob: float = flag_field(0.1, "BERT: probability that a sample is given a random shorter target length")
     num_workers: int = flag_field(2, "data-loader worker processes")
-    mmap_bin_files: bool = flag_field(
-        True, "read .bin files without memory-mapping", flag="--no-mmap-bin-files", store_false=True
-    )
+    mmap_bin_files: bool = off_switch("read .bin files without memory-mapping")
     eod_mask_loss: bool = flag_field(False, "no loss on end-of-document tokens")
     reset_position_ids: bool = flag_field(False, "restart position ids after each end of document")
     reset_attention_mask: bool = flag_field(False, "no attention across end of document")
-    create_attention_mask_in_dataloader: bool = flag_field(
-        True,
+    create_attention_mask_in_dataloader: bool = off_switch(
         "build no attention mask in the data loader: the model applies its causal mask (gigatron "
-        "builds one only for --reset-attention-mask)",
-        store_false=True,
-        flag="--no-create-attention-mask-in-dataloader",
+        "builds one only for --reset-attention-mask)"
     )
 
     def problems(self) -> list[str]:
@@ -108,8 +99,7 @@ def parse_split(split: str) -> list[float]:
         values.append(value)
     if len(values) > 3 or sum(values) <= 0:
         raise GigatronError(
-            f"--split {split!r}: give up to three non-negative proportions with a positive sum, "
-            "e.g. --split 969,30,1"
+            f"--split {split!r}: give up to three non-negative proportions with a positive sum, e.g. --split 969,30,1"
         )
     values += [0.0] * (3 - len(values))
     total = sum(values)

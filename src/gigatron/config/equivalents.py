@@ -23,8 +23,7 @@ class Equivalent:
 EQUIVALENTS: dict[str, Equivalent] = {
     "deprecated_use_mcore_models": Equivalent(
         "--use-mcore-models",
-        "gigatron's models are Megatron-Core models (the legacy models do not exist); a no-op in "
-        "Megatron too",
+        "gigatron's models are Megatron-Core models (the legacy models do not exist); a no-op in Megatron too",
     ),
     "transformer_impl": Equivalent(
         "--transformer-impl local|transformer_engine",
@@ -43,9 +42,7 @@ EQUIVALENTS: dict[str, Equivalent] = {
         "--no-masked-softmax-fusion",
         "the same masked softmax, inside scaled_dot_product_attention or the explicit path",
     ),
-    "bias_gelu_fusion": Equivalent(
-        "--no-bias-gelu-fusion", "bias addition and GeLU as two PyTorch operations"
-    ),
+    "bias_gelu_fusion": Equivalent("--no-bias-gelu-fusion", "bias addition and GeLU as two PyTorch operations"),
     "bias_dropout_fusion": Equivalent(
         "--no-bias-dropout-fusion", "bias, dropout and residual addition as PyTorch operations"
     ),
@@ -54,9 +51,7 @@ EQUIVALENTS: dict[str, Equivalent] = {
         "weight gradients are computed by autograd and added into the fp32 gradient buffer by "
         "a hook (what Megatron does without the fused kernel); the same sums either way",
     ),
-    "moe_permute_fusion": Equivalent(
-        "--moe-permute-fusion", "token permutation by one index_select / index_add pair"
-    ),
+    "moe_permute_fusion": Equivalent("--moe-permute-fusion", "token permutation by one index_select / index_add pair"),
     "mmap_bin_files": Equivalent(
         "--no-mmap-bin-files",
         ".bin files are memory-mapped read-only; the tokens read are the same either way",

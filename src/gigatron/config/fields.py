@@ -48,8 +48,17 @@ def flag_field(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def off_switch(help: str, *, flag: str | None = None) -> Any:
+    """A boolean on by default that its flag turns off: `--no-<name>` (Megatron's spelling), or
+    `flag` where Megatron names it otherwise (`--disable-bias-linear`)."""
+    field = flag_field(True, help, flag=flag, store_false=True)
+    field.metadata = types.MappingProxyType({**field.metadata, "off_switch": True})
+    return field
+
+
 def flag_name(field: dataclasses.Field) -> str:
-    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+    prefix = "--no-" if field.metadata.get("off_switch") else "--"
+    return field.metadata.get("flag") or prefix + field.name.replace("_", "-")
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -65,9 +74,7 @@ def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def add_dataclass_arguments(
-    parser: argparse.ArgumentParser, cls: type, title: str | None = None
-) -> None:
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, title: str | None = None) -> None:
     """Add one flag per field of dataclass `cls`; defaults are argparse.SUPPRESS so that only the
     flags a user typed show up in the namespace (YAML values and dataclass defaults stay intact)."""
     group = parser.add_argument_group(title or cls.__name__)
@@ -79,9 +86,7 @@ def add_dataclass_arguments(
         names = [flag_name(field), *field.metadata.get("aliases", ())]
         kwargs: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS}
         help_text = field.metadata.get("help", "")
-        default = (
-            field.default if field.default is not dataclasses.MISSING else field.default_factory()
-        )
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         if tp is bool:
             kwargs["action"] = "store_false" if field.metadata.get("store_false") else "store_true"
         else:
@@ -133,6 +138,4 @@ def coerce_value(cls: type, name: str, value: Any, source: str) -> Any:
         if tp in (bool, float, int, str) or typing.get_origin(tp) is list:
             raise GigatronError(f"{source}: '{name}' = {value!r} is not a valid {tp.__name__}")
         return value
-    raise GigatronError(
-        f"{source}: '{name}' = {value!r} is not a valid {getattr(tp, '__name__', tp)}"
-    )
+    raise GigatronError(f"{source}: '{name}' = {value!r} is not a valid {getattr(tp, '__name__', tp)}")

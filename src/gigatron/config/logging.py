@@ -40,27 +40,19 @@ class LoggingConfig(Section):
     straggler_minmax_count: int = flag_field(
         1, "with --log-straggler: how many of the slowest and of the fastest ranks to name"
     )
-    log_validation_ppl_to_tensorboard: bool = flag_field(
-        False, "write validation perplexities to TensorBoard"
-    )
+    log_validation_ppl_to_tensorboard: bool = flag_field(False, "write validation perplexities to TensorBoard")
     logging_level: Optional[int] = flag_field(
         None,
         "Python logging level of gigatron's loggers (10 debug, 20 info, 30 warning, 40 error)",
         default_help="warning",
     )
-    profile: bool = flag_field(
-        False, "trace --profile-step-start to --profile-step-end with torch.profiler"
-    )
-    use_pytorch_profiler: bool = flag_field(
-        False, "--profile with torch.profiler (gigatron's only profiler)"
-    )
+    profile: bool = flag_field(False, "trace --profile-step-start to --profile-step-end with torch.profiler")
+    use_pytorch_profiler: bool = flag_field(False, "--profile with torch.profiler (gigatron's only profiler)")
     profile_step_start: int = flag_field(10, "first profiled iteration")
     profile_step_end: int = flag_field(12, "iteration at which profiling stops")
     profile_ranks: list[int] = flag_field([], "ranks that profile (default: rank 0)", nargs="+")
     record_memory_history: bool = flag_field(
         False, "record CUDA allocation history and dump a snapshot to --memory-snapshot-path"
     )
-    memory_snapshot_path: str = flag_field(
-        "snapshot.pickle", "where --record-memory-history writes"
-    )
+    memory_snapshot_path: str = flag_field("snapshot.pickle", "where --record-memory-history writes")
     no_progress_bar: bool = flag_field(False, "plain log lines even on a terminal")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gigatron.config.fields import flag_field
+from gigatron.config.fields import flag_field, off_switch
 from gigatron.config.moe import evaluate_layer_pattern
 from gigatron.config.rules import Section, fraction_problem, positive_problems
 from gigatron.errors import GigatronError
@@ -32,12 +32,8 @@ class ModelConfig(Section):
     encoder_seq_length: Optional[int] = flag_field(
         None, "encoder sequence length of an encoder-decoder model (T5); sets --seq-length"
     )
-    decoder_seq_length: Optional[int] = flag_field(
-        None, "decoder sequence length of an encoder-decoder model (T5)"
-    )
-    max_position_embeddings: Optional[int] = flag_field(
-        None, "size of the position table; default --seq-length"
-    )
+    decoder_seq_length: Optional[int] = flag_field(None, "decoder sequence length of an encoder-decoder model (T5)")
+    max_position_embeddings: Optional[int] = flag_field(None, "size of the position table; default --seq-length")
     position_embedding_type: str = flag_field(
         "learned_absolute",
         "position encoding (yarn: RoPE with YaRN frequency scaling; relative: T5's bucketed "
@@ -50,11 +46,8 @@ class ModelConfig(Section):
     relative_attention_max_distance: int = flag_field(
         128, "distance from which relative positions share the last bucket (relative)"
     )
-    add_position_embedding: bool = flag_field(
-        True,
-        "older spelling of --position-embedding-type none (no effect with rope or yarn)",
-        flag="--no-position-embedding",
-        store_false=True,
+    add_position_embedding: bool = off_switch(
+        "older spelling of --position-embedding-type none (no effect with rope or yarn)", flag="--no-position-embedding"
     )
     rope_type: Optional[str] = flag_field(
         None,
@@ -64,24 +57,14 @@ class ModelConfig(Section):
     )
     rotary_scaling_factor: float = flag_field(1.0, "YaRN: context extension factor")
     mscale: float = flag_field(1.0, "YaRN: attention temperature (mscale) coefficient")
-    mscale_all_dim: float = flag_field(
-        0.0, "YaRN: mscale coefficient of all dimensions (DeepSeek's mscale_all_dim)"
-    )
+    mscale_all_dim: float = flag_field(0.0, "YaRN: mscale coefficient of all dimensions (DeepSeek's mscale_all_dim)")
     yarn_original_max_position_embeddings: Optional[int] = flag_field(
         None, "YaRN: context length the model was trained at", default_help="4096"
     )
-    yarn_beta_fast: Optional[float] = flag_field(
-        None, "YaRN: rotations where extrapolation ends", default_help="32"
-    )
-    yarn_beta_slow: Optional[float] = flag_field(
-        None, "YaRN: rotations where interpolation starts", default_help="1"
-    )
-    yarn_correction_range_round_to_int: bool = flag_field(
-        True,
-        "YaRN: keep the correction range's ends fractional (gpt-oss) instead of rounding them "
-        "to whole channels",
-        flag="--no-yarn-correction-range-round-to-int",
-        store_false=True,
+    yarn_beta_fast: Optional[float] = flag_field(None, "YaRN: rotations where extrapolation ends", default_help="32")
+    yarn_beta_slow: Optional[float] = flag_field(None, "YaRN: rotations where interpolation starts", default_help="1")
+    yarn_correction_range_round_to_int: bool = off_switch(
+        "YaRN: keep the correction range's ends fractional (gpt-oss) instead of rounding them to whole channels"
     )
     rotary_percent: float = flag_field(1.0, "fraction of each head's channels that RoPE rotates")
     rotary_base: int = flag_field(10000, "RoPE base period")
@@ -98,15 +81,10 @@ class ModelConfig(Section):
     swiglu: bool = flag_field(False, "gated SiLU MLP (Llama style)")
     geglu: bool = flag_field(
         False,
-        "gated GeLU MLP (T5 v1.1's gated-gelu; with --openai-gelu the tanh GeLU it uses); "
-        "a gigatron flag",
+        "gated GeLU MLP (T5 v1.1's gated-gelu; with --openai-gelu the tanh GeLU it uses); a gigatron flag",
     )
-    quick_geglu: bool = flag_field(
-        False, "gated MLP with quick GeLU, x * sigmoid(1.702 x) (gpt-oss style)"
-    )
-    glu_linear_offset: float = flag_field(
-        0.0, "gated MLPs: act(gate) * (up + offset) (gpt-oss: 1.0)"
-    )
+    quick_geglu: bool = flag_field(False, "gated MLP with quick GeLU, x * sigmoid(1.702 x) (gpt-oss style)")
+    glu_linear_offset: float = flag_field(0.0, "gated MLPs: act(gate) * (up + offset) (gpt-oss: 1.0)")
     activation_func_clamp_value: Optional[float] = flag_field(
         None, "gated MLPs: clamp the gate to <= v and the linear half to [-v, v] (gpt-oss: 7.0)"
     )
@@ -118,8 +96,7 @@ class ModelConfig(Section):
     )
     window_size: Optional[str] = flag_field(
         None,
-        "sliding-window attention '(left,right)': query i sees keys i-left .. i+right (-1: "
-        "unbounded); e.g. '(127,0)'",
+        "sliding-window attention '(left,right)': query i sees keys i-left .. i+right (-1: unbounded); e.g. '(127,0)'",
     )
     window_attn_skip_freq: Optional[str] = flag_field(
         None,
@@ -133,12 +110,8 @@ class ModelConfig(Section):
         "per-head sink logit, gpt-oss)",
         choices=["vanilla", "off-by-one", "learnable"],
     )
-    add_bias_linear: bool = flag_field(
-        True, "drop the biases of all linear layers", flag="--disable-bias-linear", store_false=True
-    )
-    add_qkv_bias: bool = flag_field(
-        False, "keep a bias on the QKV projection even with --disable-bias-linear"
-    )
+    add_bias_linear: bool = off_switch("drop the biases of all linear layers", flag="--disable-bias-linear")
+    add_qkv_bias: bool = flag_field(False, "keep a bias on the QKV projection even with --disable-bias-linear")
     openai_gelu: bool = flag_field(
         False, "tanh approximation of GeLU (what GPT-2 used; needed to import GPT-2 weights)"
     )
@@ -147,9 +120,7 @@ class ModelConfig(Section):
     )
     attention_dropout: float = flag_field(0.1, "dropout on attention probabilities")
     hidden_dropout: float = flag_field(0.1, "dropout on the residual branches")
-    apply_query_key_layer_scaling: bool = flag_field(
-        False, "scale Q.K by 1/layer_number (numerical safety in fp16)"
-    )
+    apply_query_key_layer_scaling: bool = flag_field(False, "scale Q.K by 1/layer_number (numerical safety in fp16)")
     attention_softmax_in_fp32: bool = flag_field(False, "compute the attention softmax in fp32")
     apply_residual_connection_post_layernorm: bool = flag_field(
         False, "take each residual from the norm's output instead of its input (pre-norm layers)"
@@ -159,11 +130,8 @@ class ModelConfig(Section):
         "the original BERT layout: a norm after each residual addition and on the embeddings, "
         "no final norm (needed to use Hugging Face BERT weights)",
     )
-    bert_binary_head: bool = flag_field(
-        True,
-        "drop BERT's sentence-order head (and its loss); samples are then one segment",
-        flag="--bert-no-binary-head",
-        store_false=True,
+    bert_binary_head: bool = off_switch(
+        "drop BERT's sentence-order head (and its loss); samples are then one segment", flag="--bert-no-binary-head"
     )
     init_method_std: float = flag_field(0.02, "std of the normal weight initialisation")
     make_vocab_size_divisible_by: int = flag_field(
@@ -184,29 +152,14 @@ class ModelConfig(Section):
         "flash, memory-efficient or math kernel by itself",
         choices=["flash", "fused", "unfused", "local", "auto"],
     )
-    masked_softmax_fusion: bool = flag_field(
-        True, "no fused masked softmax kernel", flag="--no-masked-softmax-fusion", store_false=True
+    masked_softmax_fusion: bool = off_switch("no fused masked softmax kernel")
+    bias_gelu_fusion: bool = off_switch("no fused bias + GeLU kernel")
+    bias_swiglu_fusion: bool = off_switch(
+        "SwiGLU by PyTorch operations, not the fused kernel (CUDA; docs/performance.md)"
     )
-    bias_gelu_fusion: bool = flag_field(
-        True, "no fused bias + GeLU kernel", flag="--no-bias-gelu-fusion", store_false=True
-    )
-    bias_swiglu_fusion: bool = flag_field(
-        True,
-        "SwiGLU by PyTorch operations, not the fused kernel (CUDA; docs/performance.md)",
-        flag="--no-bias-swiglu-fusion",
-        store_false=True,
-    )
-    bias_dropout_fusion: bool = flag_field(
-        True,
-        "no fused bias + dropout + add kernel",
-        flag="--no-bias-dropout-fusion",
-        store_false=True,
-    )
-    apply_rope_fusion: bool = flag_field(
-        True,
-        "RoPE by PyTorch operations, not the fused kernel (CUDA; docs/performance.md)",
-        flag="--no-rope-fusion",
-        store_false=True,
+    bias_dropout_fusion: bool = off_switch("no fused bias + dropout + add kernel")
+    apply_rope_fusion: bool = off_switch(
+        "RoPE by PyTorch operations, not the fused kernel (CUDA; docs/performance.md)", flag="--no-rope-fusion"
     )
     cross_entropy_loss_fusion: bool = flag_field(
         False,
@@ -245,16 +198,12 @@ class ModelConfig(Section):
         "named model shape (see `gigatron presets`), overridden by explicit flags",
         flag="--model-preset",
     )
-    recompute_granularity: Optional[str] = flag_field(
-        None, "activation recomputation", choices=["full", "selective"]
-    )
+    recompute_granularity: Optional[str] = flag_field(None, "activation recomputation", choices=["full", "selective"])
     recompute_method: Optional[str] = flag_field(
         None, "which layers to recompute with full granularity", choices=["uniform", "block"]
     )
     recompute_num_layers: Optional[int] = flag_field(None, "layers per recompute unit or block")
-    recompute_activations: bool = flag_field(
-        False, "shorthand for --recompute-granularity selective"
-    )
+    recompute_activations: bool = flag_field(False, "shorthand for --recompute-granularity selective")
     checkpoint_activations: bool = flag_field(
         False, "old name of --recompute-granularity full (--recompute-method uniform, 1 layer)"
     )
@@ -275,15 +224,11 @@ class ModelConfig(Section):
     mamba_state_dim: int = flag_field(128, "state size of each Mamba head (N)")
     mamba_head_dim: int = flag_field(64, "channels per Mamba head (P)")
     mamba_num_groups: int = flag_field(8, "groups sharing the B and C projections of Mamba heads")
-    mamba_num_heads: Optional[int] = flag_field(
-        None, "Mamba heads; default 2 * hidden / --mamba-head-dim"
-    )
+    mamba_num_heads: Optional[int] = flag_field(None, "Mamba heads; default 2 * hidden / --mamba-head-dim")
     multi_latent_attention: bool = flag_field(
         False, "multi-latent attention (DeepSeek-V2/V3): keys and values from a low-rank latent"
     )
-    q_lora_rank: Optional[int] = flag_field(
-        None, "MLA: rank of the query latent (None: a full query projection)"
-    )
+    q_lora_rank: Optional[int] = flag_field(None, "MLA: rank of the query latent (None: a full query projection)")
     kv_lora_rank: int = flag_field(32, "MLA: rank of the key/value latent")
     qk_head_dim: int = flag_field(128, "MLA: query/key channels per head without RoPE")
     qk_pos_emb_head_dim: int = flag_field(64, "MLA: query/key channels per head with RoPE")
@@ -291,15 +236,11 @@ class ModelConfig(Section):
     mtp_num_layers: Optional[int] = flag_field(
         None, "multi-token prediction: extra layers, each predicting one more token ahead"
     )
-    mtp_loss_scaling_factor: float = flag_field(
-        0.1, "multi-token prediction: weight of the mean of the MTP losses"
-    )
+    mtp_loss_scaling_factor: float = flag_field(0.1, "multi-token prediction: weight of the mean of the MTP losses")
     hybrid_layer_pattern: Optional[str] = flag_field(
         None, "hybrid stack, one symbol per layer: M Mamba, * attention, - MLP (e.g. M-M*-M-)"
     )
-    hybrid_override_pattern: Optional[str] = flag_field(
-        None, "older name of --hybrid-layer-pattern"
-    )
+    hybrid_override_pattern: Optional[str] = flag_field(None, "older name of --hybrid-layer-pattern")
     hybrid_attention_ratio: float = flag_field(
         0.0, "without a pattern: fraction of the --num-layers layers that are attention layers"
     )
@@ -308,8 +249,7 @@ class ModelConfig(Section):
     )
     lora_target_modules: list[str] = flag_field(
         [],
-        "LoRA: add low-rank adapters to these linear layers and freeze the rest of the model "
-        "(docs/lora.md)",
+        "LoRA: add low-rank adapters to these linear layers and freeze the rest of the model (docs/lora.md)",
         nargs="+",
         choices=["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
     )
@@ -321,16 +261,12 @@ class ModelConfig(Section):
         "LoRA: DoRA (weight-decomposed adapters): a learned magnitude per output row of each "
         "adapted weight (PEFT's use_dora; docs/lora.md)",
     )
-    use_mup: bool = flag_field(
-        False, "maximal update parametrization: width-scaled init, learning rates and output"
-    )
+    use_mup: bool = flag_field(False, "maximal update parametrization: width-scaled init, learning rates and output")
     mup_base_hidden_size: Optional[int] = flag_field(
         None, "µP: the base (proxy) model's hidden size", default_help="--hidden-size"
     )
     mup_embedding_mult: float = flag_field(1.0, "µP: multiplier on the embedding output")
-    mup_output_mult: float = flag_field(
-        1.0, "µP: multiplier on the logits (1.0 with --use-mup: base / hidden size)"
-    )
+    mup_output_mult: float = flag_field(1.0, "µP: multiplier on the logits (1.0 with --use-mup: base / hidden size)")
     mup_base_head_dim: Optional[float] = flag_field(
         None, "µP: softmax scale sqrt(this) / kv_channels**power (None: 1 / kv_channels**power)"
     )
@@ -406,8 +342,7 @@ class ModelConfig(Section):
             )
         if heads and self.group_query_attention and heads % self.num_query_groups:
             found.append(
-                f"--num-attention-heads {heads} is not divisible by "
-                f"--num-query-groups {self.num_query_groups}"
+                f"--num-attention-heads {heads} is not divisible by --num-query-groups {self.num_query_groups}"
             )
         if (
             self.seq_length is not None
@@ -425,9 +360,7 @@ class ModelConfig(Section):
         if self.recompute_granularity == "full" and (
             self.recompute_method is None or self.recompute_num_layers is None
         ):
-            found.append(
-                "--recompute-granularity full needs --recompute-method and --recompute-num-layers"
-            )
+            found.append("--recompute-granularity full needs --recompute-method and --recompute-num-layers")
         return found
 
     def variant_problems(self) -> list[str]:
@@ -441,15 +374,11 @@ class ModelConfig(Section):
         if self.window_attn_skip_freq is not None and self.window_size is None:
             found.append("--window-attn-skip-freq needs --window-size")
         if self.swiglu + self.quick_geglu + self.geglu > 1:
-            found.append(
-                "--swiglu, --quick-geglu and --geglu: more than one given; choose one gated "
-                "activation"
-            )
+            found.append("--swiglu, --quick-geglu and --geglu: more than one given; choose one gated activation")
         gated = self.swiglu or self.quick_geglu or self.geglu
         if not gated and (self.glu_linear_offset or self.activation_func_clamp_value is not None):
             found.append(
-                "--glu-linear-offset / --activation-func-clamp-value act on gated MLPs; add "
-                "--swiglu or --quick-geglu"
+                "--glu-linear-offset / --activation-func-clamp-value act on gated MLPs; add --swiglu or --quick-geglu"
             )
         clamp = self.activation_func_clamp_value
         if clamp is not None and clamp <= 0:
@@ -491,9 +420,7 @@ def parse_window_size(text: str | None) -> tuple[int, int] | None:
     except ValueError:
         values = ()
     if len(values) != 2 or any(v < -1 for v in values):
-        raise GigatronError(
-            f"--window-size {text}: not a pair of integers >= -1; give e.g. '(127,0)'"
-        )
+        raise GigatronError(f"--window-size {text}: not a pair of integers >= -1; give e.g. '(127,0)'")
     return values
 
 
@@ -510,8 +437,7 @@ def parse_window_skip_freq(text: str | None, num_layers: int) -> int | tuple[int
             value = 0
         if value < 1:
             raise GigatronError(
-                f"--window-attn-skip-freq {text}: not a positive integer or a list pattern; "
-                "give e.g. 2 or '[1,0]*2'"
+                f"--window-attn-skip-freq {text}: not a positive integer or a list pattern; give e.g. 2 or '[1,0]*2'"
             )
         return value
     try:

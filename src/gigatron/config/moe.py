@@ -24,9 +24,7 @@ class MoEConfig(Section):
         "which layers are MoE: an integer N (layer i is MoE when i % N == 0) or a list pattern "
         "such as '[1,0,1,1]' or '([1]*3+[0])*2' (1 = MoE, one entry per layer)",
     )
-    moe_ffn_hidden_size: Optional[int] = flag_field(
-        None, "hidden size of each expert's MLP; default --ffn-hidden-size"
-    )
+    moe_ffn_hidden_size: Optional[int] = flag_field(None, "hidden size of each expert's MLP; default --ffn-hidden-size")
     moe_shared_expert_intermediate_size: Optional[int] = flag_field(
         None, "hidden size of the shared expert (all shared experts together); None: none"
     )
@@ -37,9 +35,7 @@ class MoEConfig(Section):
     moe_use_upcycling: bool = flag_field(
         False, "start from the dense checkpoint under --load, each expert a copy of its MLP"
     )
-    moe_upcycling_granularity: int = flag_field(
-        1, "how many times smaller an expert is than the dense MLP (only 1)"
-    )
+    moe_upcycling_granularity: int = flag_field(1, "how many times smaller an expert is than the dense MLP (only 1)")
     moe_router_score_function: str = flag_field(
         "softmax", "router score function", choices=["softmax", "sigmoid", "sqrtsoftplus"]
     )
@@ -49,9 +45,7 @@ class MoEConfig(Section):
     moe_router_topk_scaling_factor: Optional[float] = flag_field(
         None, "multiply the top-k routing probabilities by this factor"
     )
-    moe_router_num_groups: Optional[int] = flag_field(
-        None, "expert groups for group-limited routing"
-    )
+    moe_router_num_groups: Optional[int] = flag_field(None, "expert groups for group-limited routing")
     moe_router_group_topk: Optional[int] = flag_field(
         None, "groups each token may be routed to (group-limited routing)"
     )
@@ -60,23 +54,18 @@ class MoEConfig(Section):
     )
     moe_router_load_balancing_type: str = flag_field(
         "aux_loss",
-        "load balancing: aux_loss (GShard/Switch), seq_aux_loss (per sequence, DeepSeek-V2), "
-        "sinkhorn (S-BASE) or none",
+        "load balancing: aux_loss (GShard/Switch), seq_aux_loss (per sequence, DeepSeek-V2), sinkhorn (S-BASE) or none",
         choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"],
     )
     moe_aux_loss_coeff: float = flag_field(0.0, "weight of the load-balancing loss (e.g. 1e-2)")
-    moe_z_loss_coeff: Optional[float] = flag_field(
-        None, "weight of the router z-loss (ST-MoE; e.g. 1e-3)"
-    )
+    moe_z_loss_coeff: Optional[float] = flag_field(None, "weight of the router z-loss (ST-MoE; e.g. 1e-3)")
     moe_input_jitter_eps: Optional[float] = flag_field(
         None, "multiply the router input by uniform noise in [1 - eps, 1 + eps] when training"
     )
     moe_router_enable_expert_bias: bool = flag_field(
         False, "auxiliary-loss-free load balancing: a per-expert bias added for expert selection"
     )
-    moe_router_bias_update_rate: float = flag_field(
-        1e-3, "step of the expert-bias update after each iteration"
-    )
+    moe_router_bias_update_rate: float = flag_field(1e-3, "step of the expert-bias update after each iteration")
     moe_token_dispatcher_type: str = flag_field(
         "allgather",
         "how tokens reach their experts over the expert-parallel group",
@@ -108,24 +97,17 @@ class MoEConfig(Section):
     moe_pad_expert_input_to_capacity: bool = flag_field(
         False, "pad every expert's input to its capacity (static shapes)"
     )
-    moe_per_layer_logging: bool = flag_field(
-        False, "also log the MoE losses and load statistics of each layer"
-    )
+    moe_per_layer_logging: bool = flag_field(False, "also log the MoE losses and load statistics of each layer")
 
     def problems(self) -> list[str]:
         """The router, load balancing, capacity and shared-expert rules (Megatron's)."""
         if self.num_experts is None:
             changed = [
-                "--" + f.name.replace("_", "-")
-                for f in dataclasses.fields(self)
-                if getattr(self, f.name) != f.default
+                "--" + f.name.replace("_", "-") for f in dataclasses.fields(self) if getattr(self, f.name) != f.default
             ]
             return [f"{', '.join(changed)} need --num-experts (an MoE model)"] if changed else []
         if self.num_experts < 1:
-            return [
-                f"--num-experts {self.num_experts} must be positive (leave it out for a dense "
-                "model)"
-            ]
+            return [f"--num-experts {self.num_experts} must be positive (leave it out for a dense model)"]
         return self.router_problems() + self.balancing_problems()
 
     def router_problems(self) -> list[str]:
@@ -134,9 +116,7 @@ class MoEConfig(Section):
         found = []
         if not 1 <= topk <= experts:
             found.append(f"--moe-router-topk {topk} must lie in [1, {experts}]")
-        softmax_after_topk = (
-            self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax
-        )
+        softmax_after_topk = self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax
         if topk == 1 and softmax_after_topk and self.moe_router_load_balancing_type != "sinkhorn":
             found.append(
                 "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax (a "
@@ -145,10 +125,7 @@ class MoEConfig(Section):
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
         if group_topk is not None or groups is not None:
             if groups is None or group_topk is None:
-                found.append(
-                    "group-limited routing needs both --moe-router-num-groups and "
-                    "--moe-router-group-topk"
-                )
+                found.append("group-limited routing needs both --moe-router-num-groups and --moe-router-group-topk")
             elif experts % groups or not 1 <= group_topk <= groups:
                 found.append(
                     f"--moe-router-num-groups {groups} must divide --num-experts {experts} and "
@@ -161,10 +138,7 @@ class MoEConfig(Section):
                     f"({group_topk * (experts // groups)})"
                 )
         if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
-            found.append(
-                "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or "
-                "sqrtsoftplus"
-            )
+            found.append("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or sqrtsoftplus")
         return found
 
     def balancing_problems(self) -> list[str]:
@@ -183,8 +157,7 @@ class MoEConfig(Section):
         if capacity is not None:
             if capacity <= 0:
                 found.append(
-                    f"--moe-expert-capacity-factor {capacity} must be positive (leave it out "
-                    "for dropless routing)"
+                    f"--moe-expert-capacity-factor {capacity} must be positive (leave it out for dropless routing)"
                 )
             if balancing == "sinkhorn":
                 found.append(
@@ -254,7 +227,6 @@ def evaluate_layer_pattern(text: str) -> list[int]:
         result = None
     if not isinstance(result, list):
         raise GigatronError(
-            f"--moe-layer-freq {text}: not a list pattern of 0/1 entries; write e.g. "
-            "'[1,0,1,0]' or '([1]*3+[0])*2'"
+            f"--moe-layer-freq {text}: not a list pattern of 0/1 entries; write e.g. '[1,0,1,0]' or '([1]*3+[0])*2'"
         )
     return result

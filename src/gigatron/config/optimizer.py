@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gigatron.config.fields import flag_field
+from gigatron.config.fields import flag_field, off_switch
 from gigatron.config.rules import Section
 
 
@@ -36,9 +36,7 @@ class OptimizerConfig(Section):
     lr_warmup_fraction: Optional[float] = flag_field(None, "warm-up as a fraction of the decay")
     lr_warmup_samples: int = flag_field(0, "samples of linear warm-up")
     lr_warmup_init: float = flag_field(0.0, "learning rate at the start of warm-up")
-    decoupled_lr: Optional[float] = flag_field(
-        None, "peak learning rate of the input embedding and output layer"
-    )
+    decoupled_lr: Optional[float] = flag_field(None, "peak learning rate of the input embedding and output layer")
     decoupled_min_lr: Optional[float] = flag_field(
         None, "final learning rate of the input embedding and output layer; default --min-lr"
     )
@@ -58,9 +56,7 @@ class OptimizerConfig(Section):
     start_weight_decay: Optional[float] = flag_field(
         None, "weight decay at the start of training; default --weight-decay"
     )
-    end_weight_decay: Optional[float] = flag_field(
-        None, "weight decay at the end of training; default --weight-decay"
-    )
+    end_weight_decay: Optional[float] = flag_field(None, "weight decay at the end of training; default --weight-decay")
     weight_decay_incr_style: str = flag_field(
         "constant",
         "how weight decay moves from --start-weight-decay to --end-weight-decay",
@@ -72,25 +68,18 @@ class OptimizerConfig(Section):
     adam_eps: float = flag_field(1e-8, "Adam epsilon")
     sgd_momentum: float = flag_field(0.9, "SGD momentum")
     muon_momentum: float = flag_field(0.9, "Muon momentum (an EMA of the gradients)")
-    muon_split_qkv: bool = flag_field(
-        True,
-        "orthogonalise the fused QKV weight as one matrix (not per query, key, value)",
-        flag="--muon-no-split-qkv",
-        store_false=True,
+    muon_split_qkv: bool = off_switch(
+        "orthogonalise the fused QKV weight as one matrix (not per query, key, value)", flag="--muon-no-split-qkv"
     )
-    muon_nesterov: bool = flag_field(
-        False, "Nesterov momentum in Muon", aliases=("--muon-use-nesterov",)
-    )
+    muon_nesterov: bool = flag_field(False, "Nesterov momentum in Muon", aliases=("--muon-use-nesterov",))
     muon_scale_mode: str = flag_field(
         "spectral",
-        "scale of the orthogonal update: sqrt(max(rows, cols)), sqrt(rows/cols) or "
-        "sqrt(max(1, rows/cols))",
+        "scale of the orthogonal update: sqrt(max(rows, cols)), sqrt(rows/cols) or sqrt(max(1, rows/cols))",
         choices=["spectral", "unit_rms_norm", "shape_scaling"],
     )
     muon_fp32_matmul_prec: str = flag_field(
         "medium",
-        "Newton-Schulz precision: low and medium run its steps in bf16, high in fp32 (TF32 "
-        "allowed)",
+        "Newton-Schulz precision: low and medium run its steps in bf16, high in fp32 (TF32 allowed)",
         choices=["low", "medium", "high"],
     )
     muon_coefficient_type: str = flag_field(
@@ -105,9 +94,7 @@ class OptimizerConfig(Section):
         "distributed Newton-Schulz, or each shard alone (blockwise)",
         choices=["blockwise", "duplicated", "distributed"],
     )
-    muon_use_syrk: bool = flag_field(
-        False, "Megatron's Triton SYRK kernel for the Gram matrix (not available)"
-    )
+    muon_use_syrk: bool = flag_field(False, "Megatron's Triton SYRK kernel for the Gram matrix (not available)")
     muon_extra_scale_factor: float = flag_field(1.0, "extra factor on Muon's update")
     muon_scalar_optimizer: str = flag_field(
         "adam",
@@ -121,15 +108,9 @@ class OptimizerConfig(Section):
     main_grads_dtype: str = flag_field(
         "fp32", "dtype of the optimizer's gradients (fp32 only)", choices=["fp32", "bf16"]
     )
-    main_params_dtype: str = flag_field(
-        "fp32", "dtype of the main parameters (fp32 only)", choices=["fp32", "fp16"]
-    )
-    exp_avg_dtype: str = flag_field(
-        "fp32", "dtype of Adam's first moment", choices=["fp32", "fp16", "bf16", "fp8"]
-    )
-    exp_avg_sq_dtype: str = flag_field(
-        "fp32", "dtype of Adam's second moment", choices=["fp32", "fp16", "bf16", "fp8"]
-    )
+    main_params_dtype: str = flag_field("fp32", "dtype of the main parameters (fp32 only)", choices=["fp32", "fp16"])
+    exp_avg_dtype: str = flag_field("fp32", "dtype of Adam's first moment", choices=["fp32", "fp16", "bf16", "fp8"])
+    exp_avg_sq_dtype: str = flag_field("fp32", "dtype of Adam's second moment", choices=["fp32", "fp16", "bf16", "fp8"])
     optimizer_cpu_offload: bool = flag_field(
         False, "keep optimizer state on the CPU and step there (--optimizer-offload-fraction)"
     )
@@ -143,9 +124,7 @@ class OptimizerConfig(Section):
         if self.decoupled_min_lr is not None and self.decoupled_lr is None:
             found.append("--decoupled-min-lr needs --decoupled-lr")
         if self.lr_warmup_fraction is not None and (self.lr_warmup_iters or self.lr_warmup_samples):
-            found.append(
-                "--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples both given"
-            )
+            found.append("--lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples both given")
         if self.lr is not None and self.min_lr > self.lr:
             found.append(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         if self.optimizer == "muon":
@@ -167,17 +146,11 @@ class OptimizerConfig(Section):
         if self.optimizer_cpu_offload:
             lowered.append("--optimizer-cpu-offload")
             if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
-                found.append(
-                    f"--optimizer-offload-fraction {self.optimizer_offload_fraction}: must be "
-                    "within [0, 1]"
-                )
+                found.append(f"--optimizer-offload-fraction {self.optimizer_offload_fraction}: must be within [0, 1]")
         if lowered and not self.use_precision_aware_optimizer:
             found.append(f"{', '.join(lowered)}: needs --use-precision-aware-optimizer")
         if self.use_precision_aware_optimizer and self.optimizer != "adam":
-            found.append(
-                f"--use-precision-aware-optimizer: only with --optimizer adam (not "
-                f"{self.optimizer})"
-            )
+            found.append(f"--use-precision-aware-optimizer: only with --optimizer adam (not {self.optimizer})")
         return found
 
     def _muon_problems(self) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gigatron.config.fields import flag_field
+from gigatron.config.fields import flag_field, off_switch
 from gigatron.config.rules import Section, positive_problems
 from gigatron.errors import GigatronError
 
@@ -17,17 +17,14 @@ class ParallelConfig(Section):
     context_parallel_size: int = flag_field(1, "context-parallel size (cp)")
     cp_comm_type: list[str] = flag_field(
         ["p2p"],
-        "context-parallel attention: p2p (ring), a2a (all-to-all), allgather; one for all "
-        "layers or one per layer",
+        "context-parallel attention: p2p (ring), a2a (all-to-all), allgather; one for all layers or one per layer",
         choices=["p2p", "a2a", "allgather"],
     )
     expert_model_parallel_size: int = flag_field(1, "expert-parallel size (ep)")
     expert_tensor_parallel_size: Optional[int] = flag_field(
         None, "tensor-parallel size of the experts: 1 or the tensor-parallel size (default)"
     )
-    sequence_parallel: bool = flag_field(
-        False, "shard norms and dropout along the sequence over tp"
-    )
+    sequence_parallel: bool = flag_field(False, "shard norms and dropout along the sequence over tp")
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag_field(
         None, "layers in each virtual pipeline stage (interleaved 1F1B)"
     )
@@ -60,35 +57,23 @@ class ParallelConfig(Section):
     use_distributed_optimizer: bool = flag_field(
         False, "shard optimizer state and fp32 main params over data-parallel ranks"
     )
-    overlap_grad_reduce: bool = flag_field(
-        False, "reduce gradient buckets during the backward pass"
-    )
+    overlap_grad_reduce: bool = flag_field(False, "reduce gradient buckets during the backward pass")
     overlap_param_gather: bool = flag_field(
         False, "gather updated parameters during the next forward pass (distributed optimizer)"
     )
-    align_param_gather: bool = flag_field(
-        True,
+    align_param_gather: bool = off_switch(
         "with --overlap-param-gather, start each chunk's parameter all-gathers at its next "
-        "forward instead of every chunk's together after the optimizer step",
-        flag="--no-align-param-gather",
-        store_false=True,
+        "forward instead of every chunk's together after the optimizer step"
     )
     ddp_bucket_size: Optional[int] = flag_field(None, "elements per gradient bucket")
     accumulate_allreduce_grads_in_fp32: bool = flag_field(
         False, "accumulate and reduce gradients in fp32 under bf16/fp16"
     )
-    grad_reduce_in_bf16: bool = flag_field(
-        False, "accumulate and reduce gradients in bf16 under --bf16 (default fp32)"
+    grad_reduce_in_bf16: bool = flag_field(False, "accumulate and reduce gradients in bf16 under --bf16 (default fp32)")
+    gradient_accumulation_fusion: bool = off_switch(
+        "no fused weight-gradient accumulation into the fp32 gradient buffer"
     )
-    gradient_accumulation_fusion: bool = flag_field(
-        True,
-        "no fused weight-gradient accumulation into the fp32 gradient buffer",
-        flag="--no-gradient-accumulation-fusion",
-        store_false=True,
-    )
-    use_torch_fsdp2: bool = flag_field(
-        False, "fully sharded data parallelism with PyTorch's FSDP2 (fully_shard)"
-    )
+    use_torch_fsdp2: bool = flag_field(False, "fully sharded data parallelism with PyTorch's FSDP2 (fully_shard)")
     use_megatron_fsdp: bool = flag_field(
         False,
         "fully sharded data parallelism (gigatron: PyTorch's FSDP2 with the sharding strategy)",
@@ -119,11 +104,8 @@ class ParallelConfig(Section):
         "(two chunks per rank in a V, with --num-virtual-stages-per-pipeline-rank 2)",
         choices=["1f1b", "zb-h1", "dualpipev"],
     )
-    overlap_p2p_comm: bool = flag_field(
-        True,
-        "post each pipeline receive one step early (overlapped with compute)",
-        flag="--no-overlap-p2p-communication",
-        store_false=True,
+    overlap_p2p_comm: bool = off_switch(
+        "post each pipeline receive one step early (overlapped with compute)", flag="--no-overlap-p2p-communication"
     )
     inprocess_restart: bool = flag_field(
         False,
@@ -131,9 +113,7 @@ class ParallelConfig(Section):
         "leaves its process groups, meets the others again and resumes from the newest "
         "checkpoint in --save, in the same processes (docs/resilience.md)",
     )
-    inprocess_max_iterations: Optional[int] = flag_field(
-        None, "in-process restarts at most", default_help="3"
-    )
+    inprocess_max_iterations: Optional[int] = flag_field(None, "in-process restarts at most", default_help="3")
     inprocess_barrier_timeout: float = flag_field(
         120, "seconds the ranks wait for each other to meet again after an in-process restart"
     )
@@ -161,16 +141,9 @@ class ParallelConfig(Section):
             )
         )
         if self.grad_reduce_in_bf16 and self.accumulate_allreduce_grads_in_fp32:
-            found.append(
-                "--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict; "
-                "give one"
-            )
-        if self.overlap_param_gather and not (
-            self.use_distributed_optimizer and self.overlap_grad_reduce
-        ):
-            found.append(
-                "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"
-            )
+            found.append("--grad-reduce-in-bf16 and --accumulate-allreduce-grads-in-fp32 contradict; give one")
+        if self.overlap_param_gather and not (self.use_distributed_optimizer and self.overlap_grad_reduce):
+            found.append("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
         if not self.align_param_gather and not self.overlap_param_gather:
             found.append(
                 "--no-align-param-gather changes when --overlap-param-gather's all-gathers "
@@ -179,9 +152,7 @@ class ParallelConfig(Section):
         if self.pipeline_schedule == "zb-h1" and (
             self.num_virtual_stages_per_pipeline_rank or self.num_layers_per_virtual_pipeline_stage
         ):
-            found.append(
-                "--pipeline-schedule zb-h1: one model chunk per rank; drop the virtual stages"
-            )
+            found.append("--pipeline-schedule zb-h1: one model chunk per rank; drop the virtual stages")
         if self.pipeline_schedule == "dualpipev" and (
             self.pipeline_model_parallel_size < 2 or self.num_virtual_stages_per_pipeline_rank != 2
         ):
@@ -197,17 +168,11 @@ class ParallelConfig(Section):
         if self.use_torch_fsdp2 and self.use_megatron_fsdp:
             found.append("--use-torch-fsdp2 and --use-megatron-fsdp: give one")
         if self.use_torch_fsdp2 and self.use_distributed_optimizer:
-            found.append(
-                "--use-torch-fsdp2 shards the optimizer state itself; drop "
-                "--use-distributed-optimizer"
-            )
+            found.append("--use-torch-fsdp2 shards the optimizer state itself; drop --use-distributed-optimizer")
         fsdp = self.use_torch_fsdp2 or self.use_megatron_fsdp
         if not fsdp and self.megatron_fsdp_grad_comm_dtype != "auto":
             found.append("--megatron-fsdp-grad-comm-dtype needs --use-megatron-fsdp")
-        if (
-            not self.use_megatron_fsdp
-            and self.data_parallel_sharding_strategy != "optim_grads_params"
-        ):
+        if not self.use_megatron_fsdp and self.data_parallel_sharding_strategy != "optim_grads_params":
             found.append("--data-parallel-sharding-strategy needs --use-megatron-fsdp")
         return found
 
@@ -215,8 +180,7 @@ class ParallelConfig(Section):
     def fully_sharded(self) -> bool:
         """Whether parameters are sharded over data-parallel ranks (FSDP2 or Megatron-FSDP)."""
         return self.use_torch_fsdp2 or (
-            self.use_megatron_fsdp
-            and self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+            self.use_megatron_fsdp and self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
         )
 
 

@@ -98,9 +98,7 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 def apply_preset(cfg, name: str) -> None:
     """Fill cfg.model fields that are still at their defaults with the preset's values."""
     if name not in PRESETS:
-        raise GigatronError(
-            f"--model-preset {name!r} is unknown; choose one of: {', '.join(PRESETS)}"
-        )
+        raise GigatronError(f"--model-preset {name!r} is unknown; choose one of: {', '.join(PRESETS)}")
     for field_name, value in PRESETS[name].items():
         if getattr(cfg.model, field_name) == _DEFAULTS[field_name]:
             setattr(cfg.model, field_name, value)

@@ -47,9 +47,7 @@ REFUSALS: dict[str, Refusal] = {
         "an amax history is delayed scaling (Transformer Engine); gigatron's fp8 (torchao) "
         "scales from each step's amax: drop it",
     ),
-    "fp8_param_gather": Refusal(
-        bool, "gathering parameters in fp8 is not available; drop it (fp8 GEMMs still run)"
-    ),
+    "fp8_param_gather": Refusal(bool, "gathering parameters in fp8 is not available; drop it (fp8 GEMMs still run)"),
     "nccl_ub": Refusal(
         bool,
         "NCCL user-buffer registration is a Megatron-FSDP tuning gigatron's FSDP (PyTorch "
@@ -57,13 +55,11 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "fsdp_double_buffer": Refusal(
         bool,
-        "Megatron-FSDP's double buffer is not part of PyTorch FSDP2, which gigatron's FSDP "
-        "uses; drop it",
+        "Megatron-FSDP's double buffer is not part of PyTorch FSDP2, which gigatron's FSDP uses; drop it",
     ),
     "fsdp_manual_registration": Refusal(
         bool,
-        "manual NCCL buffer registration is a Megatron-FSDP tuning PyTorch FSDP2 does not "
-        "have; drop it",
+        "manual NCCL buffer registration is a Megatron-FSDP tuning PyTorch FSDP2 does not have; drop it",
     ),
     "megatron_fsdp_main_grads_dtype": Refusal(
         lambda value: value != "auto",
@@ -86,13 +82,11 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "muon_scalar_optimizer": Refusal(
         lambda value: value == "lion",
-        "Lion is not available; use --muon-scalar-optimizer adam (AdamW for the parameters "
-        "Muon does not update)",
+        "Lion is not available; use --muon-scalar-optimizer adam (AdamW for the parameters Muon does not update)",
     ),
     "muon_use_syrk": Refusal(
         bool,
-        "the Triton SYRK kernel is not available; drop it (the Gram matrix is a plain matmul, "
-        "the same numbers)",
+        "the Triton SYRK kernel is not available; drop it (the Gram matrix is a plain matmul, the same numbers)",
     ),
     "exp_avg_dtype": Refusal(
         lambda value: value == "fp8",
@@ -109,8 +103,7 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "main_grads_dtype": Refusal(
         lambda value: value != "fp32",
-        "the optimizer reads fp32 gradients; drop it (--grad-reduce-in-bf16 lowers the "
-        "reduction's precision)",
+        "the optimizer reads fp32 gradients; drop it (--grad-reduce-in-bf16 lowers the reduction's precision)",
     ),
     "timing_log_level": Refusal(
         lambda value: value is not None and value > 1,

@@ -18,8 +18,7 @@ from gigatron.config.rules import Section, positive_problems
 class RetroConfig(Section):
     retro_project_dir: Optional[str] = flag_field(
         None,
-        "Retro project directory written by `gigatron retro-preprocess` (its neighbour files "
-        "for each split)",
+        "Retro project directory written by `gigatron retro-preprocess` (its neighbour files for each split)",
     )
     retro_gpt_chunk_length: int = flag_field(
         64, "tokens per chunk: each chunk attends to the neighbours retrieved for the one before"

@@ -56,9 +56,7 @@ def field_section(name: str) -> str:
     return FIELD_SECTION[name]
 
 
-def add_config_arguments(
-    parser: argparse.ArgumentParser, sections: Sequence[str] | None = None
-) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] | None = None) -> None:
     """Add the flags of the given sections (all by default) and `--config`."""
     parser.add_argument(
         "--config",
@@ -117,9 +115,7 @@ def load_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def config_from_namespace(
-    namespace: argparse.Namespace, base: GigatronConfig | None = None
-) -> GigatronConfig:
+def config_from_namespace(namespace: argparse.Namespace, base: GigatronConfig | None = None) -> GigatronConfig:
     """Config from parsed flags: dataclass defaults (or `base`), then the YAML file, then typed
     flags."""
     cfg = base if base is not None else GigatronConfig()

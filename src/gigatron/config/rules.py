@@ -44,11 +44,7 @@ class Section:
 
 def positive_problems(values: Iterable[tuple[int | float | None, str]]) -> list[str]:
     """'FLAG is V; it must be positive' for each (value, flag) whose value is given and <= 0."""
-    return [
-        f"{flag} is {value}; it must be positive"
-        for value, flag in values
-        if value is not None and value <= 0
-    ]
+    return [f"{flag} is {value}; it must be positive" for value, flag in values if value is not None and value <= 0]
 
 
 def fraction_problem(value: float, flag: str, low_open: bool, high_open: bool) -> list[str]:

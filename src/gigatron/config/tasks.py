@@ -35,15 +35,11 @@ class FinetuneTaskConfig:
     train_data: list[str] = flag_field(
         [], "training files (MNLI, QQP: TSV files; RACE: directories of article files)", nargs="+"
     )
-    valid_data: list[str] = flag_field(
-        [], "validation files or directories; accuracy is reported on each", nargs="*"
-    )
+    valid_data: list[str] = flag_field([], "validation files or directories; accuracy is reported on each", nargs="*")
     epochs: Optional[int] = flag_field(
         None, "passes over the training data; 0 evaluates the pretrained checkpoint only"
     )
-    keep_last: bool = flag_field(
-        False, "train on the last, incomplete global batch of each epoch too"
-    )
+    keep_last: bool = flag_field(False, "train on the last, incomplete global batch of each epoch too")
     eval_micro_batch_size: Optional[int] = flag_field(
         None, "validation samples per forward pass", default_help="--micro-batch-size"
     )

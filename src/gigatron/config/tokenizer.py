@@ -24,17 +24,13 @@ TOKENIZER_TYPES = [
 @dataclass
 class TokenizerConfig(Section):
     tokenizer_type: Optional[str] = flag_field(None, "tokenizer kind", choices=TOKENIZER_TYPES)
-    vocab_file: Optional[str] = flag_field(
-        None, "vocabulary file (GPT-2 vocab.json or BERT vocab.txt)"
-    )
+    vocab_file: Optional[str] = flag_field(None, "vocabulary file (GPT-2 vocab.json or BERT vocab.txt)")
     merge_file: Optional[str] = flag_field(None, "BPE merges file (GPT-2 merges.txt)")
     tokenizer_model: Optional[str] = flag_field(
         None, "SentencePiece .model, Hugging Face directory/tokenizer.json, or .tiktoken file"
     )
     vocab_size: Optional[int] = flag_field(None, "vocabulary size of the NullTokenizer")
-    null_tokenizer_eod_id: Optional[int] = flag_field(
-        None, "end-of-document id of the NullTokenizer"
-    )
+    null_tokenizer_eod_id: Optional[int] = flag_field(None, "end-of-document id of the NullTokenizer")
     tiktoken_pattern: Optional[str] = flag_field(
         None, "TikTokenizer split pattern", choices=["v1", "v2"], default_help="v2"
     )

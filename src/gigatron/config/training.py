@@ -5,15 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gigatron.config.fields import flag_field
+from gigatron.config.fields import flag_field, off_switch
 from gigatron.config.rules import Section, positive_problems
 
 
 @dataclass
 class TrainingConfig(Section):
-    micro_batch_size: Optional[int] = flag_field(
-        None, "samples per micro-batch per data-parallel rank"
-    )
+    micro_batch_size: Optional[int] = flag_field(None, "samples per micro-batch per data-parallel rank")
     global_batch_size: Optional[int] = flag_field(None, "samples per iteration over all ranks")
     rampup_batch_size: Optional[list[int]] = flag_field(
         None, "start increment samples: grow the global batch linearly", nargs=3
@@ -38,15 +36,9 @@ class TrainingConfig(Section):
     enable_experimental: bool = flag_field(False, "allow Megatron's experimental features")
     step_batch_size_schedule: Optional[str] = flag_field(
         None,
-        "global batch by consumed samples, 'SAMPLES:BATCH ...' (e.g. '0:16 2.4B:320'; K, M, B, T "
-        "suffixes)",
+        "global batch by consumed samples, 'SAMPLES:BATCH ...' (e.g. '0:16 2.4B:320'; K, M, B, T suffixes)",
     )
-    check_for_nan_in_loss_and_grad: bool = flag_field(
-        True,
-        "keep training when the loss or gradient norm is not finite",
-        flag="--no-check-for-nan-in-loss-and-grad",
-        store_false=True,
-    )
+    check_for_nan_in_loss_and_grad: bool = off_switch("keep training when the loss or gradient norm is not finite")
     rerun_mode: str = flag_field(
         "validate_results",
         "on a rejected result (non-finite loss or gradients, a spike): validate_results re-runs "
@@ -61,17 +53,13 @@ class TrainingConfig(Section):
     iterations_to_skip: list[int] = flag_field(
         [], "skip these iterations (counted from 0, Megatron's numbering): data consumed, no update"
     )
-    error_injection_rate: int = flag_field(
-        0, "testing: reject one result validation in this many (0: never)"
-    )
+    error_injection_rate: int = flag_field(0, "testing: reject one result validation in this many (0: never)")
     error_injection_type: str = flag_field(
         "transient_error",
         "testing: what an injected rejection does on its re-run (transient_error: not reproduced)",
         choices=["correct_result", "transient_error", "persistent_error"],
     )
-    manual_gc: bool = flag_field(
-        False, "disable Python's automatic garbage collector; collect on a schedule"
-    )
+    manual_gc: bool = flag_field(False, "disable Python's automatic garbage collector; collect on a schedule")
     manual_gc_interval: int = flag_field(
         0, "with --manual-gc: iterations between collections (0: only at evaluations and saves)"
     )

@@ -35,9 +35,7 @@ def params_dtype(cfg: GigatronConfig) -> torch.dtype:
 
 def data_parallel_size(cfg: GigatronConfig, world_size: int) -> int:
     p = cfg.parallel
-    model_parallel = (
-        p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    )
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
     return world_size // model_parallel
 
 
@@ -51,9 +49,7 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         # Megatron's rule: the same script runs at any tensor-parallel size.
         p.sequence_parallel = False
-        warnings.warn(
-            "--sequence-parallel needs --tensor-model-parallel-size > 1; turned off", stacklevel=2
-        )
+        warnings.warn("--sequence-parallel needs --tensor-model-parallel-size > 1; turned off", stacklevel=2)
     if cfg.moe.num_experts and cfg.moe.moe_ffn_hidden_size is None:
         cfg.moe.moe_ffn_hidden_size = m.ffn_hidden_size
     if cfg.moe.num_experts and p.expert_tensor_parallel_size is None:
@@ -63,9 +59,7 @@ def finalize_config(cfg: GigatronConfig, world_size: int | None = None) -> Gigat
     if p.num_virtual_stages_per_pipeline_rank is None and p.num_layers_per_virtual_pipeline_stage:
         if m.num_layers and p.pipeline_model_parallel_size:
             per_stage = m.num_layers // p.pipeline_model_parallel_size
-            p.num_virtual_stages_per_pipeline_rank = max(
-                1, per_stage // p.num_layers_per_virtual_pipeline_stage
-            )
+            p.num_virtual_stages_per_pipeline_rank = max(1, per_stage // p.num_layers_per_virtual_pipeline_stage)
     return cfg
 
 
@@ -167,10 +161,7 @@ def _context_parallel_rules(cfg: GigatronConfig) -> list[str]:
     cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
     found = []
     if len(p.cp_comm_type) not in (1, m.num_layers or 1):
-        found.append(
-            f"--cp-comm-type has {len(p.cp_comm_type)} values; give one, or one per layer "
-            f"({m.num_layers})"
-        )
+        found.append(f"--cp-comm-type has {len(p.cp_comm_type)} values; give one, or one per layer ({m.num_layers})")
     if cp <= 1 or m.seq_length is None:
         return found
     if m.seq_length % (2 * cp):
@@ -208,10 +199,7 @@ def _attention_parallel_rules(cfg: GigatronConfig) -> list[str]:
             "value head sizes; use --context-parallel-size 1"
         )
     if m.mtp_num_layers is not None and p.context_parallel_size > 1:
-        found.append(
-            "--mtp-num-layers: multi-token prediction shifts whole sequences; use "
-            "--context-parallel-size 1"
-        )
+        found.append("--mtp-num-layers: multi-token prediction shifts whole sequences; use --context-parallel-size 1")
     if (
         m.mtp_num_layers is not None
         and p.pipeline_model_parallel_size > 1
@@ -262,31 +250,22 @@ def _schedule_rules(cfg: GigatronConfig) -> list[str]:
         found.append("--grad-reduce-in-bf16 needs --bf16")
     if p.num_layers_per_virtual_pipeline_stage and p.num_virtual_stages_per_pipeline_rank:
         derived = (
-            m.num_layers
-            // p.pipeline_model_parallel_size
-            // p.num_layers_per_virtual_pipeline_stage
+            m.num_layers // p.pipeline_model_parallel_size // p.num_layers_per_virtual_pipeline_stage
             if m.num_layers
             else None
         )
         if derived != p.num_virtual_stages_per_pipeline_rank:
             found.append(
-                "give only one of --num-layers-per-virtual-pipeline-stage and "
-                "--num-virtual-stages-per-pipeline-rank"
+                "give only one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"
             )
-    if p.pipeline_schedule == "dualpipev" and (
-        not m.untie_embeddings_and_output_weights or m.mtp_num_layers
-    ):
+    if p.pipeline_schedule == "dualpipev" and (not m.untie_embeddings_and_output_weights or m.mtp_num_layers):
         found.append(
             "--pipeline-schedule dualpipev puts the first and the last stage on rank 0, where a "
             "tied output weight (or the multi-token prediction's embedding) would be a second "
             "copy of the word embedding; add --untie-embeddings-and-output-weights and drop "
             "--mtp-num-layers, or use another schedule"
         )
-    if (
-        t.train_samples is not None
-        and t.train_samples > 0
-        and (o.lr_decay_iters or o.lr_warmup_iters)
-    ):
+    if t.train_samples is not None and t.train_samples > 0 and (o.lr_decay_iters or o.lr_warmup_iters):
         found.append(
             "with --train-samples, give the schedule in samples (--lr-decay-samples, "
             "--lr-warmup-samples), not in iterations"
@@ -345,9 +324,7 @@ def _world_size_rules(cfg: GigatronConfig, world_size: int | None) -> list[str]:
     return []
 
 
-def validate_config(
-    cfg: GigatronConfig, world_size: int | None = None, for_training: bool = False
-) -> None:
+def validate_config(cfg: GigatronConfig, world_size: int | None = None, for_training: bool = False) -> None:
     """Raise GigatronError listing every broken rule: each section's own (`problems()`), then
     those across sections; `for_training` also requires the flags a training run cannot do
     without."""
@@ -384,18 +361,14 @@ def _expert_layout_rules(cfg: GigatronConfig) -> list[str]:
     etp = p.expert_tensor_parallel_size or tp
     found = []
     if m.geglu:
-        found.append(
-            "--geglu: MoE experts have SwiGLU or GeLU MLPs only; use --swiglu or drop --geglu"
-        )
+        found.append("--geglu: MoE experts have SwiGLU or GeLU MLPs only; use --swiglu or drop --geglu")
     if ep > 0 and experts % ep:
         found.append(
             f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}; "
             "every expert-parallel rank holds the same number of experts"
         )
     if etp not in (1, tp):
-        found.append(
-            f"--expert-tensor-parallel-size {etp}: must be 1 or the tensor-parallel size {tp}"
-        )
+        found.append(f"--expert-tensor-parallel-size {etp}: must be 1 or the tensor-parallel size {tp}")
     if m.add_bias_linear and etp > 1:
         found.append(
             f"MoE experts with biases (the default without --disable-bias-linear) and "

@@ -102,22 +102,21 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+# The sampling flags named as their SamplingParams fields.
+_SAMPLING_FLAGS = (
+    "max_tokens top_k top_p stop_on_eol stop_on_double_eol ignore_eos logprobs prompt_logprobs "
+    "top_logprobs"
+).split()
+
+
 def sampling_params(args: argparse.Namespace, stop_ids: tuple[int, ...] = ()) -> SamplingParams:
     from gigatron.inference.engine import SamplingParams  # why: torch only after parsing
 
     params = SamplingParams(
-        max_tokens=args.max_tokens,
+        **{name: getattr(args, name) for name in _SAMPLING_FLAGS},
         temperature=0.0 if args.greedy else args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
         seed=args.sampling_seed,
         stop=tuple(args.stop),
-        stop_on_eol=args.stop_on_eol,
-        stop_on_double_eol=args.stop_on_double_eol,
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-        prompt_logprobs=args.prompt_logprobs,
-        top_logprobs=args.top_logprobs,
     )
     try:
         params.validate()

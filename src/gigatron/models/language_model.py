@@ -31,10 +31,10 @@ class LanguageModelStage(PipelineStage):
         config: TransformerConfig,
         pctx: ParallelContext,
         vocab_size: int,
-        pre_process: bool = True,
-        post_process: bool = True,
-        layer_numbers: range | None = None,
-        rng: ModelParallelRNG | None = None,
+        pre_process: bool,
+        post_process: bool,
+        layer_numbers: range | None,
+        rng: ModelParallelRNG | None,
     ) -> None:
         super().__init__()
         self.config = config

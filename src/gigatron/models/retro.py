@@ -64,15 +64,13 @@ class RetroSpec:
     @classmethod
     def from_config(cls, cfg) -> RetroSpec:
         r = cfg.retro
-        return cls(
-            r.retro_gpt_chunk_length,
-            r.retro_num_neighbors,
-            r.retro_num_retrieved_chunks,
+        encoder = (
             r.retro_encoder_layers,
             r.retro_encoder_hidden_dropout,
             r.retro_encoder_attention_dropout,
-            r.retro_attention_gate,
         )
+        chunks = (r.retro_gpt_chunk_length, r.retro_num_neighbors, r.retro_num_retrieved_chunks)
+        return cls(*chunks, *encoder, r.retro_attention_gate)
 
 
 def retro_layer_numbers(num_layers: int) -> list[int]:
@@ -246,8 +244,9 @@ class RetroModel(GPTModel):
                 return RetroDecoderLayer(config, pctx, number, rng, parts, spec, encoder)
             return TransformerLayer(config, pctx, number, rng, parts)
 
+        one_stage = (True, True, None)  # pre_process, post_process, every layer
         super().__init__(
-            config, pctx, vocab_size, rng=rng, parts=parts, layer_builder=layer_builder
+            config, pctx, vocab_size, *one_stage, rng, parts=parts, layer_builder=layer_builder
         )
         self.spec = spec
         if not spec.final_norm:

@@ -233,7 +233,8 @@ class T5Model(LanguageModelStage):
         rng: ModelParallelRNG,
         parts: LayerParts | None = None,
     ) -> None:
-        super().__init__(decoder_config, pctx, vocab_size, pre_process, post_process, rng=rng)
+        # layer_numbers: set below, per stack
+        super().__init__(decoder_config, pctx, vocab_size, pre_process, post_process, None, rng)
         parts = parts or LayerParts()
         self.encoder_config = encoder_config
         self.relative = decoder_config.position_embedding_type == "relative"

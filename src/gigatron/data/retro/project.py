@@ -33,29 +33,13 @@ class ProjectDir:
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
-
-    @property
-    def config(self) -> Path:
-        return self.root / "config.json"
-
-    @property
-    def db(self) -> Path:
-        return self.root / "db"
-
-    @property
-    def db_meta(self) -> Path:
-        return self.db / "meta.json"
-
-    @property
-    def chunks(self) -> Path:
-        return self.db / "chunks.npy"
+        self.config = self.root / "config.json"
+        self.db = self.root / "db"  # the chunk database: meta, chunks, blocks, embeddings
+        self.db_meta, self.chunks = self.db / "meta.json", self.db / "chunks.npy"
+        self.embeddings = self.db / "embeddings"
 
     def db_blocks(self, dataset: int, doc_block_size: int) -> Path:
         return self.db / "blocks" / f"{doc_block_size}-docs" / str(dataset)
-
-    @property
-    def embeddings(self) -> Path:
-        return self.db / "embeddings"
 
     def index_dir(self, name: str) -> Path:
         return self.root / "index" / name

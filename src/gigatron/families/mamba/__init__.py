@@ -91,8 +91,8 @@ def validate(cfg) -> None:
 
 
 HF_ADAPTER = Mamba2HFAdapter()
-GENERATION = True
-DEFAULT_TOKENIZER_TYPE = "GPT2BPETokenizer"
+# Trained and used like a GPT: its forward step, datasets, generation and default tokenizer.
+GENERATION, DEFAULT_TOKENIZER_TYPE = gpt.GENERATION, gpt.DEFAULT_TOKENIZER_TYPE
 
 
 FAMILY = ModelFamily.from_namespace(
