@@ -3,7 +3,7 @@
 Needs megatron-core 0.16.1 and Megatron-LM's training package (not a test dependency; run by
 hand when the fixtures are regenerated):
 
-    PYTHONPATH=/work/megatron-lm-0.16.1 python tests/tools/make_megatron_fixtures.py [OUT] [NAME...]
+    PYTHONPATH=<Megatron-LM checkout at core_v0.16.1> python tests/tools/make_megatron_fixtures.py [OUT] [NAME...]
 
 Each fixture is one run of Megatron's own model, optimizer and scheduler builders
 (megatron.training.training.setup_model_and_optimizer), three real Adam steps through its
