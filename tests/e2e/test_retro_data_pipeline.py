@@ -144,6 +144,8 @@ def test_bad_input_is_refused_and_nothing_is_overwritten(built, tmp_path):
         )
     with pytest.raises(GigatronError, match="--retro-tasks db-bild: unknown task 'db-bild'"):
         retro_preprocess(flags(fresh, prefix, bert, "--retro-tasks", "db-bild"))
+    with pytest.raises(GigatronError, match=r"missing\.bin and .*missing\.idx: not found"):
+        retro_preprocess(flags(fresh, str(tmp_path / "missing"), bert, "--retro-tasks", "db-build"))
     assert not fresh.exists()
     other = write_corpus(tmp_path, 12, name="other", skip=200)
     before = {p: p.read_bytes() for p in (project.config, project.chunks, project.db_meta)}

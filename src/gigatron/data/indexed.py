@@ -101,6 +101,16 @@ def missing_dataset_hint(prefix: PathLike) -> str:
     return f"; did you mean {found}?" if found else ""
 
 
+def require_dataset(prefix: PathLike) -> None:
+    """GigatronError naming PREFIX.bin / PREFIX.idx when either is missing."""
+    missing = missing_files(prefix)
+    if missing:
+        raise GigatronError(
+            f"{' and '.join(missing)}: not found; give the dataset prefix without extension "
+            f"(PREFIX for PREFIX.bin and PREFIX.idx){missing_dataset_hint(prefix)}"
+        )
+
+
 def dataset_exists(prefix: PathLike) -> bool:
     """True when both PREFIX.bin and PREFIX.idx exist."""
     return os.path.isfile(data_file_path(prefix)) and os.path.isfile(index_file_path(prefix))
@@ -176,12 +186,7 @@ class IndexedDataset(DocumentTable):
 
     def _read_header(self, idx_path: str) -> tuple[int, int]:
         """(sequence count, document count) of a checked index header; sets the token dtype."""
-        missing = missing_files(self.prefix)
-        if missing:
-            raise GigatronError(
-                f"{' and '.join(missing)}: not found; give the dataset prefix without extension "
-                f"(PREFIX for PREFIX.bin and PREFIX.idx){missing_dataset_hint(self.prefix)}"
-            )
+        require_dataset(self.prefix)
         idx_size = os.path.getsize(idx_path)
         if idx_size < HEADER_SIZE:
             raise GigatronError(

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from gigatron.data.indexed import require_dataset
 from gigatron.errors import GigatronError
 
 FORMAT = "gigatron-retro-1"
@@ -114,6 +115,7 @@ def file_digest(path: str | os.PathLike, limit: int | None = None) -> str:
 
 def dataset_fingerprint(prefix: str) -> str:
     """Identity of a .bin/.idx dataset: the whole .idx file and the .bin's size and first MiB."""
+    require_dataset(prefix)
     bin_path, idx_path = f"{prefix}.bin", f"{prefix}.idx"
     parts = [file_digest(idx_path), str(os.path.getsize(bin_path)), file_digest(bin_path, 1 << 20)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
