@@ -43,6 +43,7 @@ from gigatron.checkpoint.layout import (
 from gigatron.checkpoint.lora_convert import export_peft, merge_lora
 from gigatron.checkpoint.megatron_convert import gigatron_to_megatron, whole_to_megatron_dist
 from gigatron.checkpoint.pipeline import Target, convert
+from gigatron.checkpoint.retro_decoder import retro_to_gpt
 from gigatron.checkpoint.safetensors_io import SafetensorsFolder, write_safetensors
 from gigatron.checkpoint.torch_format import (
     CHECKPOINT_FILENAME,
@@ -287,7 +288,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--load", required=True, help="directory to read")
     parser.add_argument("--save", required=True, help="directory to write")
     parser.add_argument(
-        "--family", default=None, help="model family (default: from config.json's model_type)"
+        "--family",
+        default=None,
+        help="model family (default: from config.json's model_type); --from gigatron --to "
+        "gigatron --family gpt: a retro checkpoint's decoder alone as a gpt checkpoint",
     )
     for flag, what in (
         ("--target-tensor-parallel-size", "tensor-parallel size"),
@@ -374,7 +378,8 @@ def _refuse_unused_flags(args: argparse.Namespace) -> None:
     unused = []
     if args.target != "gigatron":
         unused += [f for f in _TARGET_FLAGS if getattr(args, f) is not None]
-    if args.source != "hf" and args.family is not None:
+    retro_decoder = (args.source, args.target) == ("gigatron", "gigatron") and not args.merge_lora
+    if args.source != "hf" and args.family is not None and not retro_decoder:
         unused.append("family")
     if args.target != "megatron" and args.megatron_te_names:
         unused.append("megatron_te_names")
@@ -456,6 +461,8 @@ def _convert(
             whole_to_megatron_dist(whole, save, log)
     elif pair == ("gigatron", "megatron"):
         gigatron_to_megatron(load, save, args.ckpt_step, args.megatron_te_names, log)
+    elif pair == ("gigatron", "gigatron") and args.family is not None:
+        _convert_retro_decoder(args, load, save, log)
     elif pair == ("megatron", "gigatron"):
         vp, ep = args.target_num_virtual_stages_per_pipeline_rank, args.target_expert_parallel_size
         target = Target(tp, pp, vp, ep or 1)
@@ -467,8 +474,21 @@ def _convert(
         raise GigatronError(
             f"--from {args.source} --to {args.target}: not a conversion; supported: hf -> "
             "gigatron, gigatron -> hf, megatron -> gigatron, gigatron -> megatron, gigatron -> "
-            "peft (a LoRA run's adapters), gigatron -> gigatron or hf with --merge-lora"
+            "peft (a LoRA run's adapters), gigatron -> gigatron or hf with --merge-lora, "
+            "gigatron -> gigatron with --family gpt (a retro checkpoint's decoder)"
         )
+
+
+def _convert_retro_decoder(args: argparse.Namespace, load: Path, save: Path, log: Any) -> None:
+    """--family gpt: the decoder of a retro checkpoint as a gpt checkpoint (docs/retro.md)."""
+    if args.family != "gpt":
+        raise GigatronError(
+            f"--family {args.family}: --from gigatron --to gigatron writes a retro checkpoint's "
+            "decoder as --family gpt only; give --family gpt"
+        )
+    vp, ep = args.target_num_virtual_stages_per_pipeline_rank, args.target_expert_parallel_size
+    target = Target(args.target_tensor_parallel_size, args.target_pipeline_parallel_size, vp, ep)
+    retro_to_gpt(load, save, target, log, args.ckpt_step)
 
 
 def _convert_lora(
