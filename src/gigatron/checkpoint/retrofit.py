@@ -35,7 +35,15 @@ def loads_gpt_into_retro(cfg: Any, family_name: str) -> bool:
     found = locate_iteration(Path(load), cfg.checkpoint.ckpt_step)
     if found is None:
         return False
-    return saved_header(found[0]).get("gigatron_family") == "gpt"
+    if saved_header(found[0]).get("gigatron_family") != "gpt":
+        return False
+    if cfg.data.sft:  # InstructRetro tunes a pretrained Retro: its encoder must be trained
+        raise GigatronError(
+            f"--load {load}: a gpt checkpoint; instruction tuning (--sft) starts from a retro "
+            "checkpoint: retro-fit and pretrain it first (gigatron pretrain retro --load "
+            f"{load} --save ...), then --load that"
+        )
+    return True
 
 
 def gpt_config(cfg: Any) -> Any:

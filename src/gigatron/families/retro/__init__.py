@@ -41,7 +41,13 @@ def validate(cfg) -> None:
             f"--retro-gpt-chunk-length {r.retro_gpt_chunk_length} does not divide --seq-length "
             f"{m.seq_length}; give a chunk length that does (Megatron's is 64)"
         )
-    if r.retro_project_dir is None and not cfg.data.mock_data:
+    if cfg.data.sft and r.retro_project_dir is not None:
+        raise GigatronError(
+            f"--retro-project-dir {r.retro_project_dir} with --sft: instruction data are not "
+            'queried against a Retro project; give each JSON line its passages under "neighbours" '
+            "(docs/retro.md 5.1) and drop --retro-project-dir"
+        )
+    if r.retro_project_dir is None and not cfg.data.mock_data and not cfg.data.sft:
         raise GigatronError(
             "pretrain retro: no --retro-project-dir; give the directory `gigatron "
             "retro-preprocess` wrote (docs/retro.md), or --mock-data for random neighbours"
@@ -69,7 +75,11 @@ def validate(cfg) -> None:
         )
 
 
-ACCEPTED_FIELDS = frozenset(field.name for field in dataclasses.fields(RetroConfig))
+# --sft: InstructRetro's instruction tuning (families/retro/sft.py; no packing).
+ACCEPTED_FIELDS = frozenset(field.name for field in dataclasses.fields(RetroConfig)) | {
+    "sft",
+    "sft_tokenizer_prompt_format",
+}
 DEFAULT_TOKENIZER_TYPE = GPT_FAMILY.default_tokenizer_type
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from gigatron.data.gpt_dataset import build_gpt_datasets
 from gigatron.data.retro.store import RetroNeighbourStore
+from gigatron.families.retro.sft import build_retro_sft_datasets
 
 SPLITS = ("train", "valid", "test")
 
@@ -65,6 +66,8 @@ def neighbour_source(cfg, tokenizer, split: str, gpt: Any) -> Any:
 def build_retro_datasets(cfg, tokenizer, num_samples, pctx=None) -> tuple[Any, Any, Any]:
     """(train, valid, test) Retro datasets; None where the GPT split is None or no samples are
     asked of it (a run without evaluation needs no valid and test neighbours)."""
+    if cfg.data.sft:  # instruction tuning: docs/retro.md 5.1
+        return build_retro_sft_datasets(cfg, tokenizer, num_samples, pctx)
     gpt_splits = build_gpt_datasets(cfg, tokenizer, num_samples, pctx)
     return tuple(
         None
