@@ -107,14 +107,15 @@ def hand_loss(cfg, load: Path, lines) -> float:
 
 
 def test_instruction_tuning_a_retro_checkpoint(tmp_path):
-    saved = tmp_path / "retro"
-    base = flags(tmp_path, "--mock-data", "--save", str(saved))
-    pretrain(parse_pretrain_config(base, world_size=1, family="retro"), io.StringIO(), "retro")
+    saved = tmp_path / "retro"  # a random Retro model, saved as `pretrain retro` saves it
+    base = parse_pretrain_config(flags(tmp_path, "--mock-data"), world_size=1, family="retro")
+    (model,) = build_retro_model(base, PCTX, vocab_size=100)
+    save_checkpoint(saved, 1, [model], None, None, PCTX, base, {"gigatron_family": "retro"})
     data = write_jsonl(tmp_path / "inst.jsonl", LINES)
-    tune = sft_flags(data, "--load", str(saved), "--finetune", "--train-iters", "4")
+    tune = sft_flags(data, "--load", str(saved), "--finetune", "--train-iters", "3")
     cfg = parse_pretrain_config(tune, world_size=1, family="retro")
     losses = pretrain(cfg, io.StringIO(), "retro")[0].train_losses
-    assert losses[4] < losses[1] - 0.1
+    assert losses[3] < losses[2] < losses[1] - 0.5
     assert losses[1] == pytest.approx(hand_loss(cfg, saved, LINES), rel=1e-5)
     # Other neighbours, same conversations: another loss (the neighbours reach the model).
     other = [{**line, "neighbours": ["70 71 72 73", "74 75"]} for line in LINES]
