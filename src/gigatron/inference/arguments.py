@@ -167,3 +167,24 @@ def resolve_batch_size(args: argparse.Namespace) -> None:
     if args.max_batch_size is None:
         args.max_batch_size = args.micro_batch_size or DEFAULT_MAX_BATCH_SIZE
     dynamic_settings(args)  # the dynamic engine's flags fail before the model loads
+
+
+def add_retrieval_arguments(parser: argparse.ArgumentParser) -> None:
+    """A Retro checkpoint's retrieval at generation time (tasks/retro_generate.py reads them;
+    docs/retro.md 5.2). Megatron's names and defaults."""
+    group = parser.add_argument_group("Retro retrieval (a retro checkpoint)")
+    group.add_argument(
+        "--retro-project-dir", default=None,
+        help="the Retro project (`gigatron retro-preprocess`): its chunk database, BERT "
+        "embedder and index answer each complete chunk of the text",
+    )  # fmt: skip
+    group.add_argument(
+        "--retro-index-str", default=None,
+        help="which of the project's indexes (its --retro-index-str; default: its only one)",
+    )  # fmt: skip
+    group.add_argument(
+        "--retro-num-neighbors", type=int, default=None,
+        help="neighbours per chunk (default: the checkpoint's; it must be that one)",
+    )  # fmt: skip
+    group.add_argument("--retro-query-nprobe", type=int, default=65536, help="IVF lists searched")
+    group.add_argument("--retro-query-ef-search", type=int, default=256, help="HNSW efSearch")
