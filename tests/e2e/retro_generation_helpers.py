@@ -1,4 +1,4 @@
-"""Shared by the Retro generation and QA tests: a Retro project over 40 WikiText-2 paragraphs (a
+"""Shared by the Retro generation and QA tests: a Retro project over 20 WikiText-2 paragraphs (a
 tiny random BERT embedder, a Flat index), a tiny untrained Retro checkpoint with the GPT-2
 tokenizer (its weights large enough that neighbours move the logits), and the reference
 generation loop: neighbours found by brute force over the saved embeddings, one full forward
@@ -67,7 +67,7 @@ class RetroSetup:
 
 
 def build_setup(root: Path) -> RetroSetup:
-    prefix = write_corpus(root, 40)
+    prefix = write_corpus(root, 20)
     bert, checkpoint, project = root / "bert", root / "retro", root / "project"
     save_untrained(bert, "bert", BERT)
     save_untrained(checkpoint, "retro", RETRO)

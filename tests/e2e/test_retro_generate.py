@@ -5,18 +5,25 @@ with generate's tokens, and missing or mismatched inputs are one-line errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import threading
+import time
 from argparse import Namespace
 
 import pytest
 import requests
 import torch
-from inference_helpers import save_tiny_checkpoint, start_server, stop_server
+import uvicorn
+from inference_helpers import free_port
 from retro_generation_helpers import CHUNK, ReferenceRetro, build_setup
 
 from gigatron.cli import main as cli
+from gigatron.errors import GigatronError
+from gigatron.inference.generate import build_parser as generate_parser
 from gigatron.inference.load import load_for_inference
+from gigatron.tasks.retro_retrieval import attach_retrieval
 from retro_data_helpers import gpt_tokenizer
 
 PROMPTS = [
@@ -33,10 +40,15 @@ def setup(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(setup):
+def loaded(setup):
+    """The Retro checkpoint loaded once (the reference's model; attach_retrieval's input)."""
     args = Namespace(load=str(setup.checkpoint), ckpt_step=None, device="cpu",
                      retro_project_dir=str(setup.project))  # fmt: skip
-    loaded = load_for_inference(args)
+    return load_for_inference(args)
+
+
+@pytest.fixture(scope="module")
+def reference(setup, loaded):
     return ReferenceRetro(setup, loaded.chunks[0])
 
 
@@ -78,20 +90,31 @@ def test_neighbours_move_the_logits_from_the_first_position_that_sees_them(gener
     assert gap[CHUNK - 1 :].min() > 1e-3
 
 
-def test_serve_answers_with_the_generated_tokens(setup, generated):
-    process, url = start_server(setup.checkpoint, *setup.flags()[2:])
-    try:
-        body = {"prompts": PROMPTS, "tokens_to_generate": STEPS, "top_k": 1}
-        answer = requests.put(url + "/api", json=body, timeout=120)
-        assert answer.status_code == 200, answer.text
-        for i, record in enumerate(generated):
-            assert answer.json()["tokens"][i] == record["prompt_tokens"] + record["tokens"]
-        body = {"prompt": PROMPTS[0], "max_tokens": STEPS, "temperature": 0}
-        openai = requests.post(url + "/v1/completions", json=body, timeout=120).json()
-        assert openai["choices"][0]["text"] == generated[0]["text"]
-    finally:
-        output = stop_server(process)
-    assert "Traceback" not in output, output
+def test_serve_answers_with_the_generated_tokens(setup, generated, monkeypatch):
+    """`gigatron serve` in this process: its app runs on a uvicorn server in a thread."""
+    answers = {}
+
+    def run(app, host, port, log_level):
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port()))
+        thread = threading.Thread(target=server.run)
+        thread.start()
+        try:
+            while not server.started:
+                time.sleep(0.05)
+            url = f"http://127.0.0.1:{server.config.port}"
+            body = {"prompts": PROMPTS, "tokens_to_generate": STEPS, "top_k": 1}
+            answers["api"] = requests.put(url + "/api", json=body, timeout=120).json()
+            body = {"prompt": PROMPTS[0], "max_tokens": STEPS, "temperature": 0}
+            answers["openai"] = requests.post(url + "/v1/completions", json=body, timeout=120)
+        finally:
+            server.should_exit = True
+            thread.join()
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    assert cli(["serve", *setup.flags()]) == 0
+    for i, record in enumerate(generated):
+        assert answers["api"]["tokens"][i] == record["prompt_tokens"] + record["tokens"]
+    assert answers["openai"].json()["choices"][0]["text"] == generated[0]["text"]
 
 
 def _error(capsys, *argv: str) -> str:
@@ -101,29 +124,41 @@ def _error(capsys, *argv: str) -> str:
     return err
 
 
-def test_missing_or_mismatched_inputs_are_one_line_errors(setup, tmp_path, capsys):
+def test_missing_inputs_are_one_line_errors(setup, tmp_path, capsys):
     load = ["--load", str(setup.checkpoint), "--device", "cpu"]
     assert "give --retro-project-dir" in _error(capsys, *load)
     missing = tmp_path / "nowhere"
     assert f"{missing}/config.json: not found" in _error(
         capsys, *load, "--retro-project-dir", str(missing)
     )
-    assert "built for 2; give 2" in _error(capsys, *setup.flags("--retro-num-neighbors", "3"))
-    assert "index-add with --retro-index-str 'IVF4,Flat'" in _error(
-        capsys, *setup.flags("--retro-index-str", "IVF4,Flat")
+
+
+def _refused(setup, loaded, *flags: str, load=None) -> str:
+    """attach_retrieval's error for generate's flags (the loaded model reused)."""
+    args = generate_parser().parse_args(["--prompt", "x", *setup.flags(*flags)])
+    with pytest.raises(GigatronError) as error:
+        attach_retrieval(dataclasses.replace(loaded, chunks=load or loaded.chunks), args)
+    assert "\n" not in str(error.value)
+    return str(error.value)
+
+
+def test_mismatched_inputs_are_refused(setup, loaded, tmp_path):
+    assert "built for 2; give 2" in _refused(setup, loaded, "--retro-num-neighbors", "3")
+    assert "index-add with --retro-index-str 'IVF4,Flat'" in _refused(
+        setup, loaded, "--retro-index-str", "IVF4,Flat"
     )
     no_index = tmp_path / "no_index"
     shutil.copytree(setup.project, no_index, ignore=shutil.ignore_patterns("index"))
-    assert "no filled index; run `gigatron retro-preprocess" in _error(
-        capsys, *load, "--retro-project-dir", str(no_index)
+    assert "no filled index; run `gigatron retro-preprocess" in _refused(
+        setup, loaded, "--retro-project-dir", str(no_index)
     )
-    gpt = tmp_path / "gpt"
-    save_tiny_checkpoint(gpt)
-    err = _error(capsys, "--load", str(gpt), "--retro-project-dir", str(setup.project))
-    assert "--retro-project-dir: the --load checkpoint is not a Retro model" in err
+    assert "--retro-project-dir: the --load checkpoint is not a Retro model" in _refused(
+        setup, loaded, load=[torch.nn.Linear(1, 1)]
+    )
+    assert "not available when a Retro" in _refused(setup, loaded, "--inference-dynamic-batching")
     moved = setup.root / "bert-moved"
     setup.bert.rename(moved)
     try:
-        assert "that embedded the database is gone" in _error(capsys, *setup.flags())
+        assert "that embedded the database is gone" in _refused(setup, loaded)
     finally:
         moved.rename(setup.bert)
