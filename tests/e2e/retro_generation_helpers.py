@@ -25,12 +25,13 @@ from gigatron.training.pretrain import parse_pretrain_config
 from helpers import BERT_VOCAB
 from retro_data_helpers import GPT_FILES, gpt_tokenizer, write_corpus
 
-SEQ, CHUNK, NEIGHBOURS = 32, 8, 2
+SEQ, CHUNK, NEIGHBOURS = 32, 8, 2  # the project's sample length, its chunks
+CONTEXT = 128  # the model's: a QA prompt fits
 GPT2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", GPT_FILES[0],
         "--merge-file", GPT_FILES[1]]  # fmt: skip
 RETRO = [
     *GPT2, "--mock-data", "--num-layers", "6", "--hidden-size", "32", "--num-attention-heads",
-    "4", "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+    "4", "--seq-length", str(CONTEXT), "--max-position-embeddings", str(CONTEXT),
     "--retro-gpt-chunk-length", str(CHUNK), "--retro-num-neighbors", str(NEIGHBOURS),
     "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--retro-encoder-hidden-dropout", "0",

@@ -1,7 +1,8 @@
 """`gigatron generate` and `gigatron serve` on a Retro checkpoint with `--retro-project-dir`:
 greedy tokens equal a hand-assembled forward per token with brute-force neighbours (a Flat
 index), the neighbours move the logits from the first position that sees them, serve answers
-with generate's tokens, and missing or mismatched inputs are one-line errors."""
+with generate's tokens, and missing or mismatched inputs are one-line errors; `gigatron
+evaluate --task RETRO-QA` scores those greedy answers (one project and checkpoint for all)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ import requests
 import torch
 import uvicorn
 from inference_helpers import free_port
-from retro_generation_helpers import CHUNK, ReferenceRetro, build_setup
+from retro_generation_helpers import CHUNK, CONTEXT, ReferenceRetro, build_setup
 
 from gigatron.cli import main as cli
 from gigatron.errors import GigatronError
 from gigatron.inference.generate import build_parser as generate_parser
 from gigatron.inference.load import load_for_inference
+from gigatron.tasks.qa_metrics import clean_prediction, exact_match, f1
+from gigatron.tasks.retro_qa import qa_prompt, read_qa_file
 from gigatron.tasks.retro_retrieval import attach_retrieval
+from helpers import DATA
 from retro_data_helpers import gpt_tokenizer
 
 PROMPTS = [
@@ -162,3 +166,26 @@ def test_mismatched_inputs_are_refused(setup, loaded, tmp_path):
         assert "that embedded the database is gone" in _refused(setup, loaded)
     finally:
         moved.rename(setup.bert)
+
+
+def test_retro_qa_scores_the_greedy_answers_with_retrieval(setup, reference, tmp_path, capsys):
+    sample, results, new = DATA / "retro-qa-wikitext2.jsonl", tmp_path / "qa.json", 6
+    argv = ["evaluate", "--task", "RETRO-QA", "--valid-data", str(sample), "--out-seq-length",
+            str(new), "--results-file", str(results), *setup.flags()]  # fmt: skip
+    assert cli(argv) == 0
+    result = json.loads(results.read_text())
+    tokenizer, examples = gpt_tokenizer(), read_qa_file(str(sample))
+    assert result["num_examples"] == len(result["predictions"]) == len(examples) == 5
+    for example, row in zip(examples, result["predictions"]):
+        ids = qa_prompt(example, 1, tokenizer, CONTEXT, new)
+        expected = clean_prediction(tokenizer.detokenize(reference.greedy(ids, new, 50257)))
+        assert row["prediction"] == expected
+        assert row["exact_match"] == exact_match(expected, example.answers)
+        assert row["f1"] == f1(expected, example.answers)
+    assert result["exact_match"] == sum(r["exact_match"] for r in result["predictions"]) / 5
+    assert result["f1"] == pytest.approx(sum(r["f1"] for r in result["predictions"]) / 5)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == (
+        f"validation results on RETRO-QA | exact match: {result['exact_match']:.4f} | "
+        f"F1: {result['f1']:.4f} | examples: 5"
+    )
