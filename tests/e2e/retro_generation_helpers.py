@@ -98,8 +98,15 @@ class ReferenceRetro:
             str(setup.bert), ParallelContext.single(), gpt_tokenizer(), 64, 16, {}
         )
         self.eod = gpt_tokenizer().eod
+        self.found: dict[tuple[int, ...], np.ndarray] = {}
 
     def neighbours(self, chunk: list[int]) -> np.ndarray:
+        key = tuple(chunk)
+        if key not in self.found:
+            self.found[key] = self.search(chunk)
+        return self.found[key]
+
+    def search(self, chunk: list[int]) -> np.ndarray:
         query = self.embedder([np.asarray(chunk)])
         distances = ((self.embeddings - query) ** 2).sum(-1)
         ids = np.argsort(distances, kind="stable")[:NEIGHBOURS]

@@ -18,12 +18,20 @@ import requests
 import torch
 import uvicorn
 from inference_helpers import free_port
-from retro_generation_helpers import CHUNK, CONTEXT, ReferenceRetro, build_setup
+from retro_generation_helpers import (
+    CHUNK,
+    CONTEXT,
+    GPT2,
+    ReferenceRetro,
+    build_setup,
+    save_untrained,
+)
 
 from gigatron.cli import main as cli
 from gigatron.errors import GigatronError
+from gigatron.inference import SamplingParams
 from gigatron.inference.generate import build_parser as generate_parser
-from gigatron.inference.load import load_for_inference
+from gigatron.inference.load import build_engine, load_for_inference
 from gigatron.tasks.qa_metrics import clean_prediction, exact_match, f1
 from gigatron.tasks.retro_qa import qa_prompt, read_qa_file
 from gigatron.tasks.retro_retrieval import attach_retrieval
@@ -189,3 +197,23 @@ def test_retro_qa_scores_the_greedy_answers_with_retrieval(setup, reference, tmp
         f"validation results on RETRO-QA | exact match: {result['exact_match']:.4f} | "
         f"F1: {result['f1']:.4f} | examples: 5"
     )
+
+
+def test_retro_qa_on_a_gpt_checkpoint_answers_without_retrieval(tmp_path):
+    gpt = tmp_path / "gpt"
+    save_untrained(gpt, "gpt", [*GPT2, "--mock-data", "--num-layers", "2", "--hidden-size", "32",
+                                "--num-attention-heads", "4", "--seq-length", str(CONTEXT),
+                                "--max-position-embeddings", str(CONTEXT), "--micro-batch-size",
+                                "1", "--global-batch-size", "1", "--train-iters", "1", "--lr",
+                                "1e-3", "--init-method-std", "0.3"])  # fmt: skip
+    sample, results = DATA / "retro-qa-wikitext2.jsonl", tmp_path / "qa.json"
+    argv = ["evaluate", "--task", "RETRO-QA", "--valid-data", str(sample), "--load", str(gpt),
+            "--device", "cpu", "--out-seq-length", "3", "--results-file", str(results)]  # fmt: skip
+    assert cli(argv) == 0
+    predictions = [row["prediction"] for row in json.loads(results.read_text())["predictions"]]
+    loaded = load_for_inference(Namespace(load=str(gpt), ckpt_step=None, device="cpu"))
+    engine = build_engine(loaded.chunks, loaded.pctx, loaded.tokenizer)
+    tokenizer, params = loaded.tokenizer, SamplingParams(max_tokens=3, temperature=0.0)
+    prompts = [qa_prompt(e, 1, tokenizer, CONTEXT, 3) for e in read_qa_file(str(sample))]
+    expected = [clean_prediction(c.text) for c in engine.generate(prompts, params)]
+    assert predictions == expected and any(expected)
