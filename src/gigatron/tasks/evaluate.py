@@ -202,7 +202,7 @@ def evaluate(argv: Sequence[str]) -> dict[str, Any]:
     retro_qa.check_task_flags(args, task)
     apply_thread_choice()  # one process: a few threads (docs/training.md)
     if task.task == retro_qa.TASK:
-        return retro_qa.evaluate_qa(args, task)
+        return retro_qa.evaluate_qa(args, task, write_json)
     loaded = load_for_inference(args, data_parallel=True)
     try:
         result = run_task(loaded, task, args)

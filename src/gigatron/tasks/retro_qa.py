@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,12 +173,14 @@ def answer_all(engine: Any, loaded: Any, args: argparse.Namespace, examples) -> 
     return [completion.text for completion in engine.generate(prompts, params)]
 
 
-def evaluate_qa(args: argparse.Namespace, task: Any) -> dict[str, Any]:
-    """Load, answer every question, score; rank 0 prints and writes --results-file."""
+def evaluate_qa(
+    args: argparse.Namespace, task: Any, write_json: Callable[[Path, Any], None]
+) -> dict[str, Any]:
+    """Load, answer every question, score; rank 0 prints and writes --results-file (with
+    `write_json`, evaluate's)."""
     # why here: torch-heavy modules after parsing
     from gigatron.inference.load import build_engine, load_for_inference
     from gigatron.parallel.context import destroy
-    from gigatron.tasks.evaluate import write_json
     from gigatron.tasks.retro_retrieval import attach_retrieval
 
     (path,) = task.valid_data
