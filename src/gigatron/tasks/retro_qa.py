@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gigatron.errors import GigatronError
+from gigatron.inference.arguments import retrieval_flags_given
 from gigatron.tasks import qa_metrics
 from gigatron.tasks.text_files import read_utf8
 
@@ -52,13 +53,7 @@ def add_qa_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_task_flags(args: argparse.Namespace, task: Any) -> None:
     """The flags of one task are refused for the others."""
-    retrieval = {
-        "--retro-project-dir": args.retro_project_dir is not None,
-        "--retro-index-str": args.retro_index_str is not None,
-        "--retro-num-neighbors": args.retro_num_neighbors is not None,
-        "--retro-query-nprobe": args.retro_query_nprobe != 65536,
-        "--retro-query-ef-search": args.retro_query_ef_search != 256,
-    }
+    retrieval = {flag: True for flag in retrieval_flags_given(args)}
     qa = {f"--{k.replace('_', '-')}": getattr(args, k) != v for k, v in FLAG_DEFAULTS.items()}
     others = {
         "--overlapping-eval": task.overlapping_eval != 32,

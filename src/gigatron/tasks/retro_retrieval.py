@@ -30,6 +30,7 @@ from gigatron.data.retro.index import open_index, search, set_search_parameters
 from gigatron.data.retro.project import ProjectDir, read_json
 from gigatron.data.retro.store import DB_FIX, ChunkDatabase
 from gigatron.errors import GigatronError
+from gigatron.inference.arguments import retrieval_flags_given
 from gigatron.models.retro import RetroModel, RetroSpec
 from gigatron.tasks.retro_embedder import BertChunkEmbedder, load_bert_embedder
 
@@ -236,17 +237,7 @@ def attach_retrieval(loaded: Any, args: argparse.Namespace) -> None:
     checkpoints the retrieval flags are refused."""
     model = loaded.chunks[0]
     if not isinstance(model, RetroModel):
-        given = [
-            flag
-            for flag, value, default in (
-                ("--retro-project-dir", args.retro_project_dir, None),
-                ("--retro-index-str", args.retro_index_str, None),
-                ("--retro-num-neighbors", args.retro_num_neighbors, None),
-                ("--retro-query-nprobe", args.retro_query_nprobe, 65536),
-                ("--retro-query-ef-search", args.retro_query_ef_search, 256),
-            )
-            if value != default
-        ]
+        given = retrieval_flags_given(args)
         if given:
             raise GigatronError(
                 f"{', '.join(given)}: the --load checkpoint is not a Retro model (retrieval is "
