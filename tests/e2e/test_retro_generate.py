@@ -143,6 +143,9 @@ def test_missing_inputs_are_one_line_errors(setup, tmp_path, capsys):
     assert f"{missing}/config.json: not found" in _error(
         capsys, *load, "--retro-project-dir", str(missing)
     )
+    # a command without retrieval flags (lm-eval, evaluate's other tasks) says which have them
+    with pytest.raises(GigatronError, match="generate, serve and evaluate --task RETRO-QA run it"):
+        load_for_inference(Namespace(load=str(setup.checkpoint), ckpt_step=None, device="cpu"))
 
 
 def _refused(setup, loaded, *flags: str, load=None) -> str:

@@ -198,10 +198,15 @@ def _check_generates(family: str, load_dir: Path, args: argparse.Namespace) -> N
     if family == "retro" and getattr(args, "retro_project_dir", None):
         return  # generates with retrieval (tasks/retro_generate.py)
     if family == "retro":
+        where = (
+            "give --retro-project-dir, the `gigatron retro-preprocess` project of its database "
+            "and index"
+            if hasattr(args, "retro_project_dir")
+            else "generate, serve and evaluate --task RETRO-QA run it, with --retro-project-dir"
+        )
         raise GigatronError(
-            f"--load {load_dir}: a Retro model, which generates with retrieval: give "
-            "--retro-project-dir, the `gigatron retro-preprocess` project of its database and "
-            "index (docs/retro.md)"
+            f"--load {load_dir}: a Retro model, which generates with retrieval: {where} "
+            "(docs/retro.md)"
         )
     if family != "t5" and not get_family(family).generation:  # T5: inference/t5_generation.py
         raise GigatronError(
