@@ -171,6 +171,9 @@ def test_mismatched_inputs_are_refused(setup, loaded, tmp_path):
         setup, loaded, load=[torch.nn.Linear(1, 1)]
     )
     assert "not available when a Retro" in _refused(setup, loaded, "--inference-dynamic-batching")
+    assert "--max-sequence-length 60: a Retro model with learned positions" in _refused(
+        setup, loaded, "--max-sequence-length", "60"
+    )
     moved = setup.root / "bert-moved"
     setup.bert.rename(moved)
     try:

@@ -224,11 +224,17 @@ def check_run(loaded: Any, args: argparse.Namespace, spec: RetroSpec) -> None:
             f"{'; '.join(given)}: not available when a Retro checkpoint generates with retrieval"
         )
     config, m = loaded.chunks[0].config, spec.chunk_length
-    limit = getattr(args, "max_sequence_length", None) or config.max_position_embeddings
+    # the engine's length: generate and serve's --max-sequence-length, evaluate's --seq-length,
+    # else the model's positions
+    flag = "--max-sequence-length" if hasattr(args, "max_sequence_length") else "--seq-length"
+    limit = getattr(args, flag[2:].replace("-", "_"), None)
+    if limit is None:
+        flag, limit = "--max-position-embeddings", config.max_position_embeddings
     if config.position_embedding_type == "learned_absolute" and limit and limit % m:
         raise GigatronError(
-            f"--max-sequence-length {limit}: a Retro model with learned positions reads whole "
-            f"chunks; give a multiple of --retro-gpt-chunk-length {m}"
+            f"{flag} {limit}: a Retro model with learned positions reads whole chunks; give "
+            f"--max-sequence-length (evaluate: --seq-length), a multiple of "
+            f"--retro-gpt-chunk-length {m}"
         )
 
 
