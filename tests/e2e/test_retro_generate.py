@@ -100,6 +100,16 @@ def test_neighbours_move_the_logits_from_the_first_position_that_sees_them(gener
     gap = (with_neighbours - without).abs().amax(-1)
     assert gap[: CHUNK - 1].max() < 1e-5
     assert gap[CHUNK - 1 :].min() > 1e-3
+    # with the gate closed (--retro-attention-gate 0) the neighbours change nothing
+    layers = [layer for layer in reference.model.decoder.layers.values() if hasattr(layer, "gate")]
+    try:
+        for layer in layers:
+            layer.gate = 0.0
+        closed = reference.logits(ids) - reference.logits(ids, empty=True)
+    finally:
+        for layer in layers:
+            layer.gate = 1.0
+    assert len(layers) == 1 and closed.abs().max() == 0
 
 
 def test_serve_answers_with_the_generated_tokens(setup, generated, monkeypatch):
