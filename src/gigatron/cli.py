@@ -40,11 +40,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pretrain a model: gigatron pretrain gpt [flags]",
     ),
     "generate": (
-        "gigatron.inference.generate:main",
+        "gigatron.tasks.retro_generate:generate_main",
         "generate text from a checkpoint: gigatron generate --load DIR --prompt TEXT",
     ),
     "serve": (
-        "gigatron.inference.serve_command:main",
+        "gigatron.tasks.retro_generate:serve_main",
         "serve a checkpoint over HTTP (Megatron's PUT /api and OpenAI's /v1 API)",
     ),
     "text-generation-cli": (

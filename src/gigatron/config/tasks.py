@@ -13,7 +13,7 @@ from gigatron.config.fields import add_dataclass_arguments, flag_field
 from gigatron.config.parser import command_parser
 from gigatron.config.root import add_config_arguments
 
-ZERO_SHOT_TASKS = ["WIKITEXT103", "LAMBADA"]
+ZERO_SHOT_TASKS = ["WIKITEXT103", "LAMBADA", "RETRO-QA"]  # RETRO-QA: tasks/retro_qa.py
 FINETUNE_TASKS = ["MNLI", "QQP", "RACE"]
 
 

@@ -167,3 +167,43 @@ def resolve_batch_size(args: argparse.Namespace) -> None:
     if args.max_batch_size is None:
         args.max_batch_size = args.micro_batch_size or DEFAULT_MAX_BATCH_SIZE
     dynamic_settings(args)  # the dynamic engine's flags fail before the model loads
+
+
+# add_retrieval_arguments' flags and their defaults
+RETRIEVAL_FLAGS = (
+    ("retro_project_dir", None),
+    ("retro_index_str", None),
+    ("retro_num_neighbors", None),
+    ("retro_query_nprobe", 65536),
+    ("retro_query_ef_search", 256),
+)
+
+
+def add_retrieval_arguments(parser: argparse.ArgumentParser) -> None:
+    """A Retro checkpoint's retrieval at generation time (tasks/retro_retrieval.py reads them;
+    docs/retro.md 5.2). Megatron's names and defaults."""
+    group = parser.add_argument_group("Retro retrieval (a retro checkpoint)")
+    group.add_argument(
+        "--retro-project-dir", default=None,
+        help="the Retro project (`gigatron retro-preprocess`): its chunk database, BERT "
+        "embedder and index answer each complete chunk of the text",
+    )  # fmt: skip
+    group.add_argument(
+        "--retro-index-str", default=None,
+        help="which of the project's indexes (its --retro-index-str; default: its only one)",
+    )  # fmt: skip
+    group.add_argument(
+        "--retro-num-neighbors", type=int, default=None,
+        help="neighbours per chunk (default: the checkpoint's; it must be that one)",
+    )  # fmt: skip
+    group.add_argument("--retro-query-nprobe", type=int, default=65536, help="IVF lists searched")
+    group.add_argument("--retro-query-ef-search", type=int, default=256, help="HNSW efSearch")
+
+
+def retrieval_flags_given(args: argparse.Namespace) -> list[str]:
+    """The retrieval flags given other values than their defaults."""
+    return [
+        f"--{name.replace('_', '-')}"
+        for name, default in RETRIEVAL_FLAGS
+        if getattr(args, name) != default
+    ]

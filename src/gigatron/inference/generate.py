@@ -19,6 +19,7 @@ from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 from gigatron.inference.arguments import (
     add_load_arguments,
+    add_retrieval_arguments,
     add_speculative_arguments,
     check_speculative,
     resolve_batch_size,
@@ -26,6 +27,7 @@ from gigatron.inference.arguments import (
 
 if TYPE_CHECKING:
     from gigatron.inference.engine import Completion, SamplingParams
+    from gigatron.inference.load import Attach
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_sampling_arguments(parser)
     add_speculative_arguments(parser, mtp=True)
+    add_retrieval_arguments(parser)
     parser.add_argument("--output", default=None, help="write JSON lines here instead of text")
     return parser
 
@@ -146,8 +149,9 @@ def record(prompt: str, completion: Completion, tokenizer) -> dict:
     return out
 
 
-def main(argv: Sequence[str]) -> int:
-    """`gigatron generate --load DIR --prompt TEXT [...]`."""
+def main(argv: Sequence[str], attach: Attach | None = None) -> int:
+    """`gigatron generate --load DIR --prompt TEXT [...]`; `attach` (tasks/retro_generate.py)
+    adds a Retro checkpoint's retrieval to the loaded model."""
     args = build_parser().parse_args(list(argv))
     resolve_batch_size(args)
     check_speculative(args, mtp=True)
@@ -161,6 +165,8 @@ def main(argv: Sequence[str]) -> int:
 
     loaded = load_for_inference(args)
     try:
+        if attach is not None:
+            attach(loaded, args)
         return _generate(args, loaded, prompts, params)
     finally:
         destroy(loaded.pctx)

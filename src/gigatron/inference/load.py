@@ -130,6 +130,11 @@ class LoadedModel:
     iteration: int
 
 
+# Called by generate and serve right after loading: may replace `chunks` with modules the engine
+# runs instead (a Retro checkpoint's retrieval, tasks/retro_generate.py).
+Attach = Callable[[LoadedModel, argparse.Namespace], None]
+
+
 def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) -> LoadedModel:
     """Read the checkpoint's configuration, start the process groups for its tensor/pipeline
     layout (under torchrun), build the model and load the weights. With `data_parallel`
@@ -144,7 +149,7 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
         )
     iteration_dir, iteration, _ = located
     if detect_format(iteration_dir) == "torch_dist":
-        cfg, family = _torch_dist_config(iteration_dir, load_dir, data_parallel)
+        cfg, family = _torch_dist_config(iteration_dir, load_dir, data_parallel, args)
         return _build_and_load(cfg, family, args, load_dir, iteration)
     layout = saved_layout(iteration_dir)
     if layout is None:
@@ -173,7 +178,7 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
             "1: convert it first with gigatron convert-checkpoint --target-expert-parallel-size 1"
         )
     family = first.get("gigatron_family", "gpt")
-    _check_generates(family, load_dir)
+    _check_generates(family, load_dir, args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if data_parallel and world % (tp * pp) == 0:
         pass
@@ -189,7 +194,20 @@ def load_for_inference(args: argparse.Namespace, data_parallel: bool = False) ->
     return _build_and_load(cfg, family, args, load_dir, iteration)
 
 
-def _check_generates(family: str, load_dir: Path) -> None:
+def _check_generates(family: str, load_dir: Path, args: argparse.Namespace) -> None:
+    if family == "retro" and getattr(args, "retro_project_dir", None):
+        return  # generates with retrieval (tasks/retro_generate.py)
+    if family == "retro":
+        where = (
+            "give --retro-project-dir, the `gigatron retro-preprocess` project of its database "
+            "and index"
+            if hasattr(args, "retro_project_dir")
+            else "generate, serve and evaluate --task RETRO-QA run it, with --retro-project-dir"
+        )
+        raise GigatronError(
+            f"--load {load_dir}: a Retro model, which generates with retrieval: {where} "
+            "(docs/retro.md)"
+        )
     if family != "t5" and not get_family(family).generation:  # T5: inference/t5_generation.py
         raise GigatronError(
             f"--load {load_dir}: a '{family}' model, which does not generate text; generate, "
@@ -200,7 +218,9 @@ def _check_generates(family: str, load_dir: Path) -> None:
         )
 
 
-def _torch_dist_config(iteration_dir: Path, load_dir: Path, data_parallel: bool) -> tuple[Any, str]:
+def _torch_dist_config(
+    iteration_dir: Path, load_dir: Path, data_parallel: bool, args: argparse.Namespace
+) -> tuple[Any, str]:
     """(config, family) for a torch_dist checkpoint, which loads at any layout: tensor-parallel
     = the process count (1 with `data_parallel`: one copy per process), pipeline, context and
     expert parallel 1, and the saved padded vocabulary."""
@@ -210,7 +230,7 @@ def _torch_dist_config(iteration_dir: Path, load_dir: Path, data_parallel: bool)
     if not isinstance(saved, dict) or not saved:
         raise GigatronError(f"--load {load_dir}: the checkpoint holds no gigatron configuration")
     family = common.get("gigatron_family", "gpt")
-    _check_generates(family, load_dir)
+    _check_generates(family, load_dir, args)
     cfg = config_from_dict(saved, source=f"{iteration_dir / COMMON_FILENAME} args")
     p = cfg.parallel
     world = int(os.environ.get("WORLD_SIZE", "1"))

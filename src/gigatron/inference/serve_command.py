@@ -6,15 +6,20 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 from gigatron.inference.arguments import (
     add_load_arguments,
+    add_retrieval_arguments,
     add_speculative_arguments,
     check_speculative,
     resolve_batch_size,
 )
+
+if TYPE_CHECKING:
+    from gigatron.inference.load import Attach
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_load_arguments(parser)
     add_speculative_arguments(parser, mtp=False)
+    add_retrieval_arguments(parser)
     parser.add_argument(
         "--host",
         default="127.0.0.1",
@@ -54,8 +60,8 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(key.strip() for key in keys)
 
 
-def main(argv: Sequence[str]) -> int:
-    """`gigatron serve --load DIR [--port 5000]`."""
+def main(argv: Sequence[str], attach: Attach | None = None) -> int:
+    """`gigatron serve --load DIR [--port 5000]`; `attach` as in generate.main."""
     args = build_parser().parse_args(list(argv))
     resolve_batch_size(args)
     check_speculative(args, mtp=False)
@@ -95,6 +101,8 @@ def main(argv: Sequence[str]) -> int:
         return 0
 
     try:
+        if attach is not None:
+            attach(loaded, args)
         return run_on_engine(loaded, args, serve)
     finally:
         destroy(loaded.pctx)

@@ -17,6 +17,8 @@ from gigatron.config.checkpoint_args import add_checkpoint_arguments
 from gigatron.config.parser import command_parser
 from gigatron.config.tasks import ZeroShotTaskConfig, add_task_arguments, task_config_from_namespace
 from gigatron.errors import GigatronError
+from gigatron.inference.arguments import add_retrieval_arguments
+from gigatron.tasks import retro_qa
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--no-progress-bar", action="store_true", help="no progress line")
     # --seq-length is the window above (Megatron's tasks use the model's length the same way).
     add_checkpoint_arguments(parser, skip=("seq_length",))
+    retro_qa.add_qa_arguments(parser)
+    add_retrieval_arguments(parser)
     return parser
 
 
@@ -186,7 +190,7 @@ def evaluate(argv: Sequence[str]) -> dict[str, Any]:
 
     task = task_config_from_namespace(ZeroShotTaskConfig, args)
     if task.task is None:
-        raise GigatronError("--task: missing; give --task WIKITEXT103 or --task LAMBADA")
+        raise GigatronError("--task: missing; give --task WIKITEXT103, LAMBADA or RETRO-QA")
     if len(task.valid_data) != 1:
         raise GigatronError("--valid-data: missing; give the file to evaluate on")
     if not Path(task.valid_data[0]).is_file():
@@ -195,7 +199,10 @@ def evaluate(argv: Sequence[str]) -> dict[str, Any]:
         raise GigatronError(f"--micro-batch-size {args.micro_batch_size}: must be at least 1")
     if task.overlapping_eval < 1:
         raise GigatronError(f"--overlapping-eval {task.overlapping_eval}: must be at least 1")
+    retro_qa.check_task_flags(args, task)
     apply_thread_choice()  # one process: a few threads (docs/training.md)
+    if task.task == retro_qa.TASK:
+        return retro_qa.evaluate_qa(args, task, write_json)
     loaded = load_for_inference(args, data_parallel=True)
     try:
         result = run_task(loaded, task, args)

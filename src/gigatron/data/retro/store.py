@@ -59,6 +59,16 @@ class ChunkDatabase:
         out[: len(real)] = real
         return out
 
+    def retrieved_tokens(self, first: int, num_retrieved_chunks: int) -> np.ndarray:
+        """int64 [chunk_length * num_retrieved_chunks]: neighbour chunk `first` and the chunks
+        after it (its continuation; ids wrap around the database's end); -1: all eod."""
+        total = len(self)
+        parts = [
+            self.tokens(-1 if first < 0 else (int(first) + r) % total)
+            for r in range(num_retrieved_chunks)
+        ]
+        return np.concatenate(parts)
+
 
 def open_dataset(entry: dict[str, str]) -> IndexedDataset:
     """A dataset the database was built from, unchanged since (its fingerprint)."""
@@ -145,15 +155,10 @@ class RetroNeighbourStore:
     def neighbour_tokens(self, sample_index: int) -> np.ndarray:
         """int64 [seq_length // chunk_length, num_neighbors, chunk_length * num_retrieved_chunks]"""
         ids = self.neighbor_chunk_ids(sample_index)
-        total = len(self.database)
         out = np.empty((*ids.shape, self.chunk_length * self.num_retrieved_chunks), np.int64)
         for c, row in enumerate(ids):
             for k, first in enumerate(row):
-                parts = [
-                    self.database.tokens(-1 if first < 0 else (int(first) + r) % total)
-                    for r in range(self.num_retrieved_chunks)
-                ]
-                out[c, k] = np.concatenate(parts)
+                out[c, k] = self.database.retrieved_tokens(first, self.num_retrieved_chunks)
         return out
 
     neighbor_tokens = neighbour_tokens  # Megatron's spelling
