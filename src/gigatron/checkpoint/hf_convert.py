@@ -287,12 +287,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--load", required=True, help="directory to read")
     parser.add_argument("--save", required=True, help="directory to write")
-    parser.add_argument(
-        "--family",
-        default=None,
-        help="model family (default: from config.json's model_type); --from gigatron --to "
-        "gigatron --family gpt: a retro checkpoint's decoder alone as a gpt checkpoint",
+    family_help = (
+        "model family (default: from config.json's model_type); --from gigatron --to gigatron "
+        "--family gpt: a retro checkpoint's decoder alone as a gpt checkpoint"
     )
+    parser.add_argument("--family", default=None, help=family_help)
     for flag, what in (
         ("--target-tensor-parallel-size", "tensor-parallel size"),
         ("--target-pipeline-parallel-size", "pipeline-parallel size"),

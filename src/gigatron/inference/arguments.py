@@ -207,3 +207,15 @@ def retrieval_flags_given(args: argparse.Namespace) -> list[str]:
         for name, default in RETRIEVAL_FLAGS
         if getattr(args, name) != default
     ]
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, mtp: bool) -> None:
+    """The flags of `generate` and `serve` beside --load: speculative decoding, retrieval."""
+    add_speculative_arguments(parser, mtp=mtp)
+    add_retrieval_arguments(parser)
+
+
+def check_engine_arguments(args: argparse.Namespace, mtp: bool) -> None:
+    """Settle the batch size and check the speculative flags of `generate` and `serve`."""
+    resolve_batch_size(args)
+    check_speculative(args, mtp=mtp)

@@ -18,11 +18,9 @@ from typing import TYPE_CHECKING
 from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 from gigatron.inference.arguments import (
+    add_engine_arguments,
     add_load_arguments,
-    add_retrieval_arguments,
-    add_speculative_arguments,
-    check_speculative,
-    resolve_batch_size,
+    check_engine_arguments,
 )
 
 if TYPE_CHECKING:
@@ -71,8 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one prompt per line, or JSON lines with a 'prompt' field (.jsonl)",
     )
     add_sampling_arguments(parser)
-    add_speculative_arguments(parser, mtp=True)
-    add_retrieval_arguments(parser)
+    add_engine_arguments(parser, mtp=True)
     parser.add_argument("--output", default=None, help="write JSON lines here instead of text")
     return parser
 
@@ -153,8 +150,7 @@ def main(argv: Sequence[str], attach: Attach | None = None) -> int:
     """`gigatron generate --load DIR --prompt TEXT [...]`; `attach` (tasks/retro_generate.py)
     adds a Retro checkpoint's retrieval to the loaded model."""
     args = build_parser().parse_args(list(argv))
-    resolve_batch_size(args)
-    check_speculative(args, mtp=True)
+    check_engine_arguments(args, mtp=True)
     prompts = args.prompt or read_prompts(args.prompts_file)
     if not prompts:
         raise GigatronError(f"--prompts-file {args.prompts_file}: holds no prompts")

@@ -11,11 +11,9 @@ from typing import TYPE_CHECKING
 from gigatron.config.parser import command_parser
 from gigatron.errors import GigatronError
 from gigatron.inference.arguments import (
+    add_engine_arguments,
     add_load_arguments,
-    add_retrieval_arguments,
-    add_speculative_arguments,
-    check_speculative,
-    resolve_batch_size,
+    check_engine_arguments,
 )
 
 if TYPE_CHECKING:
@@ -28,8 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Serve a checkpoint over HTTP: Megatron's PUT /api and OpenAI's /v1 API.",
     )
     add_load_arguments(parser)
-    add_speculative_arguments(parser, mtp=False)
-    add_retrieval_arguments(parser)
+    add_engine_arguments(parser, mtp=False)
     parser.add_argument(
         "--host",
         default="127.0.0.1",
@@ -63,8 +60,7 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 def main(argv: Sequence[str], attach: Attach | None = None) -> int:
     """`gigatron serve --load DIR [--port 5000]`; `attach` as in generate.main."""
     args = build_parser().parse_args(list(argv))
-    resolve_batch_size(args)
-    check_speculative(args, mtp=False)
+    check_engine_arguments(args, mtp=False)
     # why here: torch-heavy modules load after the flags are parsed (a quick --help)
     from gigatron.inference.load import load_for_inference, run_on_engine
 
