@@ -68,6 +68,13 @@ def data_prefixes(cfg: Any) -> list[str]:
     return list(dict.fromkeys(prefixes))
 
 
+def tokenizer_identity(tokenizer: Any) -> dict[str, str]:
+    """The GPT tokenizer as config.json records it."""
+    identifiers = getattr(tokenizer, "unique_identifiers", {})
+    identifiers = identifiers() if callable(identifiers) else identifiers
+    return {k: str(v) for k, v in dict(identifiers).items()}
+
+
 class Pipeline:
     """One retro-preprocess run: the project, the GPT tokenizer and (when needed) the embedder."""
 
@@ -91,14 +98,12 @@ class Pipeline:
         return self._embedder
 
     def project_config(self) -> dict[str, Any]:
-        identifiers = getattr(self.tokenizer, "unique_identifiers", {})
-        identifiers = identifiers() if callable(identifiers) else identifiers
         return {
             "format": FORMAT,
             "datasets": self.prefixes,
             "dataset_fingerprints": [dataset_fingerprint(p) for p in self.prefixes],
             "chunk_length": self.args.retro_gpt_chunk_length,
-            "gpt_tokenizer": {k: str(v) for k, v in dict(identifiers).items()},
+            "gpt_tokenizer": tokenizer_identity(self.tokenizer),
         }
 
     def check_project(self, write: bool) -> None:

@@ -24,7 +24,10 @@ TASKS = {
     "index-train": ["index-train"],
     "index-add": ["index-add"],
     "query-neighbors": ["query-neighbors"],
+    "query-sft": ["query-sft"],
 }
+# query-sft's flags (read by it alone): the instruction file in, the file out, what to retrieve
+SFT_FLAGS = ("sft_data", "sft_output", "retro_num_neighbors", "retro_num_retrieved_chunks")
 
 
 def add_retro_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +106,27 @@ def add_retro_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--retro-query-num-neighbors-save", type=int, default=20,
                    help="neighbours saved per chunk (-1 where fewer remain)")  # fmt: skip
+    add_sft_arguments(parser)
+
+
+def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
+    """The query-sft task's flags (docs/retro.md 5.1)."""
+    g = parser.add_argument_group("retro instruction data (--retro-tasks query-sft)")
+    g.add_argument("--sft-data", default=None, help="SFT JSON-lines file whose prompts are queried")
+    g.add_argument(
+        "--sft-output",
+        default=None,
+        help='where --sft-data is written with each line\'s "neighbours" (never over the input)',
+    )
+    g.add_argument(
+        "--retro-num-neighbors", type=int, default=None, help="neighbours per line (default 2)"
+    )
+    g.add_argument(
+        "--retro-num-retrieved-chunks",
+        type=int,
+        default=None,
+        help="chunks per neighbour: the neighbour and its continuation (default 2)",
+    )
 
 
 # The configuration fields retro-preprocess reads (the whole tokenizer section too); any other
@@ -212,10 +236,57 @@ def sample_counts(cfg: Any) -> tuple[int, int | None, int | None]:
     return train, (valid if t.eval_iters else None), (test if t.eval_iters else None)
 
 
+def check_sft_task(args: argparse.Namespace, tasks: list[str]) -> bool:
+    """Whether query-sft runs (alone); its flags are refused elsewhere, the flags it does not
+    read are refused with it."""
+    if "query-sft" not in tasks:
+        given = [name for name in SFT_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise GigatronError(
+                f"--{given[0].replace('_', '-')}: read by --retro-tasks query-sft only; leave "
+                "it out, or run query-sft"
+            )
+        return False
+    if tasks != ["query-sft"]:
+        raise GigatronError(
+            f"--retro-tasks {args.retro_tasks}: query-sft runs alone, on a project already "
+            "built (db-build, index-build first)"
+        )
+    unread = [name for name in vars(args) if not_query_sft_flag(name, args)]
+    if unread:
+        raise GigatronError(
+            f"--{unread[0].replace('_', '-')}: not used by --retro-tasks query-sft (it reads "
+            "the project, its index flags, the GPT tokenizer flags and the --sft-* flags); "
+            "leave it out"
+        )
+    for name in ("retro_num_neighbors", "retro_num_retrieved_chunks"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise GigatronError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    return True
+
+
+def not_query_sft_flag(name: str, args: argparse.Namespace) -> bool:
+    """A flag given that query-sft would ignore (a GPT data/model/training flag, the BERT)."""
+    if name in ("retro_bert_load", "retro_bert_tokenizer_type", "retro_bert_vocab_file",
+                "retro_index_ntrain"):  # fmt: skip
+        return getattr(args, name) is not None
+    try:
+        return field_section(name) not in ("tokenizer", "retro", "parallel") or (
+            field_section(name) == "parallel" and name != "device"
+        )
+    except KeyError:
+        return False
+
+
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     refuse_unread(args)
     tasks = expand_tasks(args.retro_tasks)
+    if check_sft_task(args, tasks):
+        from gigatron.tasks.retro_sft_neighbours import query_sft  # why: torch after --help
+
+        query_sft(args, config_from_namespace(args))
+        return 0
     check_retro_args(args, tasks)
     cfg = config_from_namespace(args)
     if cfg.model.seq_length is None:

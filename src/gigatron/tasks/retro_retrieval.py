@@ -152,7 +152,9 @@ def only_index(project: ProjectDir) -> str:
     return str(read_json(filled[0], "")["index_str"])
 
 
-def project_embedder(project: ProjectDir, current: dict[str, Any], loaded: Any) -> Any:
+def project_embedder(
+    project: ProjectDir, current: dict[str, Any], pctx: Any, tokenizer: Any
+) -> Any:
     """The BERT embedder the project's database was embedded with (its checkpoint must still
     be where db-build read it)."""
     recorded = current.get("embedder") or {}
@@ -169,7 +171,7 @@ def project_embedder(project: ProjectDir, current: dict[str, Any], loaded: Any) 
         "vocab_file": None if vocab in (None, "None") else vocab,
     }
     embedder: BertChunkEmbedder = load_bert_embedder(
-        load, loaded.pctx, loaded.tokenizer, int(recorded["max_length"]), 64, flags
+        load, pctx, tokenizer, int(recorded["max_length"]), 64, flags
     )
     if embedder.identity != recorded:
         raise GigatronError(
@@ -179,18 +181,24 @@ def project_embedder(project: ProjectDir, current: dict[str, Any], loaded: Any) 
     return embedder
 
 
-def open_retriever(args: argparse.Namespace, loaded: Any, spec: RetroSpec) -> ChunkRetriever:
-    """The retriever of `--retro-project-dir` for a Retro model of `spec`."""
+def project_database(args: argparse.Namespace) -> tuple[ProjectDir, ChunkDatabase]:
+    """`--retro-project-dir` and its chunk database."""
     project = ProjectDir(args.retro_project_dir)
     read_json(project.config, "give the directory `gigatron retro-preprocess` wrote")
-    database = ChunkDatabase(project)
-    if database.chunk_length != spec.chunk_length or database.eod != loaded.tokenizer.eod:
-        raise GigatronError(
-            f"--retro-project-dir {project.root}: chunks of {database.chunk_length} tokens with "
-            f"eod {database.eod}, the checkpoint has --retro-gpt-chunk-length "
-            f"{spec.chunk_length} and eod {loaded.tokenizer.eod}; give the project it was "
-            "trained with"
-        )
+    return project, ChunkDatabase(project)
+
+
+def project_retriever(
+    args: argparse.Namespace,
+    project: ProjectDir,
+    database: ChunkDatabase,
+    pctx: Any,
+    tokenizer: Any,
+    counts: tuple[int, int],
+) -> ChunkRetriever:
+    """The retriever of a project's `database`: its embeddings' BERT, its index (--retro-index-str,
+    else its one filled index, searched with --retro-query-nprobe/-ef-search); `counts` is
+    (neighbours per chunk, chunks per neighbour)."""
     current = read_json(project.embeddings / "current.json", DB_FIX)
     if current.get("db_identity") != database.identity:
         raise GigatronError(
@@ -200,8 +208,22 @@ def open_retriever(args: argparse.Namespace, loaded: Any, spec: RetroSpec) -> Ch
     source = {"db_identity": database.identity, "embeddings": current["key"]}
     index, _ = open_index(project, args.retro_index_str or only_index(project), source)
     set_search_parameters(index, args.retro_query_nprobe, args.retro_query_ef_search)
-    embedder = project_embedder(project, current, loaded)
-    return ChunkRetriever(embedder, index, database, spec.num_neighbors, spec.num_retrieved_chunks)
+    embedder = project_embedder(project, current, pctx, tokenizer)
+    return ChunkRetriever(embedder, index, database, *counts)
+
+
+def open_retriever(args: argparse.Namespace, loaded: Any, spec: RetroSpec) -> ChunkRetriever:
+    """The retriever of `--retro-project-dir` for a Retro model of `spec`."""
+    project, database = project_database(args)
+    if database.chunk_length != spec.chunk_length or database.eod != loaded.tokenizer.eod:
+        raise GigatronError(
+            f"--retro-project-dir {project.root}: chunks of {database.chunk_length} "
+            f"tokens with eod {database.eod}, the checkpoint has --retro-gpt-chunk-length "
+            f"{spec.chunk_length} and eod {loaded.tokenizer.eod}; give the project it was "
+            "trained with"
+        )
+    counts = (spec.num_neighbors, spec.num_retrieved_chunks)
+    return project_retriever(args, project, database, loaded.pctx, loaded.tokenizer, counts)
 
 
 def check_run(loaded: Any, args: argparse.Namespace, spec: RetroSpec) -> None:

@@ -44,8 +44,9 @@ def validate(cfg) -> None:
     if cfg.data.sft and r.retro_project_dir is not None:
         raise GigatronError(
             f"--retro-project-dir {r.retro_project_dir} with --sft: instruction data are not "
-            'queried against a Retro project; give each JSON line its passages under "neighbours" '
-            "(docs/retro.md 5.1) and drop --retro-project-dir"
+            'queried while training; fill each JSON line\'s "neighbours" from the project first '
+            "(`gigatron retro-preprocess --retro-tasks query-sft`, docs/retro.md 5.1) and drop "
+            "--retro-project-dir"
         )
     if r.retro_project_dir is None and not cfg.data.mock_data and not cfg.data.sft:
         raise GigatronError(
