@@ -110,6 +110,7 @@ def test_bad_inputs_are_one_line_errors(setup, tmp_path, capsys):
         ([*files, "--retro-project-dir", str(tmp_path / "nowhere")], "nowhere"),
         ([*files, "--retro-project-dir", str(unindexed)], "no filled index"),
         ([*files, "--data-path", good], "--data-path: not used by --retro-tasks query-sft"),
+        ([*files, "--retro-gpt-chunk-length", "4"], "--retro-gpt-chunk-length: not used"),
         ([*files, "--retro-num-neighbors", "0"], "--retro-num-neighbors 0: must be >= 1"),
         ([*files, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"], "config.json"),
     ]

@@ -2,9 +2,11 @@
 
 Megatron's tools/retro/preprocess_data.py tasks: db-build (chunks, then their BERT embeddings),
 index-train, index-add, query-neighbors; `build` runs all four, `index-build` the two index
-ones. The GPT side is given with the flags of `pretrain gpt` (--data-path, --split, --seed,
---seq-length, tokenizer, --train-samples/--train-iters, --global-batch-size, --eval-iters,
---eval-interval), so the neighbours belong to the very samples `pretrain retro` reads.
+ones. gigatron's query-sft (tasks/retro_sft_neighbours.py) runs alone: instruction lines'
+neighbours from a built project. The GPT side is given with the flags of `pretrain gpt`
+(--data-path, --split, --seed, --seq-length, tokenizer, --train-samples/--train-iters,
+--global-batch-size, --eval-iters, --eval-interval), so the neighbours belong to the very
+samples `pretrain retro` reads.
 """
 
 from __future__ import annotations
@@ -236,7 +238,7 @@ def sample_counts(cfg: Any) -> tuple[int, int | None, int | None]:
     return train, (valid if t.eval_iters else None), (test if t.eval_iters else None)
 
 
-def check_sft_task(args: argparse.Namespace, tasks: list[str]) -> bool:
+def check_sft_task(args: argparse.Namespace, tasks: list[str], argv: list[str]) -> bool:
     """Whether query-sft runs (alone); its flags are refused elsewhere, the flags it does not
     read are refused with it."""
     if "query-sft" not in tasks:
@@ -252,12 +254,13 @@ def check_sft_task(args: argparse.Namespace, tasks: list[str]) -> bool:
             f"--retro-tasks {args.retro_tasks}: query-sft runs alone, on a project already "
             "built (db-build, index-build first)"
         )
-    unread = [name for name in vars(args) if not_query_sft_flag(name, args)]
+    flags = [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+    unread = [flag for flag in flags if not_query_sft_flag(flag)]
     if unread:
         raise GigatronError(
-            f"--{unread[0].replace('_', '-')}: not used by --retro-tasks query-sft (it reads "
-            "the project, its index flags, the GPT tokenizer flags and the --sft-* flags); "
-            "leave it out"
+            f"{unread[0]}: not used by --retro-tasks query-sft (it reads the project, its "
+            "index flags, the GPT tokenizer flags and the --sft-* flags; the chunk length and "
+            "BERT are the project's); leave it out"
         )
     for name in ("retro_num_neighbors", "retro_num_retrieved_chunks"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -265,24 +268,30 @@ def check_sft_task(args: argparse.Namespace, tasks: list[str]) -> bool:
     return True
 
 
-def not_query_sft_flag(name: str, args: argparse.Namespace) -> bool:
-    """A flag given that query-sft would ignore (a GPT data/model/training flag, the BERT)."""
-    if name in ("retro_bert_load", "retro_bert_tokenizer_type", "retro_bert_vocab_file",
-                "retro_index_ntrain"):  # fmt: skip
-        return getattr(args, name) is not None
-    try:
-        return field_section(name) not in ("tokenizer", "retro", "parallel") or (
-            field_section(name) == "parallel" and name != "device"
-        )
-    except KeyError:
+QUERY_SFT_READS = {"--retro-project-dir", "--retro-tasks", "--retro-index-str",
+                   "--retro-query-nprobe", "--retro-query-ef-search", "--sft-data",
+                   "--sft-output", "--retro-num-neighbors", "--retro-num-retrieved-chunks",
+                   "--device"}  # fmt: skip
+
+
+def not_query_sft_flag(flag: str) -> bool:
+    """A flag query-sft would ignore: another retro-preprocess flag, a GPT data, model or
+    training flag (the tokenizer flags are read)."""
+    if flag in QUERY_SFT_READS:
         return False
+    if flag.startswith("--retro-"):
+        return True
+    try:
+        return field_section(flag[2:].replace("-", "_")) != "tokenizer"
+    except KeyError:
+        return False  # --config
 
 
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     refuse_unread(args)
     tasks = expand_tasks(args.retro_tasks)
-    if check_sft_task(args, tasks):
+    if check_sft_task(args, tasks, list(argv)):
         from gigatron.tasks.retro_sft_neighbours import query_sft  # why: torch after --help
 
         query_sft(args, config_from_namespace(args))

@@ -3,11 +3,12 @@ conversations (data/sft_dataset.py: JSON lines, a weighted blend of files, the l
 response tokens only), each sample with the neighbour tokens [l, k, r] the Retro model reads.
 
 A line's neighbours are the passages it lists under `"neighbours"` (texts, e.g. retrieved for
-its question beforehand): the first --retro-num-neighbors of them, each tokenized with the GPT
-tokenizer, cut to r = chunk length x --retro-num-retrieved-chunks tokens and padded with eod (as
-a short database chunk is), serve as the neighbours of every chunk of the sample. A line
-without the field gets Megatron's SFT fallback (tools/retro/sft, RetroJsonQADataset): neighbour
-tokens of id 0, its encoder input carrying nothing; the context goes in the prompt instead.
+its prompt from a Retro project by `retro-preprocess --retro-tasks query-sft`): the first
+--retro-num-neighbors of them, each tokenized with the GPT tokenizer, cut to r = chunk length
+x --retro-num-retrieved-chunks tokens and padded with eod (as a short database chunk is),
+serve as the neighbours of every chunk of the sample. A line without the field gets Megatron's
+SFT fallback (tools/retro/sft, RetroJsonQADataset): neighbour tokens of id 0, its encoder input
+carrying nothing; the context goes in the prompt instead.
 """
 
 from __future__ import annotations
