@@ -13,6 +13,7 @@ import pytest
 from retro_generation_helpers import CHUNK, GPT2, NEIGHBOURS, RETRO, ReferenceRetro, build_setup
 
 from gigatron.cli import main as cli
+from gigatron.tasks import retro_sft_neighbours
 from helpers import records, write_jsonl
 from retro_data_helpers import gpt_tokenizer
 
@@ -54,7 +55,10 @@ def expected_neighbours(reference: ReferenceRetro, prompt: str) -> list[str]:
     return [tokenizer.detokenize([int(t) for t in row if t != tokenizer.eod]) for row in found]
 
 
-def test_neighbours_are_the_prompts_nearest_chunks_and_the_file_trains(setup, tmp_path):
+def test_neighbours_are_the_prompts_nearest_chunks_and_the_file_trains(
+    setup, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(retro_sft_neighbours, "BATCH_LINES", 2)  # a full batch, then the rest
     source = write_jsonl(tmp_path / "inst.jsonl", LINES)
     before = source.read_bytes()
     out = tmp_path / "inst.retro.jsonl"
