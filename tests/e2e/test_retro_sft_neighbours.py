@@ -108,6 +108,8 @@ def test_bad_inputs_are_one_line_errors(setup, tmp_path, capsys):
     cases = [
         (["--sft-data", good, "--sft-output", good], f"--sft-output {good}: is the --sft-data"),
         (["--sft-data", good], "query-sft needs --sft-data IN.jsonl and --sft-output"),
+        (["--sft-data", good, "--sft-output", str(tmp_path / "no" / "o")], "/no/o: not a file"),
+        (["--sft-data", good, "--sft-output", str(tmp_path)], "not a file in an existing"),
         (["--sft-data", str(tmp_path / "none.jsonl"), "--sft-output", out], "none.jsonl: not"),
         (["--sft-data", str(no_prompt), "--sft-output", out], "no_prompt.jsonl: line 2: no prompt"),
         (["--sft-data", str(not_sft), "--sft-output", out], "not_sft.jsonl: line 1: not an SFT"),

@@ -56,11 +56,13 @@ def neighbour_text(tokens: np.ndarray, tokenizer: Any) -> str:
     return tokenizer.detokenize([int(t) for t in tokens if t != tokenizer.eod])
 
 
-def fill_batch(batch: list[Any], queries: list[list[int]], retriever: ChunkRetriever, tok: Any):
+def fill_batch(
+    batch: list[Any], queries: list[list[int]], retriever: ChunkRetriever, tokenizer: Any
+) -> list[Any]:
     """The batch's records with `"neighbours"` set from their queries' retrieval."""
     found = retriever([np.asarray(q, dtype=np.int64) for q in queries])
     for record, neighbours in zip(batch, found):
-        record[FIELD] = [neighbour_text(row, tok) for row in neighbours]
+        record[FIELD] = [neighbour_text(row, tokenizer) for row in neighbours]
     return batch
 
 
@@ -103,6 +105,11 @@ def check_files(args: argparse.Namespace) -> None:
         )
     if not Path(source).is_file():
         raise GigatronError(f"--sft-data {source}: not found; give an SFT JSON-lines file")
+    if not Path(target).parent.is_dir() or Path(target).is_dir():
+        raise GigatronError(
+            f"--sft-output {target}: not a file in an existing directory; give the path of the "
+            "JSON-lines file to write"
+        )
     if Path(target).exists() and Path(target).resolve() == Path(source).resolve():
         raise GigatronError(
             f"--sft-output {target}: is the --sft-data file; give another path (the input is "
