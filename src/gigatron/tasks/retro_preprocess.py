@@ -121,13 +121,13 @@ def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
         help='where --sft-data is written with each line\'s "neighbours" (never over the input)',
     )
     g.add_argument(
-        "--retro-num-neighbors", type=int, default=None, help="neighbours per line (default 2)"
+        "--retro-num-neighbors", type=int, default=None, help="neighbours per line (None: 2)"
     )
     g.add_argument(
         "--retro-num-retrieved-chunks",
         type=int,
         default=None,
-        help="chunks per neighbour: the neighbour and its continuation (default 2)",
+        help="chunks per neighbour: the neighbour and its continuation (None: 2)",
     )
 
 
