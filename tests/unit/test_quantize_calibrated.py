@@ -325,16 +325,53 @@ def test_trtllm_fp8_checkpoint_names_shapes_and_codes_by_hand(runs, capsys):
     assert not (runs / "trt-refused").exists()
 
 
-def test_trtllm_checkpoint_of_a_weight_only_method_holds_the_fake_quantized_weights(runs):
+def _nibbles_by_hand(packed: torch.Tensor) -> torch.Tensor:
+    """Model Optimizer's int4 layout undone: byte [j, i] holds row 2j (low) and 2j + 1 (high)."""
+    low, high = (packed.to(torch.int16) & 0xF), ((packed.to(torch.int16) >> 4) & 0xF)
+    rows = torch.stack((low, high), dim=1).reshape(-1, packed.shape[1])
+    return torch.where(rows > 7, rows - 16, rows)
+
+
+def test_trtllm_int4_checkpoint_packs_codes_and_group_scales_by_hand(runs):
     export_trtllm(runs / "a", runs / "trt-awq", log=lambda _: None)
-    config = json.loads((runs / "trt-awq" / "config.json").read_text())
-    assert config["quantization"]["quant_algo"] is None
+    config = json.loads((runs / "trt-awq" / "config.json").read_text())["quantization"]
+    assert config == {"quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": None, "group_size": GROUP,
+                      "has_zero_point": False, "pre_quant_scale": True,
+                      "exclude_modules": ["lm_head"]}  # fmt: skip
     ours = _read_all(runs / "trt-awq" / "rank0.safetensors")
+    packed, _ = read_packed(runs / "a")
     state = _model(runs / "a")[1]["model"]
-    fused = state["decoder.layers.1.self_attention.linear_qkv.weight"]
+    g, theirs = "decoder.layers.1", "transformer.layers.1"
+    fused = {n: (unpack_int4(packed[f"{g}.{n}.weight_packed"], state[f"{g}.{n}.weight"].shape[1]),
+                 packed[f"{g}.{n}.weight_scale"], state[f"{g}.{n}.weight"])
+             for n in ("self_attention.linear_qkv", "mlp.linear_fc1")}  # fmt: skip
+    by_hand = {
+        "attention.qkv": [_trtllm_qkv(t) for t in fused["self_attention.linear_qkv"]],
+        "mlp.fc": [t[:96] for t in fused["mlp.linear_fc1"]],  # gate: the activated half
+        "mlp.gate": [t[96:] for t in fused["mlp.linear_fc1"]],  # up
+    }
+    for name, (codes, scales, fake_quantized) in by_hand.items():
+        weight = ours[f"{theirs}.{name}.weight"]
+        assert weight.dtype == torch.int8 and weight.shape == (codes.shape[0] // 2, codes.shape[1])
+        assert torch.equal(_nibbles_by_hand(weight), codes.to(torch.int16)), name
+        factor = ours[f"{theirs}.{name}.weights_scaling_factor"]
+        assert factor.shape == (codes.shape[0], codes.shape[1] // GROUP)
+        assert torch.equal(factor, scales)
+        dequantized = _nibbles_by_hand(weight) * factor.repeat_interleave(GROUP, dim=1)
+        assert torch.equal(dequantized, fake_quantized), name  # gigatron's fake quantization
+        assert torch.equal(ours[f"{theirs}.{name}.prequant_scaling_factor"],
+                           torch.ones(codes.shape[1]))  # fmt: skip
+    norm = state[f"{g}.input_layernorm.weight"]  # AWQ's folded norm
+    assert torch.equal(ours[f"{theirs}.input_layernorm.weight"], norm)
+
+
+def test_trtllm_checkpoint_of_smoothquant_holds_the_fake_quantized_weights(runs):
+    export_trtllm(runs / "sq", runs / "trt-sq", log=lambda _: None)
+    config = json.loads((runs / "trt-sq" / "config.json").read_text())
+    assert config["quantization"]["quant_algo"] is None
+    ours = _read_all(runs / "trt-sq" / "rank0.safetensors")
+    fused = _model(runs / "sq")[1]["model"]["decoder.layers.1.self_attention.linear_qkv.weight"]
     assert torch.equal(ours["transformer.layers.1.attention.qkv.weight"], _trtllm_qkv(fused))
-    norm = state["decoder.layers.1.input_layernorm.weight"]  # AWQ's folded norm
-    assert torch.equal(ours["transformer.layers.1.input_layernorm.weight"], norm)
 
 
 def test_export_flags_that_would_go_unused_are_refused(runs, capsys):
