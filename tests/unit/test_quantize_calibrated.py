@@ -365,12 +365,43 @@ def test_trtllm_int4_checkpoint_packs_codes_and_group_scales_by_hand(runs):
     assert torch.equal(ours[f"{theirs}.input_layernorm.weight"], norm)
 
 
-def test_trtllm_checkpoint_of_smoothquant_holds_the_fake_quantized_weights(runs):
+def test_trtllm_smoothquant_checkpoint_by_hand(runs):
     export_trtllm(runs / "sq", runs / "trt-sq", log=lambda _: None)
-    config = json.loads((runs / "trt-sq" / "config.json").read_text())
-    assert config["quantization"]["quant_algo"] is None
+    config = json.loads((runs / "trt-sq" / "config.json").read_text())["quantization"]
+    assert config["quant_algo"] == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
     ours = _read_all(runs / "trt-sq" / "rank0.safetensors")
-    fused = _model(runs / "sq")[1]["model"]["decoder.layers.1.self_attention.linear_qkv.weight"]
+    packed, _ = read_packed(runs / "sq")
+    g, theirs = "decoder.layers.1", "transformer.layers.1"
+    fused = {n: (packed[f"{g}.{n}.weight_packed"], packed[f"{g}.{n}.weight_scale"])
+             for n in ("self_attention.linear_qkv", "self_attention.linear_proj",
+                       "mlp.linear_fc1", "mlp.linear_fc2")}  # fmt: skip
+    by_hand = {
+        "attention.qkv": [_trtllm_qkv(t) for t in fused["self_attention.linear_qkv"]],
+        "attention.dense": fused["self_attention.linear_proj"],
+        "mlp.fc": [t[:96] for t in fused["mlp.linear_fc1"]],  # gate: the activated half
+        "mlp.gate": [t[96:] for t in fused["mlp.linear_fc1"]],  # up
+        "mlp.proj": fused["mlp.linear_fc2"],
+    }
+    for name, (codes, scales) in by_hand.items():
+        assert ours[f"{theirs}.{name}.weight"].dtype == torch.int8
+        assert torch.equal(ours[f"{theirs}.{name}.weight"], codes), name
+        assert torch.equal(ours[f"{theirs}.{name}.per_channel_scale"], scales.T), name  # [1, out]
+    assert torch.equal(ours[f"{theirs}.attention.dense.smoother"], torch.ones(1, 64))
+    assert torch.equal(ours[f"{theirs}.mlp.proj.smoother"], torch.ones(1, 96))
+    assert f"{theirs}.attention.qkv.smoother" not in ours
+    for norm in ("input_layernorm", "post_layernorm"):
+        assert torch.equal(ours[f"{theirs}.{norm}.scale_to_int"], torch.ones(1))
+
+
+def test_trtllm_checkpoint_of_int8_weights_holds_the_fake_quantized_weights(runs):
+    assert gigatron_main(["quantize", "--load", str(runs / "ckpt"), "--method", "int8-weight",
+                          "--group-size", str(GROUP), "--save", str(runs / "int8"),
+                          "--hf-save", str(runs / "trt-int8"), "--export-format",
+                          "trtllm"]) == 0  # fmt: skip
+    config = json.loads((runs / "trt-int8" / "config.json").read_text())
+    assert config["quantization"]["quant_algo"] is None
+    ours = _read_all(runs / "trt-int8" / "rank0.safetensors")
+    fused = _model(runs / "int8")[1]["model"]["decoder.layers.1.self_attention.linear_qkv.weight"]
     assert torch.equal(ours["transformer.layers.1.attention.qkv.weight"], _trtllm_qkv(fused))
 
 

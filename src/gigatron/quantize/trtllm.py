@@ -8,10 +8,11 @@ linear weight is stored as float8_e4m3fn with `weights_scaling_factor` and
 `activation_scaling_factor` ([1], float32); gigatron's fused linear_qkv has one weight scale and
 one input scale, which is what TensorRT-LLM's fused qkv takes. `int4-weight` and `int4-awq`
 are its W4A16_AWQ in NVIDIA Model Optimizer's layout (packed int4 codes, per-group scales, unit
-pre-quant scales: `int4_linear`), which `trtllm-build` rearranges for its kernels. The int8
-methods are written as their fake-quantized weights in the checkpoint's precision (`quant_algo`
-null): TensorRT-LLM's int8 weight-only storage is rearranged for the GPU by its own operator,
-and its SmoothQuant takes static input scales (docs/quantization.md).
+pre-quant scales: `int4_linear`), which `trtllm-build` rearranges for its kernels;
+`int8-smoothquant` is its per-channel, per-token SmoothQuant (`smoothquant_linear`).
+`int8-weight` is written as its fake-quantized weights in the checkpoint's precision
+(`quant_algo` null): TensorRT-LLM's int8 weight-only storage is rearranged for the GPU by its
+own operator (docs/quantization.md).
 The tensors come from gigatron's Hugging Face export (checkpoint/hf_convert.py), whose q/k/v and
 gate/up split undoes Megatron's interleaved fused layouts.
 """
@@ -48,7 +49,9 @@ LINEARS = {
 }  # fmt: skip
 NORMS = {"input_layernorm": "input_layernorm", "post_layernorm": "post_attention_layernorm"}
 # gigatron's methods TensorRT-LLM stores quantized, and its name of each (quant_algo).
-ALGORITHMS = {"fp8-tensor": "FP8", "int4-weight": "W4A16_AWQ", "int4-awq": "W4A16_AWQ"}
+SMOOTHQUANT = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
+ALGORITHMS = {"fp8-tensor": "FP8", "int4-weight": "W4A16_AWQ", "int4-awq": "W4A16_AWQ",
+              "int8-smoothquant": SMOOTHQUANT}  # fmt: skip
 INT4_FIELDS = {"has_zero_point": False, "pre_quant_scale": True}
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -110,6 +113,21 @@ def fp8_linear(packed: dict[str, torch.Tensor], layer: str, weight: torch.Tensor
             "activation_scaling_factor": inputs.clone()}  # fmt: skip
 
 
+def integer_codes(
+    scales: SafetensorsFolder, layer: str, names: list[str], weight: torch.Tensor, high: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, each weight's scale) of a fused weight whose Hugging Face parts are `names`."""
+    full = torch.cat([scales.tensor(n) for n in names]).float()  # each weight's, per element
+    codes = torch.round(weight.float() / torch.where(full == 0, 1.0, full))
+    exact = torch.equal((codes * full).to(weight.dtype), weight)
+    if not exact or codes.abs().max() > high + 1:
+        raise GigatronError(
+            f"{layer}: its weights are not integer codes times their scales in the checkpoint's "
+            "precision; export a float32 checkpoint"
+        )
+    return codes.to(torch.int8), full
+
+
 def int4_linear(
     scales: SafetensorsFolder, group: int, layer: str, names: list[str], weight: torch.Tensor
 ) -> dict:
@@ -117,18 +135,25 @@ def int4_linear(
     its kernels): `weight` int8 [out / 2, in], the codes of output rows 2j (low nibble) and
     2j + 1 (high nibble) in one byte; `weights_scaling_factor` [out, in / group];
     `prequant_scaling_factor` [in], ones (gigatron folds AWQ's scales into the norms)."""
-    full = torch.cat([scales.tensor(n) for n in names]).float()  # each weight's, per element
-    codes = torch.round(weight.float() / torch.where(full == 0, 1.0, full))
-    exact = torch.equal((codes * full).to(weight.dtype), weight)
-    if not exact or codes.abs().max() > 8:
-        raise GigatronError(
-            f"{layer}: its weights are not int4 codes times their scales in the checkpoint's "
-            "precision; export a float32 checkpoint"
-        )
-    packed = pack_int4(codes.to(torch.int8).T).T.contiguous().view(torch.int8)
+    codes, full = integer_codes(scales, layer, names, weight, 7)
+    packed = pack_int4(codes.T).T.contiguous().view(torch.int8)
     factor = full[:, ::group].to(weight.dtype)
     return {"weight": packed, "weights_scaling_factor": factor.contiguous(),
             "prequant_scaling_factor": torch.ones(weight.shape[1], dtype=weight.dtype)}  # fmt: skip
+
+
+def smoothquant_linear(
+    scales: SafetensorsFolder, layer: str, names: list[str], weight: torch.Tensor
+) -> dict:
+    """TensorRT-LLM's per-channel, per-token SmoothQuant linear (its Llama converter's layout):
+    `weight` int8 [out, in], `per_channel_scale` [1, out] float32 and, for the layers whose input
+    is not a norm's (dense, proj), `smoother` [1, in] float32: ones (gigatron's smoothing scales
+    are folded into the norms and fc1's up rows, linear_proj's are 1)."""
+    codes, full = integer_codes(scales, layer, names, weight, 127)
+    out = {"weight": codes, "per_channel_scale": full[:, :1].T.contiguous()}
+    if layer.endswith(("linear_proj", "linear_fc2")):
+        out["smoother"] = torch.ones(1, weight.shape[1])
+    return out
 
 
 def export_trtllm(load: str | Path, save: str | Path, log: Any = print) -> Path:
@@ -175,7 +200,14 @@ def _tensors(load: Path, tmp: Path, layers: int, packed: dict, info: dict) -> di
         quantize = None
         if algorithm == "FP8":
             quantize = lambda layer, _names, weight: fp8_linear(packed, layer, weight)  # noqa: E731
-        elif algorithm == "W4A16_AWQ":
+        elif algorithm is not None:
             scales = stack.enter_context(SafetensorsFolder(scales_folder(load, tmp)))
             quantize = functools.partial(int4_linear, scales, info["group_size"])
-        return trtllm_tensors(folder, layers, quantize)
+            if algorithm == SMOOTHQUANT:
+                quantize = functools.partial(smoothquant_linear, scales)
+        tensors = trtllm_tensors(folder, layers, quantize)
+    if algorithm == SMOOTHQUANT:  # its norms output int8 (per token): scale_to_int unused, 1
+        for i in range(layers):
+            for norm in NORMS:
+                tensors[f"transformer.layers.{i}.{norm}.scale_to_int"] = torch.ones(1)
+    return tensors
