@@ -9,6 +9,13 @@ Face export on disk (fp32 `gigatron convert --to hf` against the compressed-tens
 `--hf-save`).
 
     python benchmarks/bench_quantize.py [--layers 4 --hidden 256 --steps 300 --group-size 64]
+
+A larger model in two steps (train once in the background, then measure):
+
+    python benchmarks/bench_quantize.py --layers 6 --hidden 768 --heads 12 --lr 1e-3 \
+        --steps 100000 --train-seconds 1500 --ckpt CKPT --train-only
+    python benchmarks/bench_quantize.py --layers 6 --hidden 768 --heads 12 --ckpt CKPT \
+        --group-size 128 --calib-size 16 --lambada 50 --eval-lines 60 --only ...
 """
 
 from __future__ import annotations
