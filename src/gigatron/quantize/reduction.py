@@ -61,21 +61,30 @@ def _combine(nodes: dict[Interval, T], interval: Interval, merge: Callable[[T, T
     return merge(left, _combine(nodes, (start + half, half), merge))
 
 
+def block_nodes(
+    leaf: Callable[[int], T], start: int, stop: int, merge: Callable[[T, T], T]
+) -> dict[Interval, T]:
+    """The tree nodes of the largest aligned intervals inside [start, stop)."""
+    return {interval: _node(leaf, interval, merge) for interval in maximal_intervals(start, stop)}
+
+
+def root(nodes: dict[Interval, T], n: int, merge: Callable[[T, T], T]) -> T:
+    """The sum of [0, n) from the nodes of blocks that tile it (every process's block_nodes)."""
+    roots = [_combine(nodes, interval, merge) for interval in maximal_intervals(0, n)]
+    total = roots[0]
+    for part in roots[1:]:
+        total = merge(total, part)
+    return total
+
+
 def ordered_sum(
     n: int, leaf: Callable[[int], T], merge: Callable[[T, T], T], pctx: ParallelContext
 ) -> T:
     """merge() of leaf(0), ..., leaf(n - 1) in the tree order, the leaves split over the
     processes of `pctx` (each calls leaf() on its block only); the same on every process."""
-    start, stop = block(n, pctx.rank, pctx.world_size)
-    nodes: dict[Interval, Any] = {
-        interval: _node(leaf, interval, merge) for interval in maximal_intervals(start, stop)
-    }
+    nodes = block_nodes(leaf, *block(n, pctx.rank, pctx.world_size), merge)
     if pctx.world_size > 1:
         gathered: list[Any] = [None] * pctx.world_size
         dist.all_gather_object(gathered, nodes)
         nodes = {key: value for part in gathered for key, value in part.items()}
-    roots = [_combine(nodes, interval, merge) for interval in maximal_intervals(0, n)]
-    total = roots[0]
-    for root in roots[1:]:
-        total = merge(total, root)
-    return total
+    return root(nodes, n, merge)
