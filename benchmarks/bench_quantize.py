@@ -9,6 +9,13 @@ Face export on disk (fp32 `gigatron convert --to hf` against the compressed-tens
 `--hf-save`).
 
     python benchmarks/bench_quantize.py [--layers 4 --hidden 256 --steps 300 --group-size 64]
+
+A larger model in two steps (train once in the background, then measure):
+
+    python benchmarks/bench_quantize.py --layers 6 --hidden 768 --heads 12 --lr 1e-3 \
+        --steps 100000 --train-seconds 1500 --ckpt CKPT --train-only
+    python benchmarks/bench_quantize.py --layers 6 --hidden 768 --heads 12 --ckpt CKPT \
+        --group-size 128 --calib-size 16 --lambada 50 --eval-lines 60 --only ...
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ def _flags(args: argparse.Namespace) -> list[str]:
         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(DATA / "gpt2-vocab.json"),
         "--merge-file", str(DATA / "gpt2-merges.txt"), "--mock-data",
         "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
-        "--num-attention-heads", "8", "--seq-length", str(args.seq),
+        "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq),
         "--max-position-embeddings", str(args.seq), "--micro-batch-size", "1",
         "--global-batch-size", "1", "--position-embedding-type", "rope", "--normalization",
         "RMSNorm", "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -57,16 +64,23 @@ def train(args: argparse.Namespace, text: str, save: Path) -> int:
     tokens = torch.tensor(tokenizer.tokenize(text))
     windows = tokens[: len(tokens) // (args.seq + 1) * (args.seq + 1)].view(-1, args.seq + 1)
     optimizer = torch.optim.AdamW(chunk.parameters(), lr=args.lr, weight_decay=0.01)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     generator = torch.Generator().manual_seed(0)
     chunk.train()
+    start = time.perf_counter()
     for step in range(args.steps):
         batch = windows[torch.randint(0, len(windows), (args.batch,), generator=generator)]
         loss = token_losses(chunk(batch[:, :-1], None), batch[:, 1:], ParallelContext.single())
         optimizer.zero_grad()
         loss.mean().backward()
         optimizer.step()
-        if step % 50 == 0:
-            print(f"step {step}: loss {loss.mean().item():.3f}", flush=True)
+        warmup.step()
+        elapsed = time.perf_counter() - start
+        if step % 10 == 0:
+            print(f"step {step}: loss {loss.mean().item():.3f} ({elapsed:.0f} s)", flush=True)
+        if args.train_seconds and elapsed > args.train_seconds:
+            print(f"stopped after step {step}: --train-seconds {args.train_seconds}", flush=True)
+            break
     save_checkpoint(save, 1, [chunk], None, None, ParallelContext.single(), cfg,
                     extra={"gigatron_family": "gpt"})  # fmt: skip
     return sum(p.numel() for p in chunk.parameters())
@@ -82,18 +96,21 @@ def _ppl(load: Path, wiki: Path, seq: int) -> float:
     return evaluate(flags)["ppl"]
 
 
-def _lambada(load: Path, data: Path) -> float:
+def _lambada(load: Path, data: Path) -> tuple[float, float]:
+    """(accuracy, perplexity of the last tokens) on LAMBADA."""
     flags = ["--load", str(load), "--device", "cpu", "--task", "LAMBADA", "--valid-data",
              str(data), "--no-progress-bar"]  # fmt: skip
-    return evaluate(flags)["accuracy"]
+    result = evaluate(flags)
+    return result["accuracy"], result["target_ppl"]
 
 
 def _runs(args: argparse.Namespace, calib: Path) -> list[tuple[str, str, int | None, Any]]:
     """(label, --method, group size, calibration) of each quantization measured."""
     data = {"data": str(calib), "size": args.calib_size, "seed": 1234}
     group = args.group_size
-    return [
+    runs = [
         ("int8-weight RTN", "int8-weight", group, None),
+        ("int8-weight GPTQ", "int8-weight", group, data),
         ("int4-weight RTN", "int4-weight", group, None),
         ("int4-weight GPTQ", "int4-weight", group, data),
         ("int4-awq", "int4-awq", group, data),
@@ -101,6 +118,7 @@ def _runs(args: argparse.Namespace, calib: Path) -> list[tuple[str, str, int | N
         ("fp8-channel (W8A8 fp8)", "fp8-channel", None, data),
         ("fp8-tensor (W8A8 fp8)", "fp8-tensor", None, data),
     ]
+    return [run for run in runs if not args.only or run[0] in args.only]
 
 
 def main() -> None:
@@ -114,6 +132,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--calib-size", type=int, default=32)
     parser.add_argument("--lambada", type=int, default=300, help="LAMBADA passages scored")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--train-seconds", type=float, default=0, help="stop training after")
+    parser.add_argument("--ckpt", type=Path, help="keep the trained model here; reused if there")
+    parser.add_argument("--train-only", action="store_true", help="stop after training")
+    parser.add_argument("--eval-lines", type=int, default=0, help="held-out lines scored (0: all)")
+    parser.add_argument("--only", nargs="*", help="labels of the methods to run (default: all)")
     args = parser.parse_args()
     torch.manual_seed(0)
     lines = (DATA / "wikitext-2-wiki.test.tokens").read_text(encoding="utf-8").splitlines(True)
@@ -121,33 +145,38 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         wiki = root / "heldout.tokens"
-        wiki.write_text("".join(lines[cut:]), encoding="utf-8")
+        heldout = lines[cut:][: args.eval_lines or None]
+        wiki.write_text("".join(heldout), encoding="utf-8")
         calib = root / "calib.jsonl"
         calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:cut] if t.strip()))
         lambada = root / "lambada.jsonl"
         passages = (DATA / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines(True)
         lambada.write_text("".join(passages[: args.lambada]), encoding="utf-8")
-        start = time.perf_counter()
-        params = train(args, "".join(lines[:cut]), root / "ckpt")
-        print(f"trained {params / 1e6:.1f}M parameters in {time.perf_counter() - start:.0f} s")
-        gigatron_to_hf(root / "ckpt", root / "hf-fp32", log=lambda _: None)
-        ckpt = root / "ckpt"
-        rows = [("fp32 (none)", 32, _ppl(ckpt, wiki, args.seq), _lambada(ckpt, lambada),
+        ckpt = args.ckpt or root / "ckpt"
+        if not (ckpt / "latest_checkpointed_iteration.txt").exists():
+            start = time.perf_counter()
+            params = train(args, "".join(lines[:cut]), ckpt)
+            print(f"trained {params / 1e6:.1f}M parameters in {time.perf_counter() - start:.0f} s")
+        if args.train_only:
+            return
+        gigatron_to_hf(ckpt, root / "hf-fp32", log=lambda _: None)
+        rows = [("fp32 (none)", 32, _ppl(ckpt, wiki, args.seq), *_lambada(ckpt, lambada),
                  _size(root / "hf-fp32"))]  # fmt: skip
+        print(rows[-1], flush=True)
         for label, method, group, calibration in _runs(args, calib):
             out = root / method / label.split()[-1]
             quantize_checkpoint(ckpt, out, method, group, calibration=calibration)
             export_compressed(out, root / f"{method}-{out.name}-hf", log=lambda _: None)
             bits = 4 if method.startswith("int4") else 8
-            rows.append((label, bits, _ppl(out, wiki, args.seq), _lambada(out, lambada),
+            rows.append((label, bits, _ppl(out, wiki, args.seq), *_lambada(out, lambada),
                          _size(root / f"{method}-{out.name}-hf")))  # fmt: skip
             print(rows[-1], flush=True)
-        base = rows[0][4]
-        print("| method | bits | WikiText ppl (held-out) | LAMBADA acc | HF folder MiB | / fp32 |")
-        print("|---|---|---|---|---|---|")
-        for label, bits, ppl, acc, size in rows:
-            print(f"| {label} | {bits} | {ppl:.2f} | {acc:.4f} | {size / 2**20:.1f} | "
-                  f"{size / base:.2f} |")  # fmt: skip
+        base = rows[0][-1]
+        print("| method | bits | WikiText ppl | LAMBADA acc | LAMBADA target ppl | HF folder MiB "
+              "| / fp32 |\n|---|---|---|---|---|---|---|")  # fmt: skip
+        for label, bits, ppl, acc, target, size in rows:
+            print(f"| {label} | {bits} | {ppl:.2f} | {acc:.4f} | {target:.1f} | "
+                  f"{size / 2**20:.1f} | {size / base:.2f} |")  # fmt: skip
         assert all(math.isfinite(r[2]) for r in rows)
 
 

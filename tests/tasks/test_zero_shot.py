@@ -106,7 +106,10 @@ def _greedy_correct(chunk, tokenizer, text, strict):
     with torch.no_grad():
         logits = chunk(tokens[None, :-1], None)[0]
     predicted = logits.argmax(-1)[-len(target) :]
-    return bool((predicted == tokens[-len(target) :]).all())
+    loss = torch.nn.functional.cross_entropy(
+        logits[-len(target) :], tokens[-len(target) :], reduction="sum"
+    )
+    return bool((predicted == tokens[-len(target) :]).all()), float(loss), len(target)
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +146,16 @@ def test_lambada_counts_match_greedy_predictions_on_real_passages(memorised):
     others = lambada_texts(30, skip=100)
     data = _write_jsonl(directory / "mixed.jsonl", texts + others)
     for strict in (False, True):
-        expected = sum(_greedy_correct(chunk, tokenizer, t, strict) for t in texts + others)
+        scored = [_greedy_correct(chunk, tokenizer, t, strict) for t in texts + others]
+        expected = sum(right for right, _, _ in scored)
+        nll, count = sum(loss for _, loss, _ in scored), sum(n for _, _, n in scored)
         flags = ["--strict-lambada"] if strict else []
         result = _run(directory, "--task", "LAMBADA", "--valid-data", str(data),
                       "--micro-batch-size", "4", *flags)  # fmt: skip
         assert result["num_examples"] == 34
         assert result["num_correct"] == expected
         assert 4 <= expected < 34
+        assert result["target_ppl"] == pytest.approx(math.exp(nll / count), rel=1e-4)
 
 
 def test_lambada_file_errors_name_the_line(memorised, tmp_path):

@@ -8,6 +8,7 @@ import torch
 
 from gigatron.errors import GigatronError
 from gigatron.quantize.methods import METHODS
+from gigatron.quantize.reduction import block, block_nodes, maximal_intervals, root
 from gigatron.quantize.rtn import (
     check_shape,
     dequantize,
@@ -105,3 +106,27 @@ def test_grouped_expert_weights_quantize_each_expert_like_a_2d_weight():
     back = dequantize(codes, scales, torch.float32)
     assert torch.equal(back[2], dequantize(codes[2], scales[2], torch.float32))
     assert torch.equal(unpack_int4(pack_int4(codes), 32), codes)
+
+
+def test_tree_sums_split_over_blocks_are_bit_equal_to_one_block():
+    """reduction.py: the nodes of any split of [0, n) into contiguous blocks build the sum one
+    block gives, bit for bit, where the plain left-to-right sum of the block sums differs."""
+    values = [1e16, 1.0, -1e16, 1.0, 3.0, 1e-3, 7.0, -2.5, 1e16, 0.1, -1e16, 0.7, 5.0]
+    add = float.__add__
+    leaf = values.__getitem__
+    plain_differs = False
+    for n in range(1, len(values) + 1):
+        single = root(block_nodes(leaf, 0, n, add), n, add)
+        for world in (2, 3, 4):
+            blocks = [block(n, rank, world) for rank in range(world)]
+            assert [b[0] for b in blocks[1:]] == [b[1] for b in blocks[:-1]]
+            nodes = {
+                k: v
+                for start, stop in blocks
+                for k, v in block_nodes(leaf, start, stop, add).items()
+            }
+            assert root(nodes, n, add) == single, (n, world)
+            plain = sum(sum(values[start:stop]) for start, stop in blocks)
+            plain_differs |= plain != single
+    assert plain_differs
+    assert maximal_intervals(3, 13) == [(3, 1), (4, 4), (8, 4), (12, 1)]

@@ -325,16 +325,84 @@ def test_trtllm_fp8_checkpoint_names_shapes_and_codes_by_hand(runs, capsys):
     assert not (runs / "trt-refused").exists()
 
 
-def test_trtllm_checkpoint_of_a_weight_only_method_holds_the_fake_quantized_weights(runs):
+def _nibbles_by_hand(packed: torch.Tensor) -> torch.Tensor:
+    """Model Optimizer's int4 layout undone: byte [j, i] holds row 2j (low) and 2j + 1 (high)."""
+    low, high = (packed.to(torch.int16) & 0xF), ((packed.to(torch.int16) >> 4) & 0xF)
+    rows = torch.stack((low, high), dim=1).reshape(-1, packed.shape[1])
+    return torch.where(rows > 7, rows - 16, rows)
+
+
+def test_trtllm_int4_checkpoint_packs_codes_and_group_scales_by_hand(runs):
     export_trtllm(runs / "a", runs / "trt-awq", log=lambda _: None)
-    config = json.loads((runs / "trt-awq" / "config.json").read_text())
-    assert config["quantization"]["quant_algo"] is None
+    config = json.loads((runs / "trt-awq" / "config.json").read_text())["quantization"]
+    assert config == {"quant_algo": "W4A16_AWQ", "kv_cache_quant_algo": None, "group_size": GROUP,
+                      "has_zero_point": False, "pre_quant_scale": True,
+                      "exclude_modules": ["lm_head"]}  # fmt: skip
     ours = _read_all(runs / "trt-awq" / "rank0.safetensors")
+    packed, _ = read_packed(runs / "a")
     state = _model(runs / "a")[1]["model"]
-    fused = state["decoder.layers.1.self_attention.linear_qkv.weight"]
+    g, theirs = "decoder.layers.1", "transformer.layers.1"
+    fused = {n: (unpack_int4(packed[f"{g}.{n}.weight_packed"], state[f"{g}.{n}.weight"].shape[1]),
+                 packed[f"{g}.{n}.weight_scale"], state[f"{g}.{n}.weight"])
+             for n in ("self_attention.linear_qkv", "mlp.linear_fc1")}  # fmt: skip
+    by_hand = {
+        "attention.qkv": [_trtllm_qkv(t) for t in fused["self_attention.linear_qkv"]],
+        "mlp.fc": [t[:96] for t in fused["mlp.linear_fc1"]],  # gate: the activated half
+        "mlp.gate": [t[96:] for t in fused["mlp.linear_fc1"]],  # up
+    }
+    for name, (codes, scales, fake_quantized) in by_hand.items():
+        weight = ours[f"{theirs}.{name}.weight"]
+        assert weight.dtype == torch.int8 and weight.shape == (codes.shape[0] // 2, codes.shape[1])
+        assert torch.equal(_nibbles_by_hand(weight), codes.to(torch.int16)), name
+        factor = ours[f"{theirs}.{name}.weights_scaling_factor"]
+        assert factor.shape == (codes.shape[0], codes.shape[1] // GROUP)
+        assert torch.equal(factor, scales)
+        dequantized = _nibbles_by_hand(weight) * factor.repeat_interleave(GROUP, dim=1)
+        assert torch.equal(dequantized, fake_quantized), name  # gigatron's fake quantization
+        assert torch.equal(ours[f"{theirs}.{name}.prequant_scaling_factor"],
+                           torch.ones(codes.shape[1]))  # fmt: skip
+    norm = state[f"{g}.input_layernorm.weight"]  # AWQ's folded norm
+    assert torch.equal(ours[f"{theirs}.input_layernorm.weight"], norm)
+
+
+def test_trtllm_smoothquant_checkpoint_by_hand(runs):
+    export_trtllm(runs / "sq", runs / "trt-sq", log=lambda _: None)
+    config = json.loads((runs / "trt-sq" / "config.json").read_text())["quantization"]
+    assert config["quant_algo"] == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
+    ours = _read_all(runs / "trt-sq" / "rank0.safetensors")
+    packed, _ = read_packed(runs / "sq")
+    g, theirs = "decoder.layers.1", "transformer.layers.1"
+    fused = {n: (packed[f"{g}.{n}.weight_packed"], packed[f"{g}.{n}.weight_scale"])
+             for n in ("self_attention.linear_qkv", "self_attention.linear_proj",
+                       "mlp.linear_fc1", "mlp.linear_fc2")}  # fmt: skip
+    by_hand = {
+        "attention.qkv": [_trtllm_qkv(t) for t in fused["self_attention.linear_qkv"]],
+        "attention.dense": fused["self_attention.linear_proj"],
+        "mlp.fc": [t[:96] for t in fused["mlp.linear_fc1"]],  # gate: the activated half
+        "mlp.gate": [t[96:] for t in fused["mlp.linear_fc1"]],  # up
+        "mlp.proj": fused["mlp.linear_fc2"],
+    }
+    for name, (codes, scales) in by_hand.items():
+        assert ours[f"{theirs}.{name}.weight"].dtype == torch.int8
+        assert torch.equal(ours[f"{theirs}.{name}.weight"], codes), name
+        assert torch.equal(ours[f"{theirs}.{name}.per_channel_scale"], scales.T), name  # [1, out]
+    assert torch.equal(ours[f"{theirs}.attention.dense.smoother"], torch.ones(1, 64))
+    assert torch.equal(ours[f"{theirs}.mlp.proj.smoother"], torch.ones(1, 96))
+    assert f"{theirs}.attention.qkv.smoother" not in ours
+    for norm in ("input_layernorm", "post_layernorm"):
+        assert torch.equal(ours[f"{theirs}.{norm}.scale_to_int"], torch.ones(1))
+
+
+def test_trtllm_checkpoint_of_int8_weights_holds_the_fake_quantized_weights(runs):
+    assert gigatron_main(["quantize", "--load", str(runs / "ckpt"), "--method", "int8-weight",
+                          "--group-size", str(GROUP), "--save", str(runs / "int8"),
+                          "--hf-save", str(runs / "trt-int8"), "--export-format",
+                          "trtllm"]) == 0  # fmt: skip
+    config = json.loads((runs / "trt-int8" / "config.json").read_text())
+    assert config["quantization"]["quant_algo"] is None
+    ours = _read_all(runs / "trt-int8" / "rank0.safetensors")
+    fused = _model(runs / "int8")[1]["model"]["decoder.layers.1.self_attention.linear_qkv.weight"]
     assert torch.equal(ours["transformer.layers.1.attention.qkv.weight"], _trtllm_qkv(fused))
-    norm = state["decoder.layers.1.input_layernorm.weight"]  # AWQ's folded norm
-    assert torch.equal(ours["transformer.layers.1.input_layernorm.weight"], norm)
 
 
 def test_export_flags_that_would_go_unused_are_refused(runs, capsys):

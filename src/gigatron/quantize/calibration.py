@@ -26,6 +26,7 @@ from gigatron.quantize.awq import awq
 from gigatron.quantize.folding import Calibrated, check_foldable
 from gigatron.quantize.fp8 import fp8_calibrated
 from gigatron.quantize.methods import Method
+from gigatron.quantize.reduction import ordered_sum
 from gigatron.quantize.rtn import quantized_layer
 from gigatron.quantize.smoothquant import smoothquant
 
@@ -80,67 +81,105 @@ def build_full_model(model: Any, vocab_size: int) -> torch.nn.Module:
     return chunk.eval()
 
 
-def run_samples(chunk: torch.nn.Module, samples: torch.Tensor, handles: list[Any]) -> None:
-    """Run the model on each sample (the hooks of `handles` record), then remove the hooks."""
+Stats = dict[str, torch.Tensor]
+
+
+def merge_stats(a: Stats, b: Stats) -> Stats:
+    """Two samples' statistics together: keys ending in `max` by maximum, the others summed."""
+    return {
+        key: torch.maximum(a[key], b[key]) if key.endswith("max") else a[key] + b[key] for key in a
+    }
+
+
+def sample_statistics(
+    chunk: torch.nn.Module, samples: torch.Tensor, hooks: dict[str, Any], when: str,
+    pctx: ParallelContext | None = None,
+) -> Stats:  # fmt: skip
+    """The statistics `hooks` (module name -> fn(record, args, output) filling `record` with
+    one sample's) over `samples`, in reduction.ordered_sum's fixed order, the samples split over
+    the processes of `pctx`: bit-equal whatever their number. `when`: "post" hooks see the
+    module's inputs and output, "pre" hooks its inputs."""
+    record: Stats = {}
+
+    def bind(fn: Any) -> Any:
+        if when == "pre":
+            return lambda _module, args: fn(record, args, None)
+        return lambda _module, args, output: fn(record, args, output)
+
+    modules = dict(chunk.named_modules())
+    register = "register_forward_pre_hook" if when == "pre" else "register_forward_hook"
+    handles = [getattr(modules[name], register)(bind(fn)) for name, fn in hooks.items()]
+
+    def leaf(index: int) -> Stats:
+        record.clear()
+        chunk(samples[index][None, :], None)
+        return dict(record)
+
     try:
         with torch.no_grad():
-            for row in samples:
-                chunk(row[None, :], None)
+            return ordered_sum(len(samples), leaf, merge_stats, pctx or ParallelContext.single())
     finally:
         for handle in handles:
             handle.remove()
 
 
+def _add(record: Stats, key: str, value: torch.Tensor) -> None:
+    """Into one sample's record (a module called twice in a forward adds up, or takes the max)."""
+    record[key] = merge_stats({key: record[key]}, {key: value})[key] if key in record else value
+
+
+def _input_statistics(layer: str) -> Any:
+    def record(stats: Stats, inputs: tuple, _output: Any) -> None:
+        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float64)
+        _add(stats, f"{layer}/xtx", x.T @ x)
+        _add(stats, f"{layer}/abs", x.abs().sum(dim=0))
+        _add(stats, f"{layer}/absmax", x.abs().amax(dim=0))
+        _add(stats, f"{layer}/count", torch.tensor(float(x.shape[0]), dtype=torch.float64))
+
+    return record
+
+
 def collect_statistics(
-    chunk: torch.nn.Module, samples: torch.Tensor
+    chunk: torch.nn.Module, samples: torch.Tensor, pctx: ParallelContext | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(H = 2 X^T X / n in float64, mean |x|, max |x| per input feature) of every quantized
-    linear layer's inputs X over `samples`."""
-    sums: dict[str, torch.Tensor] = {}
-    absolute: dict[str, torch.Tensor] = {}
-    largest: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-
-    def hook(layer: str):
-        def record(_module: Any, inputs: tuple, _output: Any) -> None:
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float64)
-            sums[layer] = sums.get(layer, 0) + x.T @ x
-            absolute[layer] = absolute.get(layer, 0) + x.abs().sum(dim=0)
-            top = x.abs().amax(dim=0)
-            largest[layer] = torch.maximum(largest[layer], top) if layer in largest else top
-            counts[layer] = counts.get(layer, 0) + x.shape[0]
-
-        return record
-
-    handles = [
-        module.register_forward_hook(hook(name))
-        for name, module in chunk.named_modules()
+    linear layer's inputs X over `samples` (split over the processes of `pctx`)."""
+    hooks = {
+        name: _input_statistics(name)
+        for name, _ in chunk.named_modules()
         if quantized_layer(f"{name}.weight") == name
-    ]
-    run_samples(chunk, samples, handles)
-    hessians = {layer: 2 * sums[layer] / counts[layer] for layer in sums}
-    return hessians, {layer: absolute[layer] / counts[layer] for layer in sums}, largest
+    }
+    stats = sample_statistics(chunk, samples, hooks, "post", pctx)
+    layers = [key[: -len("/xtx")] for key in stats if key.endswith("/xtx")]
+    count = {layer: stats[f"{layer}/count"] for layer in layers}
+    hessians = {layer: 2 * stats[f"{layer}/xtx"] / count[layer] for layer in layers}
+    mean_abs = {layer: stats[f"{layer}/abs"] / count[layer] for layer in layers}
+    return hessians, mean_abs, {layer: stats[f"{layer}/absmax"] for layer in layers}
 
 
-def collect_kv_scales(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, list[float]]:
+def _kv_statistics(name: str) -> Any:
+    def record(stats: Stats, inputs: tuple, _output: Any) -> None:
+        for key, tensor in zip(("kmax", "vmax"), inputs[1:3]):
+            _add(stats, f"{name}/{key}", tensor.detach().abs().max().to(torch.float64))
+
+    return record
+
+
+def collect_kv_scales(
+    chunk: torch.nn.Module, samples: torch.Tensor, pctx: ParallelContext | None = None
+) -> dict[str, list[float]]:
     """Each core attention's [max |key| / 448, max |value| / 448] over `samples` (its fp8
     KV-cache scales)."""
-    largest: dict[str, list[float]] = {}
-
-    def hook(name: str):
-        def record(_module: Any, inputs: tuple) -> None:
-            seen = [float(t.detach().abs().max()) for t in inputs[1:3]]
-            largest[name] = [max(a, b) for a, b in zip(largest.get(name, seen), seen)]
-
-        return record
-
-    handles = [
-        module.register_forward_pre_hook(hook(name))
-        for name, module in chunk.named_modules()
+    hooks = {
+        name: _kv_statistics(name)
+        for name, _ in chunk.named_modules()
         if name.endswith("core_attention")
-    ]
-    run_samples(chunk, samples, handles)
-    return {name: [max(m, 1e-12) / E4M3_MAX for m in pair] for name, pair in largest.items()}
+    }
+    stats = sample_statistics(chunk, samples, hooks, "pre", pctx)
+    return {
+        name: [max(float(stats[f"{name}/{key}"]), 1e-12) / E4M3_MAX for key in ("kmax", "vmax")]
+        for name in hooks
+    }
 
 
 def collect_hessians(chunk: torch.nn.Module, samples: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -179,11 +218,13 @@ def gptq(
 
 def calibrate(
     model: Any, method: Method, group_size: int | None, data: str, size: int, seed: int,
-    kv_cache_dtype: str | None = None,
+    kv_cache_dtype: str | None = None, pctx: ParallelContext | None = None,
 ) -> Calibrated:  # fmt: skip
     """GPTQ's, or the method's calibration's (AWQ, SmoothQuant, fp8), codes and scales of every
     quantized linear layer of a reader's FullModel; with `kv_cache_dtype` fp8, each attention's
-    KV-cache scales too."""
+    KV-cache scales too. Under torchrun (`pctx`) the samples are split over the processes and
+    their statistics summed in a fixed order (reduction.py): every process gets the codes one
+    process computes, bit for bit."""
     if size < 1:
         raise GigatronError(f"--calib-size {size}: must be at least 1; e.g. 128")
     if method.calibration in ("awq", "smoothquant"):
@@ -195,7 +236,7 @@ def calibrate(
     rows = model.source.meta(EMBEDDING).shape[0]
     chunk = build_full_model(model, tokenizer.vocab_size if tokenizer else rows)
     samples = calibration_samples(data, tokenizer, model.cfg.model.seq_length, size, seed)
-    hessians, mean_abs, input_max = collect_statistics(chunk, samples)
+    hessians, mean_abs, input_max = collect_statistics(chunk, samples, pctx)
     weights = chunk.state_dict()
     unseen = sorted({quantized_layer(n) for n in weights} - {None} - hessians.keys())
     if unseen:  # its module is not called with its input (its weight used another way)
@@ -206,7 +247,7 @@ def calibrate(
     result = _method_codes(model.cfg.model, weights, (hessians, mean_abs, input_max), method,
                            group_size)  # fmt: skip
     if kv_cache_dtype == "fp8":
-        result.kv_cache = collect_kv_scales(chunk, samples)
+        result.kv_cache = collect_kv_scales(chunk, samples, pctx)
     return result
 
 

@@ -21,6 +21,7 @@ import torch
 
 from gigatron.checkpoint.pipeline import Target, read_gigatron, write_gigatron
 from gigatron.errors import GigatronError
+from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.calibration import calibrate
 from gigatron.quantize.folding import Calibrated
 from gigatron.quantize.methods import METHODS, Method
@@ -131,10 +132,12 @@ def quantize_checkpoint(
     iteration: int | None = None,
     log: Any = print,
     calibration: dict[str, Any] | None = None,
+    pctx: ParallelContext | None = None,
 ) -> Path:
     """Quantize `load`'s checkpoint into the new directory `save`; returns `save`.
     `calibration` (data, size, seed): GPTQ (or the method's own calibration, AWQ) on that
-    data, else round-to-nearest."""
+    data, else round-to-nearest. Under torchrun (`pctx`) the processes share the calibration
+    samples and the first one writes `save`."""
     method = METHODS[method_name]
     group_size = resolve_group_size(method, group_size)
     save = Path(save)
@@ -152,7 +155,11 @@ def quantize_checkpoint(
             raise GigatronError(
                 f"--method {method.name}: calibrates on text; give --calib-data (and --calib-size)"
             )
-        calibrated = calibrate(model, method, group_size, **calibration) if calibration else None
+        calibrated = None
+        if calibration:
+            calibrated = calibrate(model, method, group_size, **calibration, pctx=pctx)
+        if pctx is not None and pctx.rank != 0:
+            return save
         info = _header(method, group_size, calibration, layers, calibrated)
         quantizer = Quantizer(method, group_size, calibrated)
         source = MappedSource(model.source, quantizer)

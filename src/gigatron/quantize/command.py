@@ -67,6 +67,7 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     # why: parse the flags (and answer --help) before torch is imported
     from gigatron.checkpoint.hf_convert import parse_size
+    from gigatron.parallel.context import ParallelContext, destroy
     from gigatron.quantize.checkpoint import check_new_directory, quantize_checkpoint
     from gigatron.quantize.export import export_compressed, require_export_libraries
     from gigatron.quantize.trtllm import export_trtllm
@@ -82,12 +83,17 @@ def main(argv: Sequence[str]) -> int:
         calibration = {"data": args.calib_data, "size": args.calib_size, "seed": args.seed}
         if args.kv_cache_dtype:
             calibration["kv_cache_dtype"] = args.kv_cache_dtype
-    quantize_checkpoint(args.load, args.save, args.method, args.group_size, args.ckpt_step,
-                        calibration=calibration)  # fmt: skip
-    if args.hf_save and trtllm:
-        export_trtllm(args.save, args.hf_save)
-    elif args.hf_save:
-        export_compressed(args.save, args.hf_save, shard)
+    # Under torchrun the processes share the calibration samples; the first one writes.
+    pctx = ParallelContext.from_sizes(device="cpu")
+    try:
+        quantize_checkpoint(args.load, args.save, args.method, args.group_size, args.ckpt_step,
+                            calibration=calibration, pctx=pctx)  # fmt: skip
+        if args.hf_save and trtllm and pctx.rank == 0:
+            export_trtllm(args.save, args.hf_save)
+        elif args.hf_save and pctx.rank == 0:
+            export_compressed(args.save, args.hf_save, shard)
+    finally:
+        destroy(pctx)
     return 0
 
 

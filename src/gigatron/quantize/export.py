@@ -82,7 +82,7 @@ def _scheme(info: dict[str, Any]) -> Any:
     return QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
 
 
-def _scales_folder(load: Path, tmp: Path) -> Path:
+def scales_folder(load: Path, tmp: Path) -> Path:
     """A Hugging Face folder whose quantized weights hold their scales, repeated over each
     group or row (in the checkpoint's precision)."""
     packed, _ = read_packed(load)
@@ -188,7 +188,7 @@ def export_compressed(
                 f"--load {load}: a '{model_type}' model; the compressed-tensors export takes "
                 f"{', '.join(MODEL_TYPES)} models (linear layers as nn.Linear)"
             )
-        scales = _scales_folder(load, tmp)
+        scales = scales_folder(load, tmp)
         _compress(load, tmp / "plain", scales, tmp / "out", info, max_shard_bytes)
         for extra in (tmp / "plain").iterdir():  # tokenizer files
             if not extra.name.endswith(WEIGHT_FILES) and extra.name != "config.json":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -138,6 +139,8 @@ def run_task(loaded: Any, task: ZeroShotTaskConfig, args: argparse.Namespace) ->
                 "num_correct": correct,
                 "num_examples": len(samples),
                 "accuracy": correct / len(samples),
+                # the perplexity of the target tokens: tells models apart when none is right
+                "target_ppl": math.exp(float(scores[:, 0].sum()) / float(scores[:, 1].sum())),
             }
         )
     result.update(
@@ -166,7 +169,7 @@ def format_result(result: dict[str, Any]) -> str:
     return (
         f"validation results on LAMBADA{' (strict)' if result['strict_lambada'] else ''} | "
         f"number correct: {result['num_correct']} | total examples: {result['num_examples']} | "
-        f"avg accuracy: {result['accuracy']:.4E}"
+        f"avg accuracy: {result['accuracy']:.4E} | target ppl: {result['target_ppl']:.4E}"
     )
 
 
