@@ -1,15 +1,19 @@
-"""Retro against the same-size GPT on WikiText-2 (CPU, a few minutes): validation perplexity.
+"""Retro against the same-size GPT on WikiText-2 (CPU): validation perplexity.
 
-    python benchmarks/bench_retro_wikitext2.py [--work DIR] [--train-iters 300]
+    python benchmarks/bench_retro_wikitext2.py [--work DIR] [--train-iters 300] [--seed 1234]
 
 The pipeline of docs/retro.md end to end, all through the `gigatron` commands:
-1. the corpus: WikiText-2's test split (tests/data), one document per paragraph, GPT-2 tokens;
+1. the corpus: WikiText-2's test file (tests/data; the train file is not in the repository), one
+   document per article (64 articles), GPT-2 tokens, split 90/10 in article order: the
+   validation text is the last articles, none of which the models train on;
 2. a random 2-layer BERT (`pretrain bert`, one step at learning rate 0) embeds the chunks: a
    random projection of each chunk's tokens, enough to find chunks sharing words;
 3. `retro-preprocess` (chunk database, an exact Flat index, the neighbours of every train and
-   validation chunk, excluding the sample's own paragraph);
+   validation chunk, excluding the sample's own articles);
 4. `pretrain gpt` and `pretrain retro` with the same shape, data, seed and schedule; the
    validation loss at the end of each gives the perplexity (BENCHMARKS.md records both).
+   `--families gpt` and `--families retro` in two processes on one `--work` train them side by
+   side once the project is built.
 """
 
 from __future__ import annotations
@@ -43,24 +47,35 @@ def gigatron(*args: str) -> str:
     return done.stdout
 
 
+def articles(lines: list[str]) -> list[str]:
+    """WikiText-2's articles (a ` = Title = ` line starts one), each its paragraphs joined by
+    newlines; headings of sections (` = = ... = = `) are dropped."""
+    found: list[list[str]] = []
+    for line in lines:
+        if line.startswith(" = ") and not line.startswith(" = = "):
+            found.append([])
+        elif line.strip() and not line.startswith(" =") and found:
+            found[-1].append(line.strip())
+    return ["\n".join(paragraphs) for paragraphs in found if paragraphs]
+
+
 def write_corpus(work: Path) -> str:
-    """WikiText-2 test paragraphs (headings dropped) as documents ending with eod."""
+    """WikiText-2 test articles as documents ending with eod, in the file's order."""
     tokenizer = GPT2BPETokenizer(str(DATA / "gpt2-vocab.json"), str(DATA / "gpt2-merges.txt"))
     lines = (DATA / "wikitext-2-wiki.test.tokens").read_text(encoding="utf-8").splitlines()
-    paragraphs = [line.strip() for line in lines if line.strip() and not line.startswith(" =")]
-    docs = [[tokenizer.tokenize(p) + [tokenizer.eod]] for p in paragraphs]
+    docs = [[tokenizer.tokenize(text) + [tokenizer.eod]] for text in articles(lines)]
     prefix = str(work / "wikitext2_text_document")
     write_dataset(prefix, docs, dtype=np.uint16)
     return prefix
 
 
-def common_flags(prefix: str, work: Path, train_iters: int) -> list[str]:
+def common_flags(prefix: str, work: Path, train_iters: int, seed: int) -> list[str]:
     """Data and schedule shared by preprocessing and both models (the sample counts agree)."""
     return [
-        "--data-path", prefix, "--split", "95,5,0", "--seq-length", str(SEQ), *GPT2,
+        "--data-path", prefix, "--split", "90,10,0", "--seq-length", str(SEQ), *GPT2,
         "--data-cache-path", str(work / "cache"), "--micro-batch-size", "8",
-        "--global-batch-size", "8", "--train-iters", str(train_iters), "--eval-iters", "8",
-        "--eval-interval", str(train_iters), "--seed", "1234",
+        "--global-batch-size", "8", "--train-iters", str(train_iters), "--eval-iters", "20",
+        "--eval-interval", str(train_iters), "--seed", str(seed),
     ]  # fmt: skip
 
 
@@ -90,11 +105,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default=None, help="working directory (default: a temporary one)")
     parser.add_argument("--train-iters", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument(
+        "--families",
+        default="gpt,retro",
+        help="the models to train (two --work runs of one family each train them side by side)",
+    )
     args = parser.parse_args()
     work = Path(args.work or tempfile.mkdtemp(prefix="retro-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     prefix = write_corpus(work)
-    common = common_flags(prefix, work, args.train_iters)
+    common = common_flags(prefix, work, args.train_iters, args.seed)
     project = work / "project"
     started = time.perf_counter()
     gigatron("retro-preprocess", "--retro-project-dir", project, "--retro-bert-load",
@@ -111,6 +132,8 @@ def main() -> None:
         ("gpt", []),
         ("retro", ["--retro-project-dir", str(project), "--retro-gpt-chunk-length", str(CHUNK)]),
     ):
+        if family not in args.families.split(","):
+            continue
         metrics = work / f"{family}.jsonl"
         started = time.perf_counter()
         if validation_loss(metrics) is None:  # (a --work run before may have trained it)

@@ -187,9 +187,9 @@ def test_family_refuses_what_retro_cannot_do():
             "retro_gpt_chunk_length",
             5,
         ),
-        "--pipeline-model-parallel-size > 1: not built for Retro": (
+        "virtual pipeline stages: not built for Retro": (
             "parallel",
-            "pipeline_model_parallel_size",
+            "num_virtual_stages_per_pipeline_rank",
             2,
         ),
         "--recompute-granularity full: not built for Retro": (
