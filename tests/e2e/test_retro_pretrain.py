@@ -1,5 +1,6 @@
-"""`gigatron pretrain retro` under torchrun (Gloo): tp 2 with sequence parallelism and dp 2 give
-the one-process losses; retro-fitting a gpt checkpoint with the gate closed starts at that
+"""`gigatron pretrain retro` under torchrun (Gloo): tp 2 with sequence parallelism, dp 2 and pp 2
+give the one-process losses (pp 2 once with the embedded neighbours crossing the stage boundary,
+6 layers, and once with the encoder's output crossing it, 9 layers split 6 | 3); retro-fitting a gpt checkpoint with the gate closed starts at that
 GPT's loss; a run reads the neighbours of a real Retro project (WikiText-2 paragraphs).
 
 One launch per process count (tests/gigatron_sequence.py); each test checks its runs.
@@ -88,12 +89,20 @@ def runs(tmp_path_factory) -> Path:
         str(root / "real.jsonl"),
     ]  # fmt: skip
     tp = ["--tensor-model-parallel-size", "2"]
+    pp = ["--pipeline-model-parallel-size", "2"]
+    nine = ["--num-layers", "9"]  # Retro layers 6 (the encoder's) and 9
     gigatron_runs(
         root,
         {
             "tp2_sp": (2, retro("tp2_sp", *tp, "--sequence-parallel")),
             "dp2": (2, retro("dp2")),
+            "pp2": (2, retro("pp2", *pp)),
+            "pp2_encoded": (
+                2,
+                retro("pp2_encoded", *nine, *pp, "--decoder-first-pipeline-num-layers", "6"),
+            ),
             "one": (1, retro("one")),
+            "one_nine": (1, retro("one_nine", *nine)),
             "gpt_save": (1, gpt("gpt_save", "--save", saved)),
             "gpt_next": (1, gpt("gpt_next", "--load", saved, "--finetune")),
             "retrofit": (1, retro("retrofit", "--load", saved, "--retro-attention-gate", "0")),
@@ -107,9 +116,12 @@ def losses(root: Path, name: str) -> dict[int, float]:
     return train_values(root / f"{name}.jsonl")
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "dp2"])
-def test_parallel_losses_equal_one_process(runs, layout):
-    one = losses(runs, "one")
+@pytest.mark.parametrize(
+    "layout, reference",
+    [("tp2_sp", "one"), ("dp2", "one"), ("pp2", "one"), ("pp2_encoded", "one_nine")],
+)
+def test_parallel_losses_equal_one_process(runs, layout, reference):
+    one = losses(runs, reference)
     assert sorted(one) == [1, 2, 3] and one[3] < one[1]
     assert losses(runs, layout) == pytest.approx(one, rel=1e-5, abs=1e-5)
 

@@ -187,9 +187,9 @@ def test_family_refuses_what_retro_cannot_do():
             "retro_gpt_chunk_length",
             5,
         ),
-        "--pipeline-model-parallel-size > 1: not built for Retro": (
+        "virtual pipeline stages: not built for Retro": (
             "parallel",
-            "pipeline_model_parallel_size",
+            "num_virtual_stages_per_pipeline_rank",
             2,
         ),
         "--recompute-granularity full: not built for Retro": (
@@ -205,3 +205,22 @@ def test_family_refuses_what_retro_cannot_do():
         setattr(getattr(bad, section), field, value)
         with pytest.raises(GigatronError, match=message.replace("(", r"\(")):
             validate(bad)
+
+
+def test_pipeline_stages_pass_embedded_then_encoded_neighbours():
+    from types import SimpleNamespace
+
+    from gigatron.families import get_family
+
+    stage_shapes = get_family("retro").pipeline_stage_shapes
+    pctx = SimpleNamespace(pp_size=2, tp_size=1)
+    # micro-batch 1: l = SEQ / CHUNK chunk rows; r = 2 * CHUNK tokens per neighbour, k = 2.
+    hidden, chunks, r = (SEQ, 1, 32), SEQ // CHUNK, 2 * CHUNK
+    cfg = retro_cfg(6)
+    cfg.training.micro_batch_size = 1
+    # 6 layers over 2 stages: the encoder's layer 6 is on stage 1, so stage 0 sends embedded ones.
+    assert stage_shapes(cfg, pctx)(0) == [hidden, (r, chunks * 2, 32)]
+    cfg = retro_cfg(9)
+    cfg.training.micro_batch_size = 1
+    cfg.parallel.decoder_first_pipeline_num_layers = 6
+    assert stage_shapes(cfg, pctx)(0) == [hidden, (r * 2, chunks, 32)]

@@ -12,6 +12,9 @@ per chunk, each r = m * num_retrieved_chunks tokens (neighbour + continuation).
 - Causal by construction: the decoder attends from the tokens shifted by m - 1 (chunk j's
   group is positions j*m + m-1 .. j*m + 2m-2), so position p sees only neighbours of chunk
   (p - m + 1) // m, retrieved with tokens up to p; positions before m - 1 see none.
+- Pipeline parallelism: the first stage embeds the tokens and the neighbours; every stage
+  passes [hidden states, neighbours] to the next (the neighbours embedded before the encoder's
+  layer, encoded after it), so a Retro layer on any stage reads the encoder's output.
 - `--retro-attention-gate` scales the chunked cross-attention's output (Megatron's legacy model;
   Megatron-Core's is the gate 1): 0 turns the model into the GPT of its other weights.
 """
@@ -224,7 +227,9 @@ class RetroDecoderLayer(TransformerLayer):
 
 
 class RetroModel(GPTModel):
-    """The Retro decoder (one pipeline stage: Megatron-Core's Retro has no pipelining)."""
+    """One pipeline chunk of the Retro decoder. Between stages it passes [hidden states,
+    context]: the embedded neighbours [r, b*l*k, d] before the encoder's layer, the encoded ones
+    [r*k, b*l, d] after it (`context_shape`), so that every later Retro layer gets them."""
 
     def __init__(
         self,
@@ -234,7 +239,10 @@ class RetroModel(GPTModel):
         spec: RetroSpec,
         rng: ModelParallelRNG | None = None,
         parts: LayerParts | None = None,
+        stage: tuple[bool, bool, range | None] = (True, True, None),
     ) -> None:
+        """`stage`: (pre_process, post_process, this chunk's layers); the default is the
+        whole model."""
         parts = parts or LayerParts()
         numbers = retro_layer_numbers(config.num_layers)
 
@@ -244,9 +252,8 @@ class RetroModel(GPTModel):
                 return RetroDecoderLayer(config, pctx, number, rng, parts, spec, encoder)
             return TransformerLayer(config, pctx, number, rng, parts)
 
-        one_stage = (True, True, None)  # pre_process, post_process, every layer
         super().__init__(
-            config, pctx, vocab_size, *one_stage, rng, parts=parts, layer_builder=layer_builder
+            config, pctx, vocab_size, *stage, rng, parts=parts, layer_builder=layer_builder
         )
         self.spec = spec
         if not spec.final_norm:
@@ -270,12 +277,16 @@ class RetroModel(GPTModel):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [b, s, vocab/tp] (a transposed view), or with `labels` the per-token losses
-        [b, s]; `neighbour_tokens` [b, l, k, r] int64."""
-        if neighbour_tokens is None:
+        [b, s]; `neighbour_tokens` [b, l, k, r] int64 (read by the first stage). A stage before
+        the last returns [hidden states, context] (`context_shape`)."""
+        if not self.pre_process:  # what the previous pipeline stage sent
+            hidden, context = self.stage_input(0), self.stage_input(1)
+        elif neighbour_tokens is None:
             raise GigatronError("a Retro model needs the neighbour tokens of every chunk")
-        self.check_shapes(tokens, neighbour_tokens)
-        hidden = mup.scale(self.embedding(tokens, position_ids), self.config.mup_embedding_mult)
-        context = self.embed_neighbours(neighbour_tokens)
+        else:
+            self.check_shapes(tokens, neighbour_tokens)
+            hidden = mup.scale(self.embedding(tokens, position_ids), self.config.mup_embedding_mult)
+            context = self.embed_neighbours(neighbour_tokens)
         rotary = None
         if self.rotary is not None:
             if position_ids is None:
@@ -286,6 +297,8 @@ class RetroModel(GPTModel):
                 hidden, context = layer(hidden, attention_mask, rotary, context)
             else:
                 hidden = layer(hidden, attention_mask, rotary)
+        if not self.post_process:
+            return [hidden, context]  # type: ignore[return-value]
         if self.decoder.final_layernorm is not None:
             hidden = self.decoder.final_layernorm(hidden)
         hidden = mup.scale(hidden, mup.output_mult(self.config))
@@ -305,6 +318,16 @@ class RetroModel(GPTModel):
             )
 
 
+def context_shape(
+    spec: RetroSpec, seq_length: int, micro_batch: int, hidden: int, encoded: bool
+) -> tuple[int, int, int]:
+    """The shape of the neighbours a pipeline stage passes on: embedded [r, b*l*k, d], or
+    `encoded` (the stage ran the encoder's layer or a later one) [r*k, b*l, d]."""
+    rows = micro_batch * (seq_length // spec.chunk_length)
+    r, k = spec.retrieved_length, spec.num_neighbors
+    return (r * k, rows, hidden) if encoded else (r, rows * k, hidden)
+
+
 def build_retro_model(
     cfg, pctx: ParallelContext, vocab_size: int | None = None, parts: LayerParts | None = None
 ) -> list[RetroModel]:
@@ -315,6 +338,7 @@ def build_retro_model(
     parts = layer_parts_for_run(cfg, pctx, parts)
 
     def make_chunk(padded, pre_process, post_process, layers, rng):
-        return RetroModel(config, pctx, padded, spec, rng, parts)
+        stage = (pre_process, post_process, layers)
+        return RetroModel(config, pctx, padded, spec, rng, parts, stage)
 
     return build_model_chunks(cfg, pctx, vocab_size, make_chunk)

@@ -17,8 +17,14 @@ from gigatron.families import gpt
 from gigatron.families.gpt import FAMILY as GPT_FAMILY
 from gigatron.families.registry import ModelFamily
 from gigatron.families.retro.dataset import build_retro_datasets
-from gigatron.models.retro import build_retro_model, retro_layer_numbers
+from gigatron.models.retro import (
+    RetroSpec,
+    build_retro_model,
+    context_shape,
+    retro_layer_numbers,
+)
 from gigatron.parallel.context import ParallelContext
+from gigatron.parallel.pipeline import chunk_layer_ranges, pipeline_tensor_shape
 
 
 def make_forward_step(cfg, pctx: ParallelContext):
@@ -60,10 +66,13 @@ def validate(cfg) -> None:
             f"--sequence-parallel: the {retrieved} neighbour tokens (chunk length x "
             f"--retro-num-retrieved-chunks) do not split over --tensor-model-parallel-size {tp}"
         )
+    virtual = (p.num_virtual_stages_per_pipeline_rank or 1) > 1 or (
+        p.num_layers_per_virtual_pipeline_stage is not None
+    )
     unsupported = [
         flag
         for value, flag in (
-            (p.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size > 1"),
+            (virtual, "virtual pipeline stages"),
             (p.context_parallel_size > 1, "--context-parallel-size > 1"),
             (m.recompute_granularity == "full", "--recompute-granularity full"),
         )
@@ -71,9 +80,35 @@ def validate(cfg) -> None:
     ]
     if unsupported:
         raise GigatronError(
-            f"{', '.join(unsupported)}: not built for Retro (Megatron-Core's Retro has no "
-            "pipelining either); drop the flag(s) for gigatron pretrain retro"
+            f"{', '.join(unsupported)}: not built for Retro (its pipeline stages pass the "
+            "neighbours along with the hidden states, one model chunk per rank); drop the "
+            "flag(s) for gigatron pretrain retro"
         )
+
+
+def pipeline_stage_shapes(cfg, pctx: ParallelContext):
+    """What each Retro stage sends forward: [hidden states, neighbours], the neighbours embedded
+    until the stage that holds the encoder's layer, encoded from there on (models/retro.py)."""
+    m, p = cfg.model, cfg.parallel
+    spec = RetroSpec.from_config(cfg)
+    micro_batch = cfg.training.micro_batch_size
+    hidden = pipeline_tensor_shape(
+        m.seq_length, micro_batch, m.hidden_size, pctx.tp_size, 1, p.sequence_parallel
+    )
+    ranges = chunk_layer_ranges(
+        m.num_layers,
+        pctx.pp_size,
+        None,
+        p.decoder_first_pipeline_num_layers,
+        p.decoder_last_pipeline_num_layers,
+    )
+    encoder_index = retro_layer_numbers(m.num_layers)[0] - 1  # 0-based
+
+    def stage_shapes(stage: int) -> list[tuple[int, ...]]:
+        encoded = ranges[stage][0].stop > encoder_index
+        return [hidden, context_shape(spec, m.seq_length, micro_batch, m.hidden_size, encoded)]
+
+    return stage_shapes
 
 
 # --sft: InstructRetro's instruction tuning (families/retro/sft.py; no packing).
