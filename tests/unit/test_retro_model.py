@@ -197,7 +197,6 @@ def test_family_refuses_what_retro_cannot_do():
             "recompute_granularity",
             "full",
         ),
-        "no --retro-project-dir": ("data", "mock_data", False),
     }
     for message, (section, field, value) in problems.items():
         bad = retro_cfg()
@@ -205,6 +204,14 @@ def test_family_refuses_what_retro_cannot_do():
         setattr(getattr(bad, section), field, value)
         with pytest.raises(GigatronError, match=message.replace("(", r"\(")):
             validate(bad)
+    # where the neighbours come from is checked when a run builds its data (a checkpoint
+    # converted or resharded is read without its data flags)
+    from gigatron.families.retro.dataset import check_neighbour_source
+
+    bad = retro_cfg()
+    validate(bad)
+    with pytest.raises(GigatronError, match="no --retro-project-dir"):
+        check_neighbour_source(bad)
 
 
 def test_pipeline_stages_pass_embedded_then_encoded_neighbours():

@@ -47,18 +47,6 @@ def validate(cfg) -> None:
             f"--retro-gpt-chunk-length {r.retro_gpt_chunk_length} does not divide --seq-length "
             f"{m.seq_length}; give a chunk length that does (Megatron's is 64)"
         )
-    if cfg.data.sft and r.retro_project_dir is not None:
-        raise GigatronError(
-            f"--retro-project-dir {r.retro_project_dir} with --sft: instruction data are not "
-            'queried while training; fill each JSON line\'s "neighbours" from the project first '
-            "(`gigatron retro-preprocess --retro-tasks query-sft`, docs/retro.md 5.1) and drop "
-            "--retro-project-dir"
-        )
-    if r.retro_project_dir is None and not cfg.data.mock_data and not cfg.data.sft:
-        raise GigatronError(
-            "pretrain retro: no --retro-project-dir; give the directory `gigatron "
-            "retro-preprocess` wrote (docs/retro.md), or --mock-data for random neighbours"
-        )
     retrieved = r.retro_gpt_chunk_length * r.retro_num_retrieved_chunks
     tp = p.tensor_model_parallel_size
     if p.sequence_parallel and tp > 1 and retrieved % tp:

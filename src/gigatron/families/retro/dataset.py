@@ -10,6 +10,7 @@ import numpy as np
 
 from gigatron.data.gpt_dataset import build_gpt_datasets
 from gigatron.data.retro.store import RetroNeighbourStore
+from gigatron.errors import GigatronError
 from gigatron.families.retro.sft import build_retro_sft_datasets
 
 SPLITS = ("train", "valid", "test")
@@ -63,9 +64,28 @@ def neighbour_source(cfg, tokenizer, split: str, gpt: Any) -> Any:
     return store
 
 
+def check_neighbour_source(cfg) -> None:
+    """Where a run's neighbours come from (a run's rule, not a checkpoint's: a converted
+    checkpoint is read without its data flags)."""
+    r = cfg.retro
+    if cfg.data.sft and r.retro_project_dir is not None:
+        raise GigatronError(
+            f"--retro-project-dir {r.retro_project_dir} with --sft: instruction data are not "
+            'queried while training; fill each JSON line\'s "neighbours" from the project first '
+            "(`gigatron retro-preprocess --retro-tasks query-sft`, docs/retro.md 5.1) and drop "
+            "--retro-project-dir"
+        )
+    if r.retro_project_dir is None and not cfg.data.mock_data and not cfg.data.sft:
+        raise GigatronError(
+            "pretrain retro: no --retro-project-dir; give the directory `gigatron "
+            "retro-preprocess` wrote (docs/retro.md), or --mock-data for random neighbours"
+        )
+
+
 def build_retro_datasets(cfg, tokenizer, num_samples, pctx=None) -> tuple[Any, Any, Any]:
     """(train, valid, test) Retro datasets; None where the GPT split is None or no samples are
     asked of it (a run without evaluation needs no valid and test neighbours)."""
+    check_neighbour_source(cfg)
     if cfg.data.sft:  # instruction tuning: docs/retro.md 5.1
         return build_retro_sft_datasets(cfg, tokenizer, num_samples, pctx)
     gpt_splits = build_gpt_datasets(cfg, tokenizer, num_samples, pctx)
