@@ -15,11 +15,7 @@ from helpers import wordpiece_sentences
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("GIGATRON_SHARED_DATA", REPO_ROOT / "tests" / "data"))
 
-# The README runs the suite in two pytest-xdist workers on a 2-core machine: one thread each, so
-# the two do not compete for the same cores (a lone pytest keeps two).
-torch.set_num_threads(
-    1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads())
-)
+torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 @pytest.fixture(scope="session")
