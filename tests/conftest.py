@@ -4,7 +4,9 @@ functions live in tests/helpers.py (importable as `helpers`: this file's folder 
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,42 @@ from helpers import wordpiece_sentences
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("GIGATRON_SHARED_DATA", REPO_ROOT / "tests" / "data"))
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# The README runs the suite in two pytest-xdist workers on a 2-core machine: one torch thread
+# each, so the two do not compete for the same cores (a lone pytest keeps two).
+torch.set_num_threads(
+    1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads())
+)
+
+# What starts several processes at once (torchrun, run_distributed, a spawned group).
+STARTS_PROCESSES = re.compile(
+    r"run_distributed\(|gigatron_runs\(|nproc=|launcher\(|torch\.distributed\.run|"
+    r"mp\.spawn|TCPStore"
+)
+
+
+@functools.cache
+def starts_processes(test_file: str) -> bool:
+    """Whether the tests of `test_file` (relative to the repository) start process groups."""
+    path = REPO_ROOT / test_file
+    return "distributed" in path.parts or bool(
+        STARTS_PROCESSES.search(path.read_text(encoding="utf-8"))
+    )
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under `-n N` (pytest-xdist, as the README runs the suite): a file's tests stay on one
+    worker (its module fixtures are made once), and the files that start process groups all run
+    in turn on one worker, so two process groups never compete for the same cores while another
+    worker runs the one-process files."""
+    from xdist.scheduler import LoadScopeScheduling  # only under -n, where xdist is installed
+
+    class ProcessGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            test_file = nodeid.split("::", 1)[0]
+            return "process-groups" if starts_processes(test_file) else test_file
+
+    return ProcessGroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

