@@ -2,8 +2,9 @@
 the rounding error of each column spread over the columns not yet quantized through the inverse
 Hessian H = 2 X^T X of the layer's inputs X on the user's calibration text. The inputs are the
 full-precision model's (one forward pass collects every layer's H), the model runs in this
-process at tensor/pipeline-parallel 1 whatever layout the checkpoint was saved in, and the
-sample choice is seeded (`--seed`): the result is the same bit for bit on a machine.
+process at tensor/pipeline-parallel 1 whatever layout the checkpoint was saved in (or split
+over the tensor/pipeline-parallel processes of a torchrun launch: split.py), and the sample
+choice is seeded (`--seed`): the result is the same bit for bit on a machine.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gigatron.quantize.methods import Method
 from gigatron.quantize.reduction import ordered_sum
 from gigatron.quantize.rtn import quantized_layer
 from gigatron.quantize.smoothquant import smoothquant
+from gigatron.quantize.split import SplitModel, is_split, largest_over_tp, stats_on_first
 
 EMBEDDING = "embedding.word_embeddings.weight"
 DAMPING = 0.01  # of the mean diagonal of H, added to it (GPTQ's default)
@@ -92,12 +94,13 @@ def merge_stats(a: Stats, b: Stats) -> Stats:
 
 
 def sample_statistics(
-    chunk: torch.nn.Module, samples: torch.Tensor, hooks: dict[str, Any], when: str,
+    chunk: Any, samples: torch.Tensor, hooks: dict[str, Any], when: str,
     pctx: ParallelContext | None = None,
 ) -> Stats:  # fmt: skip
     """The statistics `hooks` (module name -> fn(record, args, output) filling `record` with
     one sample's) over `samples`, in reduction.ordered_sum's fixed order, the samples split over
-    the processes of `pctx`: bit-equal whatever their number. `when`: "post" hooks see the
+    the data-parallel processes of `pctx`: bit-equal whatever their number. `chunk`: a model
+    chunk, or this process's SplitModel (the hooks on its stage's modules). `when`: "post" hooks see the
     module's inputs and output, "pre" hooks its inputs."""
     record: Stats = {}
 
@@ -128,9 +131,12 @@ def _add(record: Stats, key: str, value: torch.Tensor) -> None:
     record[key] = merge_stats({key: record[key]}, {key: value})[key] if key in record else value
 
 
-def _input_statistics(layer: str) -> Any:
+def _input_statistics(layer: str, whole: Any = None) -> Any:
+    """A hook recording a layer's input statistics; `whole(x)`: its whole input (split model)."""
+
     def record(stats: Stats, inputs: tuple, _output: Any) -> None:
-        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).to(torch.float64)
+        x = inputs[0].detach() if whole is None else whole(inputs[0].detach())
+        x = x.reshape(-1, x.shape[-1]).to(torch.float64)
         _add(stats, f"{layer}/xtx", x.T @ x)
         _add(stats, f"{layer}/abs", x.abs().sum(dim=0))
         _add(stats, f"{layer}/absmax", x.abs().amax(dim=0))
@@ -140,16 +146,22 @@ def _input_statistics(layer: str) -> Any:
 
 
 def collect_statistics(
-    chunk: torch.nn.Module, samples: torch.Tensor, pctx: ParallelContext | None = None
+    chunk: Any, samples: torch.Tensor, pctx: ParallelContext | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(H = 2 X^T X / n in float64, mean |x|, max |x| per input feature) of every quantized
-    linear layer's inputs X over `samples` (split over the processes of `pctx`)."""
+    linear layer's inputs X over `samples` (split over the processes of `pctx`; a SplitModel's
+    on process 0 only)."""
+    split = isinstance(chunk, SplitModel)
     hooks = {
-        name: _input_statistics(name)
-        for name, _ in chunk.named_modules()
+        name: _input_statistics(
+            name, (lambda x, m=module: chunk.full_input(m, x)) if split else None
+        )
+        for name, module in chunk.named_modules()
         if quantized_layer(f"{name}.weight") == name
     }
     stats = sample_statistics(chunk, samples, hooks, "post", pctx)
+    if split:
+        stats = stats_on_first(stats, chunk.pctx)
     layers = [key[: -len("/xtx")] for key in stats if key.endswith("/xtx")]
     count = {layer: stats[f"{layer}/count"] for layer in layers}
     hessians = {layer: 2 * stats[f"{layer}/xtx"] / count[layer] for layer in layers}
@@ -166,19 +178,23 @@ def _kv_statistics(name: str) -> Any:
 
 
 def collect_kv_scales(
-    chunk: torch.nn.Module, samples: torch.Tensor, pctx: ParallelContext | None = None
+    chunk: Any, samples: torch.Tensor, pctx: ParallelContext | None = None
 ) -> dict[str, list[float]]:
     """Each core attention's [max |key| / 448, max |value| / 448] over `samples` (its fp8
-    KV-cache scales)."""
+    KV-cache scales; a SplitModel's on process 0 only, the maxima over all heads)."""
     hooks = {
         name: _kv_statistics(name)
         for name, _ in chunk.named_modules()
         if name.endswith("core_attention")
     }
     stats = sample_statistics(chunk, samples, hooks, "pre", pctx)
+    if isinstance(chunk, SplitModel):
+        largest_over_tp(stats, chunk.pctx)
+        stats = stats_on_first(stats, chunk.pctx)
+    names = sorted({key.rsplit("/", 1)[0] for key in stats})
     return {
         name: [max(float(stats[f"{name}/{key}"]), 1e-12) / E4M3_MAX for key in ("kmax", "vmax")]
-        for name in hooks
+        for name in names
     }
 
 
@@ -222,9 +238,10 @@ def calibrate(
 ) -> Calibrated:  # fmt: skip
     """GPTQ's, or the method's calibration's (AWQ, SmoothQuant, fp8), codes and scales of every
     quantized linear layer of a reader's FullModel; with `kv_cache_dtype` fp8, each attention's
-    KV-cache scales too. Under torchrun (`pctx`) the samples are split over the processes and
-    their statistics summed in a fixed order (reduction.py): every process gets the codes one
-    process computes, bit for bit."""
+    KV-cache scales too. Under torchrun (`pctx`) the samples are split over the data-parallel
+    processes and their statistics summed in a fixed order (reduction.py): every process gets
+    the codes one process computes, bit for bit. With tensor/pipeline-parallel sizes in `pctx`
+    the model is split over those processes (split.py) and process 0 alone gets the codes."""
     if size < 1:
         raise GigatronError(f"--calib-size {size}: must be at least 1; e.g. 128")
     if method.calibration in ("awq", "smoothquant"):
@@ -234,10 +251,15 @@ def calibrate(
     tokenless = dataset_exists(data) and model.cfg.tokenizer.tokenizer_type is None
     tokenizer = None if tokenless else build_run_tokenizer(model.cfg)
     rows = model.source.meta(EMBEDDING).shape[0]
-    chunk = build_full_model(model, tokenizer.vocab_size if tokenizer else rows)
+    vocab = tokenizer.vocab_size if tokenizer else rows
+    pctx = pctx or ParallelContext.single()
+    chunk = SplitModel(model, vocab, pctx) if is_split(pctx) else build_full_model(model, vocab)
     samples = calibration_samples(data, tokenizer, model.cfg.model.seq_length, size, seed)
     hessians, mean_abs, input_max = collect_statistics(chunk, samples, pctx)
-    weights = chunk.state_dict()
+    kv_cache = collect_kv_scales(chunk, samples, pctx) if kv_cache_dtype == "fp8" else None
+    if is_split(pctx) and pctx.rank != 0:
+        return Calibrated(layers={})  # process 0 quantizes and writes
+    weights = dict(model.source.stream()) if is_split(pctx) else chunk.state_dict()
     unseen = sorted({quantized_layer(n) for n in weights} - {None} - hessians.keys())
     if unseen:  # its module is not called with its input (its weight used another way)
         raise GigatronError(
@@ -246,8 +268,7 @@ def calibrate(
         )
     result = _method_codes(model.cfg.model, weights, (hessians, mean_abs, input_max), method,
                            group_size)  # fmt: skip
-    if kv_cache_dtype == "fp8":
-        result.kv_cache = collect_kv_scales(chunk, samples, pctx)
+    result.kv_cache = kv_cache or {}
     return result
 
 

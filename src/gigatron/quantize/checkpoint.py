@@ -137,7 +137,8 @@ def quantize_checkpoint(
     """Quantize `load`'s checkpoint into the new directory `save`; returns `save`.
     `calibration` (data, size, seed): GPTQ (or the method's own calibration, AWQ) on that
     data, else round-to-nearest. Under torchrun (`pctx`) the processes share the calibration
-    samples and the first one writes `save`."""
+    (the samples over data-parallel copies, each copy's model over tp x pp processes) and the
+    first one writes `save`."""
     method = METHODS[method_name]
     group_size = resolve_group_size(method, group_size)
     save = Path(save)

@@ -1,7 +1,8 @@
 """`gigatron quantize`: its flags (parsed before torch is imported).
 
 gigatron quantize --load CKPT --method METHOD [--group-size 128] --save OUT
-    [--calib-data DATA] [--hf-save DIR [--export-format compressed-tensors|trtllm]]
+    [--calib-data DATA [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]]
+    [--hf-save DIR [--export-format compressed-tensors|trtllm]]
 """
 
 from __future__ import annotations
@@ -41,6 +42,16 @@ def build_parser() -> Any:
     )  # fmt: skip
     add("--calib-size", type=int, default=128, help="calibration windows of --seq-length tokens")
     add("--seed", type=int, default=1234, help="seed of the calibration windows' choice")
+    add(
+        "--tensor-model-parallel-size", type=int, default=1,
+        help="split the calibration's model over this many tensor-parallel processes "
+        "(torchrun; with --calib-data)",
+    )  # fmt: skip
+    add(
+        "--pipeline-model-parallel-size", type=int, default=1,
+        help="split the calibration's model over this many pipeline stages (torchrun; with "
+        "--calib-data); the processes left over split the calibration samples",
+    )  # fmt: skip
     add(
         "--kv-cache-dtype", default=None, choices=["fp8"],
         help="also quantize the KV cache: e4m3 keys and values, one static scale each per "
@@ -83,8 +94,10 @@ def main(argv: Sequence[str]) -> int:
         calibration = {"data": args.calib_data, "size": args.calib_size, "seed": args.seed}
         if args.kv_cache_dtype:
             calibration["kv_cache_dtype"] = args.kv_cache_dtype
-    # Under torchrun the processes share the calibration samples; the first one writes.
-    pctx = ParallelContext.from_sizes(device="cpu")
+    # Under torchrun the processes share the calibration samples (split over the data-parallel
+    # ones; each model copy over tp x pp processes); the first one writes.
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    pctx = ParallelContext.from_sizes(tp=tp, pp=pp, device="cpu")
     try:
         quantize_checkpoint(args.load, args.save, args.method, args.group_size, args.ckpt_step,
                             calibration=calibration, pctx=pctx)  # fmt: skip
@@ -98,11 +111,20 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _check_export_flags(args: Any) -> bool:
-    """Whether the export is TensorRT-LLM's; refuses export flags that would go unused."""
+    """Whether the export is TensorRT-LLM's; refuses flags that would go unused."""
     if args.kv_cache_dtype and (args.calib_data is None or args.hf_save):
         raise GigatronError(
             f"--kv-cache-dtype {args.kv_cache_dtype}: needs --calib-data (its scales come from "
             "the calibration) and no --hf-save (the exports carry no KV-cache scales yet)"
+        )
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    sizes = f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"
+    if min(tp, pp) < 1:
+        raise GigatronError(f"{sizes}: each must be at least 1; e.g. 2")
+    if max(tp, pp) > 1 and args.calib_data is None:
+        raise GigatronError(
+            f"{sizes}: they split the calibration's model, and round-to-nearest (no --calib-data) "
+            "runs no model; give --calib-data or drop them"
         )
     if args.export_format and not args.hf_save:
         raise GigatronError(f"--export-format {args.export_format}: give --hf-save DIR too")

@@ -81,10 +81,11 @@ def ordered_sum(
     n: int, leaf: Callable[[int], T], merge: Callable[[T, T], T], pctx: ParallelContext
 ) -> T:
     """merge() of leaf(0), ..., leaf(n - 1) in the tree order, the leaves split over the
-    processes of `pctx` (each calls leaf() on its block only); the same on every process."""
-    nodes = block_nodes(leaf, *block(n, pctx.rank, pctx.world_size), merge)
-    if pctx.world_size > 1:
-        gathered: list[Any] = [None] * pctx.world_size
-        dist.all_gather_object(gathered, nodes)
+    data-parallel processes of `pctx` (each calls leaf() on its block only; the processes of
+    one model copy, split over tp x pp, on the same block); the same on every process."""
+    nodes = block_nodes(leaf, *block(n, pctx.dp_rank, pctx.dp_size), merge)
+    if pctx.dp_size > 1:
+        gathered: list[Any] = [None] * pctx.dp_size
+        dist.all_gather_object(gathered, nodes, group=pctx.group("dp"))
         nodes = {key: value for part in gathered for key, value in part.items()}
     return root(nodes, n, merge)

@@ -11,8 +11,10 @@ are its W4A16_AWQ in NVIDIA Model Optimizer's layout (packed int4 codes, per-gro
 pre-quant scales: `int4_linear`), which `trtllm-build` rearranges for its kernels;
 `int8-smoothquant` is its per-channel, per-token SmoothQuant (`smoothquant_linear`).
 `int8-weight` is written as its fake-quantized weights in the checkpoint's precision
-(`quant_algo` null): TensorRT-LLM's int8 weight-only storage is rearranged for the GPU by its
-own operator (docs/quantization.md).
+(`quant_algo` null): TensorRT-LLM's W8A16 layer holds int8 weights [in, out] already rearranged
+for the GPU by its own operator (`trtllm-build` keeps int8 weights as given, and re-quantizes
+float ones with max |w| / 128 per output feature, another grid than gigatron's max |w| / 127),
+with `per_channel_scale` [out] in the model's dtype (docs/quantization.md).
 The tensors come from gigatron's Hugging Face export (checkpoint/hf_convert.py), whose q/k/v and
 gate/up split undoes Megatron's interleaved fused layouts.
 """
