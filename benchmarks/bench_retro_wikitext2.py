@@ -37,15 +37,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from scipy import sparse
 
 from gigatron.config import GigatronConfig
 from gigatron.data.gpt_dataset import build_gpt_datasets
 from gigatron.data.indexed import write_dataset
 from gigatron.data.retro.samples import member_sample, sample_documents
-from gigatron.data.retro.store import RetroNeighbourStore
+from gigatron.data.retro.store import ChunkDatabase, RetroNeighbourStore
 from gigatron.data.tokenizers import GPT2BPETokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
@@ -114,6 +117,8 @@ def common_flags(prefix: str, split: str, work: Path, train_iters: int, seed: in
 
 BERT = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file",
         str(DATA / "bert-base-uncased-vocab.txt")]  # fmt: skip
+# (this checkout's vocabulary, whichever checkout saved the BERT)
+RETRO_BERT = ["--retro-bert-tokenizer-type", BERT[1], "--retro-bert-vocab-file", BERT[3]]
 BERT_SHAPE = ["--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "64",
               "--max-position-embeddings", "128", "--eval-iters", "0", "--num-workers", "0"]  # fmt: skip
 
@@ -235,17 +240,73 @@ def shuffled_project(project: Path, datasets: dict[str, object], seed: int) -> P
     return shuffled
 
 
-def hit_rate(project: Path, valid: object, other: int = 0) -> float:
-    """Of the validation tokens that are new to their sample, the share found in the neighbours
-    of sample i + `other` (0: its own; half the split: another sample's, i.e. chance)."""
-    store = RetroNeighbourStore.open(project, "valid", 2, 2, SEQ, CHUNK)
-    store.check_dataset(valid)
+def hit_rate(valid: Any, neighbours: Callable[[int], np.ndarray]) -> float:
+    """Of the validation tokens that are new to their sample, the share found in
+    `neighbours(i)` (sample i's neighbour tokens [chunks, k, r])."""
     totals = np.zeros(2)
-    for i in range(len(store)):
+    for i in range(len(valid)):
         sample = valid[i]
         text = np.concatenate([sample["tokens"], sample["labels"][-1:]])
-        totals += novel_tokens_retrieved(text, store.neighbour_tokens((i + other) % len(store)))
+        totals += novel_tokens_retrieved(text, neighbours(i))
     return totals[1] / totals[0]
+
+
+def valid_store(project: Path, valid: Any) -> RetroNeighbourStore:
+    store = RetroNeighbourStore.open(project, "valid", 2, 2, SEQ, CHUNK)
+    store.check_dataset(valid)
+    return store
+
+
+class LexicalRetriever:
+    """A yardstick, not Retro's retriever: the 2 database chunks nearest to a chunk by the
+    cosine of TF-IDF vectors of GPT tokens, the sample's own documents excluded."""
+
+    def __init__(self, database: ChunkDatabase) -> None:
+        self.database = database
+        self.documents = database.chunks[:, 1]
+        counts = self.counts([database.real_tokens(c) for c in range(len(database))])
+        seen = np.asarray((counts > 0).sum(0)).ravel()
+        self.idf = np.log((len(database) + 1) / (seen + 1))
+        self.vectors = self.normalised(counts)
+
+    @staticmethod
+    def counts(chunks: list[np.ndarray]) -> sparse.csr_matrix:
+        rows = np.repeat(np.arange(len(chunks)), [len(c) for c in chunks])
+        cols = np.concatenate(chunks).astype(np.int64)
+        return sparse.csr_matrix((np.ones(len(cols)), (rows, cols)), shape=(len(chunks), 1 << 16))
+
+    def normalised(self, counts: sparse.csr_matrix) -> sparse.csr_matrix:
+        weighted = sparse.csr_matrix(counts.multiply(self.idf[None, :]))
+        norms = np.sqrt(np.asarray(weighted.multiply(weighted).sum(1)).ravel()) + 1e-12
+        return sparse.csr_matrix(sparse.diags(1 / norms) @ weighted)
+
+    def neighbour_tokens(self, dataset: Any, i: int) -> np.ndarray:
+        text = dataset[i]["tokens"][:SEQ]
+        member, j = member_sample(dataset, i)
+        chunks = [text[c : c + CHUNK] for c in range(0, SEQ, CHUNK)]
+        scores = (self.normalised(self.counts(chunks)) @ self.vectors.T).toarray()
+        scores[:, np.isin(self.documents, sample_documents(member, j))] = -np.inf
+        nearest = np.argsort(-scores, axis=1, kind="stable")[:, :2]
+        return np.stack(
+            [[self.database.retrieved_tokens(int(f), 2) for f in row] for row in nearest]
+        )
+
+
+def print_hit_rates(project: Path, shuffled: Path, valid: Any) -> None:
+    """The retrieval figures of the module's docstring."""
+    own, control = valid_store(project, valid), valid_store(shuffled, valid)
+    lexical = LexicalRetriever(own.database)
+    rates = [
+        hit_rate(valid, own.neighbour_tokens),
+        hit_rate(valid, control.neighbour_tokens),
+        hit_rate(valid, lambda i: own.neighbour_tokens((i + len(own) // 2) % len(own))),
+        hit_rate(valid, lambda i: lexical.neighbour_tokens(valid, i)),
+    ]
+    print(
+        "validation tokens new to their sample found in its neighbours: {:.1%} (in the control's "
+        "neighbours: {:.1%}; in those of sample i + n/2: {:.1%}; in the TF-IDF nearest chunks' "
+        "(a yardstick): {:.1%})".format(*rates)
+    )
 
 
 def bench_flags() -> argparse.Namespace:
@@ -310,7 +371,8 @@ def main() -> None:
     gigatron("retro-preprocess", "--retro-project-dir", project, "--retro-bert-load",
              bert, "--retro-gpt-chunk-length", CHUNK, "--retro-index-str", "Flat",
              "--retro-bert-max-chunk-length", "96", "--retro-query-num-neighbors-query", "50",
-             "--retro-query-num-neighbors-save", "2", "--retro-index-ntrain", "2000", *common)  # fmt: skip
+             "--retro-query-num-neighbors-save", "2", "--retro-index-ntrain", "2000",
+             *RETRO_BERT, *common)  # fmt: skip
     train, valid = split_datasets(prefix, split, work, args.seed, args.train_iters)
     shuffled = shuffled_project(project, {"train": train, "valid": valid}, args.seed)
     preprocess_s = time.perf_counter() - started
@@ -332,15 +394,7 @@ def main() -> None:
         loss = validation_loss(metrics)
         results[family] = (loss, math.exp(loss), time.perf_counter() - started)
     print(f"preprocessing: {preprocess_s:.0f} s")
-    rates = [
-        hit_rate(project, valid),
-        hit_rate(shuffled, valid),
-        hit_rate(project, valid, len(valid) // 2),
-    ]
-    print(
-        "validation tokens new to their sample found in its neighbours: {:.1%} (in the control's "
-        "neighbours: {:.1%}; in those of sample i + n/2: {:.1%})".format(*rates)
-    )
+    print_hit_rates(project, shuffled, valid)
     for family, (loss, ppl, seconds) in results.items():
         print(f"{family}: validation loss {loss:.4f}, perplexity {ppl:.1f} ({seconds:.0f} s)")
 
