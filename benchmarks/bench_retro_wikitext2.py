@@ -47,6 +47,7 @@ from scipy import sparse
 from gigatron.config import GigatronConfig
 from gigatron.data.gpt_dataset import build_gpt_datasets
 from gigatron.data.indexed import write_dataset
+from gigatron.data.retro.project import ProjectDir
 from gigatron.data.retro.samples import member_sample, sample_documents
 from gigatron.data.retro.store import ChunkDatabase, RetroNeighbourStore
 from gigatron.data.tokenizers import GPT2BPETokenizer
@@ -196,10 +197,9 @@ def other_samples_neighbours(
     the neighbours of another sample, none of them from one of sample i's own documents (the
     filter the query applies, kept so that the control leaks no text of the sample itself)."""
     rng = np.random.default_rng(seed)
-    donors = [
-        set(chunk_documents[row[row >= 0]].tolist())
-        for row in neighbors.reshape(len(neighbors), -1)
-    ]
+    total = len(chunk_documents)  # a neighbour's documents: its own and its continuation's
+    rows = [row[row >= 0] for row in neighbors.reshape(len(neighbors), -1)]
+    donors = [set(chunk_documents[np.concatenate([r, (r + 1) % total])].tolist()) for r in rows]
 
     def allowed(i: int, j: int) -> bool:
         return i != j and not donors[j] & own[i]
@@ -217,27 +217,40 @@ def other_samples_neighbours(
     return neighbors[perm]
 
 
-def shuffled_project(project: Path, datasets: dict[str, object], seed: int) -> Path:
+def derived_project(
+    project: Path,
+    name: str,
+    datasets: dict[str, Any],
+    rows: Callable[[np.ndarray, Any], np.ndarray],
+) -> Path:
     """A copy of `project` (database and index linked) whose neighbours of each split are
-    another sample's: `pretrain retro` reads it as any project."""
-    shuffled = project.with_name(f"{project.name}-shuffled")
-    if (shuffled / "query" / "valid" / "neighbors.npy").is_file():
-        return shuffled
-    chunk_documents = np.load(project / "db" / "chunks.npy")[:, 1]
+    `rows(neighbours, split dataset)`: `pretrain retro` reads it as any project."""
+    derived = project.with_name(name)
+    if (derived / "query" / "valid" / "neighbors.npy").is_file():
+        return derived
     for split, dataset in datasets.items():
-        (shuffled / "query" / split).mkdir(parents=True, exist_ok=True)
+        (derived / "query" / split).mkdir(parents=True, exist_ok=True)
         neighbors = np.load(project / "query" / split / "neighbors.npy")
-        own = []
-        for i in range(len(neighbors)):
-            member, j = member_sample(dataset, i)
-            own.append(set(sample_documents(member, j).tolist()))
-        moved = other_samples_neighbours(neighbors, own, chunk_documents, seed)
-        np.save(shuffled / "query" / split / "neighbors.npy", moved)
-        shutil.copy(project / "query" / split / "meta.json", shuffled / "query" / split)
-    for name in ("config.json", "db", "index"):
-        (shuffled / name).unlink(missing_ok=True)
-        (shuffled / name).symlink_to(project / name)
-    return shuffled
+        np.save(derived / "query" / split / "neighbors.npy", rows(neighbors, dataset))
+        shutil.copy(project / "query" / split / "meta.json", derived / "query" / split)
+    for link in ("config.json", "db", "index"):
+        (derived / link).unlink(missing_ok=True)
+        (derived / link).symlink_to((project / link).resolve())
+    return derived
+
+
+def shuffled_project(project: Path, datasets: dict[str, Any], seed: int) -> Path:
+    """The control: each sample gets another sample's neighbours (other_samples_neighbours)."""
+    chunk_documents = np.load(project / "db" / "chunks.npy")[:, 1]
+
+    def rows(neighbors: np.ndarray, dataset: Any) -> np.ndarray:
+        own = [
+            set(sample_documents(*member_sample(dataset, i)).tolist())
+            for i in range(len(neighbors))
+        ]
+        return other_samples_neighbours(neighbors, own, chunk_documents, seed)
+
+    return derived_project(project, f"{project.name}-shuffled", datasets, rows)
 
 
 def hit_rate(valid: Any, neighbours: Callable[[int], np.ndarray]) -> float:
@@ -281,14 +294,33 @@ class LexicalRetriever:
         return sparse.csr_matrix(sparse.diags(1 / norms) @ weighted)
 
     def neighbour_tokens(self, dataset: Any, i: int) -> np.ndarray:
+        return np.stack(
+            [
+                [self.database.retrieved_tokens(int(f), 2) for f in row]
+                for row in self.nearest(dataset, i)
+            ]
+        )
+
+    def nearest(self, dataset: Any, i: int) -> np.ndarray:
+        """int64 [chunks, 2]: the database chunks nearest to each chunk of sample i."""
         text = dataset[i]["tokens"][:SEQ]
         member, j = member_sample(dataset, i)
         chunks = [text[c : c + CHUNK] for c in range(0, SEQ, CHUNK)]
         scores = (self.normalised(self.counts(chunks)) @ self.vectors.T).toarray()
-        scores[:, np.isin(self.documents, sample_documents(member, j))] = -np.inf
-        nearest = np.argsort(-scores, axis=1, kind="stable")[:, :2]
-        return np.stack(
-            [[self.database.retrieved_tokens(int(f), 2) for f in row] for row in nearest]
+        own = np.isin(self.documents, sample_documents(member, j))
+        # (as the query, no chunk of the sample's documents; nor one whose continuation, the
+        # next database chunk, is one: it would hand the model the sample's own text)
+        scores[:, own | np.roll(own, -1)] = -np.inf
+        return np.argsort(-scores, axis=1, kind="stable")[:, :2]
+
+    def project(self, project: Path, datasets: dict[str, Any]) -> Path:
+        """A copy of `project` whose neighbours are these (the bench's yardstick retriever)."""
+
+        def rows(neighbors: np.ndarray, dataset: Any) -> np.ndarray:
+            return np.stack([self.nearest(dataset, i) for i in range(len(neighbors))])
+
+        return derived_project(
+            project, project.name.replace("project", "project-tfidf"), datasets, rows
         )
 
 
@@ -322,9 +354,11 @@ def bench_flags() -> argparse.Namespace:
     )
     parser.add_argument(
         "--retriever",
-        choices=("random", "trained"),
+        choices=("random", "trained", "tfidf"),
         default="random",
-        help="the BERT that embeds the chunks: random, or trained on the train articles",
+        help="the BERT that embeds the chunks: random, or trained on the train articles; tfidf: "
+        "the random BERT's project with its neighbours replaced by the TF-IDF nearest chunks "
+        "(the yardstick retriever, not gigatron's)",
     )
     parser.add_argument("--bert-iters", type=int, default=150, help="steps of the trained BERT")
     parser.add_argument(
@@ -374,7 +408,13 @@ def main() -> None:
              "--retro-query-num-neighbors-save", "2", "--retro-index-ntrain", "2000",
              *RETRO_BERT, *common)  # fmt: skip
     train, valid = split_datasets(prefix, split, work, args.seed, args.train_iters)
-    shuffled = shuffled_project(project, {"train": train, "valid": valid}, args.seed)
+    datasets = {"train": train, "valid": valid}
+    if args.retriever == "tfidf":
+        project, tag = (
+            LexicalRetriever(ChunkDatabase(ProjectDir(project))).project(project, datasets),
+            f"-tfidf{tag}",
+        )
+    shuffled = shuffled_project(project, datasets, args.seed)
     preprocess_s = time.perf_counter() - started
     retro = ["--retro-gpt-chunk-length", str(CHUNK), "--retro-project-dir"]
     results = {}
