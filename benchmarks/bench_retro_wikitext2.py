@@ -194,8 +194,9 @@ def other_samples_neighbours(
     neighbors: np.ndarray, own: list[set[int]], chunk_documents: np.ndarray, seed: int
 ) -> np.ndarray:
     """The neighbour rows under a fixed permutation of the samples (the control): sample i gets
-    the neighbours of another sample, none of them from one of sample i's own documents (the
-    filter the query applies, kept so that the control leaks no text of the sample itself)."""
+    the neighbours of another sample, none of them, nor their continuations, from one of sample
+    i's own documents (the query's filter, kept so that the control leaks no text of sample i;
+    a swap repairs each draw that would)."""
     rng = np.random.default_rng(seed)
     total = len(chunk_documents)  # a neighbour's documents: its own and its continuation's
     rows = [row[row >= 0] for row in neighbors.reshape(len(neighbors), -1)]
