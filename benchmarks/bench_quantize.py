@@ -136,7 +136,12 @@ def main() -> None:
     parser.add_argument("--train-seconds", type=float, default=0, help="stop training after")
     parser.add_argument("--ckpt", type=Path, help="keep the trained model here; reused if there")
     parser.add_argument("--train-only", action="store_true", help="stop after training")
-    parser.add_argument("--eval-lines", type=int, default=0, help="held-out lines scored (0: all)")
+    parser.add_argument("--eval-lines", type=int, default=0, help="lines scored (0: all)")
+    parser.add_argument(
+        "--eval-text", choices=["heldout", "train"], default="heldout",
+        help="score the held-out 10%% (default) or the start of the training text: a model "
+        "that has memorised its small training text shows quantization's damage there",
+    )  # fmt: skip
     parser.add_argument("--only", nargs="*", help="labels of the methods to run (default: all)")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -145,7 +150,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         wiki = root / "heldout.tokens"
-        heldout = lines[cut:][: args.eval_lines or None]
+        heldout = (lines[cut:] if args.eval_text == "heldout" else lines[:cut])[
+            : args.eval_lines or None
+        ]
         wiki.write_text("".join(heldout), encoding="utf-8")
         calib = root / "calib.jsonl"
         calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:cut] if t.strip()))
