@@ -1,6 +1,7 @@
 """Quality and size of `gigatron quantize` on a small GPT trained here on real text.
 
-Trains a GPT (GPT-2 tokenizer) on the first 90% of tests/data's WikiText-2 test file, saves it,
+Trains a GPT (GPT-2 tokenizer) on the first 90% of tests/data's WikiText-2 test file,
+detokenized as `gigatron evaluate --task WIKITEXT103` detokenizes what it scores, saves it,
 quantizes it (int8 and int4 round-to-nearest, int4 GPTQ and AWQ, SmoothQuant W8A8 and fp8 with
 per-channel or per-tensor weight scales, all calibrated on the training text), and reports for
 each: WikiText perplexity of the held-out 10% and LAMBADA accuracy on the first --lambada
@@ -39,6 +40,7 @@ from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.checkpoint import quantize_checkpoint
 from gigatron.quantize.export import export_compressed
 from gigatron.tasks.evaluate import evaluate
+from gigatron.tasks.wikitext import wikitext_detokenize
 from gigatron.training.pretrain import parse_pretrain_config
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
@@ -155,14 +157,21 @@ def main() -> None:
         ]
         wiki.write_text("".join(heldout), encoding="utf-8")
         calib = root / "calib.jsonl"
-        calib.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines[:cut] if t.strip()))
+        calib.write_text(
+            "".join(
+                json.dumps({"text": wikitext_detokenize(t)}) + "\n"
+                for t in lines[:cut]
+                if t.strip()
+            )
+        )
         lambada = root / "lambada.jsonl"
         passages = (DATA / "lambada_test.jsonl").read_text(encoding="utf-8").splitlines(True)
         lambada.write_text("".join(passages[: args.lambada]), encoding="utf-8")
         ckpt = args.ckpt or root / "ckpt"
         if not (ckpt / "latest_checkpointed_iteration.txt").exists():
             start = time.perf_counter()
-            params = train(args, "".join(lines[:cut]), ckpt)
+            # the text as `evaluate --task WIKITEXT103` scores it: detokenized (" @-@ " -> "-")
+            params = train(args, wikitext_detokenize("".join(lines[:cut])), ckpt)
             print(f"trained {params / 1e6:.1f}M parameters in {time.perf_counter() - start:.0f} s")
         if args.train_only:
             return
