@@ -17,8 +17,8 @@ from helpers import wordpiece_sentences
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("GIGATRON_SHARED_DATA", REPO_ROOT / "tests" / "data"))
 
-# The README runs the suite in two pytest-xdist workers on a 2-core machine: one torch thread
-# each, so the two do not compete for the same cores (a lone pytest keeps two).
+# Under pytest-xdist (`-n 2`, README's Tests section) on a 2-core machine: one torch thread per
+# worker, so the two do not compete for the same cores (a lone pytest keeps two).
 torch.set_num_threads(
     1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads())
 )
@@ -41,7 +41,7 @@ def starts_processes(test_file: str) -> bool:
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Under `-n N` (pytest-xdist, as the README runs the suite): a file's tests stay on one
+    """Under `-n N` (pytest-xdist, README's Tests section): a file's tests stay on one
     worker (its module fixtures are made once), and the files that start process groups all run
     in turn on one worker, so two process groups never compete for the same cores while another
     worker runs the one-process files."""
