@@ -9,9 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from forked_cli import run_forked_cli
 
 DATA = Path(__file__).resolve().parent / "data"
 LAMBADA = DATA / "lambada_test.jsonl"
@@ -73,8 +76,24 @@ def run(
 def gigatron(
     *args: str, nproc: int = 1, check: bool = True, timeout: float = TIMEOUT_S, **kw
 ) -> subprocess.CompletedProcess:
-    """`gigatron <args>` in a subprocess (under torchrun when nproc > 1); see `run`."""
-    return run(gigatron_command(*map(str, args), nproc=nproc), check=check, timeout=timeout, **kw)
+    """`gigatron <args>` to its end, as a subprocess would run it (see `run`), without a fresh
+    interpreter's imports: one process is forked from a server that has torch imported
+    (tests/forked_cli.py), `nproc` ranks are forked as gigatron_sequence forks them."""
+    args = tuple(map(str, args))
+    if nproc == 1:
+        result = run_forked_cli(args, kw.get("environment") or env(), timeout)
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"exit {result.returncode}: {' '.join(result.args)}\n"
+                f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+            )
+        return result
+    with tempfile.TemporaryDirectory(prefix="gigatron-ranks-") as folder:
+        out = Path(folder) / "stdout"
+        result = _run_sequence([(out, args)], nproc, timeout, check=check, **kw)
+        return subprocess.CompletedProcess(
+            ["gigatron", *args], result.returncode, out.read_text(encoding="utf-8"), result.stderr
+        )
 
 
 def pretrain(family: str, *flags: str, nproc: int = 1, **kw) -> subprocess.CompletedProcess:
@@ -85,14 +104,21 @@ def pretrain(family: str, *flags: str, nproc: int = 1, **kw) -> subprocess.Compl
 def gigatron_sequence(
     runs: Sequence[tuple[Path, Sequence[str]]], nproc: int = 1, timeout: float = TIMEOUT_S
 ) -> list[str]:
-    """Run each `gigatron <args>` in turn in one launch (one process, or one torchrun process
-    group of `nproc`) instead of one launch each; `runs` pairs a file for the command's standard
-    output with its args. The outputs, in order; a failing command fails the test."""
+    """Run each `gigatron <args>` in turn in one launch (one process, or `nproc` ranks forked
+    from one process, with the environment torchrun gives its ranks) instead of one launch
+    each; `runs` pairs a file for the command's standard output with its args. The outputs, in order; a failing command fails the test."""
+    _run_sequence(runs, nproc, timeout)
+    return [Path(out).read_text(encoding="utf-8") for out, _ in runs]
+
+
+def _run_sequence(
+    runs: Sequence[tuple[Path, Sequence[str]]], nproc: int, timeout: float, **kw
+) -> subprocess.CompletedProcess:
+    """tests/gigatron_sequence.py over `runs` in a subprocess; `kw`: `run`'s."""
     spec = Path(runs[0][0]).parent / f"sequence-{os.getpid()}-{time.monotonic_ns()}.json"
     spec.write_text(json.dumps([[str(out), [str(a) for a in args]] for out, args in runs]))
     script = Path(__file__).resolve().parent / "gigatron_sequence.py"
-    run([*launcher(nproc), str(script), str(spec)], timeout=timeout)
-    return [Path(out).read_text(encoding="utf-8") for out, _ in runs]
+    return run([sys.executable, str(script), str(spec), str(nproc)], timeout=timeout, **kw)
 
 
 def gigatron_runs(

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from inference_helpers import env, free_port, stop_server
 
+from forked_cli import run_forked_cli
 from gigatron.data.indexed import IndexedDataset
 
 pytestmark = pytest.mark.slow
@@ -31,11 +32,8 @@ SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 TIMEOUT_S = 300
 
 
-def gigatron(*args: str, cwd: Path, ok: bool = True, stdin: str | None = None, timeout=TIMEOUT_S):
-    result = subprocess.run(
-        [sys.executable, "-m", "gigatron.cli", *map(str, args)], cwd=cwd, env=env(),
-        capture_output=True, text=True, input=stdin, timeout=timeout,
-    )  # fmt: skip
+def gigatron(*args: str, cwd: Path, ok: bool = True, stdin: str = "", timeout=TIMEOUT_S):
+    result = run_forked_cli(list(map(str, args)), env(), timeout, cwd=cwd, stdin=stdin)
     if ok:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
