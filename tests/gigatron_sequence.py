@@ -1,8 +1,9 @@
 """Runs several `gigatron` commands one after another in this process; with a process count
 over 1, in that many ranks forked from this process, all in the one launch (each command gets a
 fresh process group on a store shared by the launch, as a command destroys the group it ran in),
-so several configurations cost one launch. Started by helpers.gigatron_sequence as
-`python gigatron_sequence.py SPEC [NPROC]`, SPEC a JSON file of [[stdout file, [command,
+so several configurations cost one launch. Started by helpers.gigatron_sequence (`main` in a
+child of tests/forked_cli.py's forkserver) or as `python gigatron_sequence.py SPEC [NPROC]`,
+SPEC a JSON file of [[stdout file, [command,
 args...]], ...]: each command's standard output goes to its file.
 
 Why fork instead of torchrun: a fresh interpreter spends about 2.5 s of CPU importing torch (and
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch._dynamo  # noqa: F401  (AdamW imports it: the ranks inherit it instead)
 import torch.distributed as dist
 
-from gigatron.cli import COMMANDS, main
+from gigatron import cli
 
 
 def join_process_group(store: dist.Store | None, index: int) -> None:
@@ -46,7 +47,7 @@ def run_all(runs: list[tuple[str, list[str]]], store: dist.Store | None) -> int:
     for index, (stdout_file, args) in enumerate(runs):
         join_process_group(store, index)
         with open(stdout_file, "a", encoding="utf-8") as out, contextlib.redirect_stdout(out):
-            code = main(args)
+            code = cli.main(args)
         if code != 0:
             print(f"exit {code}: gigatron {' '.join(args)}", file=sys.stderr)
             print(Path(stdout_file).read_text(encoding="utf-8"), file=sys.stderr)
@@ -71,7 +72,7 @@ def fork_ranks(spec: Path, nproc: int) -> int:
     """Fork `nproc` ranks with torchrun's environment variables; 0 when all exit 0, else the
     first failure's status, the other ranks killed (as torchrun does)."""
     for _, args in json.loads(spec.read_text(encoding="utf-8")):
-        importlib.import_module(COMMANDS[args[0]][0].split(":")[0])  # once, for every rank
+        importlib.import_module(cli.COMMANDS[args[0]][0].split(":")[0])  # once, for every rank
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -111,7 +112,11 @@ def wait_for_ranks(pids: dict[int, int]) -> int:
     return status
 
 
+def main(argv: list[str]) -> int:
+    """`SPEC [NPROC]`: every command of SPEC in one process, or in NPROC forked ranks."""
+    spec, nproc = Path(argv[0]), int(argv[1]) if len(argv) > 1 else 1
+    return fork_ranks(spec, nproc) if nproc > 1 else run_rank(spec)
+
+
 if __name__ == "__main__":
-    nproc = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    spec = Path(sys.argv[1])
-    sys.exit(fork_ranks(spec, nproc) if nproc > 1 else run_rank(spec))
+    sys.exit(main(sys.argv[1:]))

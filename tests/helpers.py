@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from forked_cli import run_forked_cli
+from forked_cli import run_forked, run_forked_cli
 
 DATA = Path(__file__).resolve().parent / "data"
 LAMBADA = DATA / "lambada_test.jsonl"
@@ -65,12 +65,9 @@ def run(
             f"timed out after {timeout} s: {' '.join(map(str, command))}\n"
             f"--- stdout\n{stdout}\n--- stderr\n{stderr}"
         ) from None
-    if check and process.returncode != 0:
-        raise AssertionError(
-            f"exit {process.returncode}: {' '.join(map(str, command))}\n"
-            f"--- stdout\n{stdout}\n--- stderr\n{stderr}"
-        )
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+    return _checked(
+        subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), check
+    )
 
 
 def gigatron(
@@ -81,13 +78,7 @@ def gigatron(
     (tests/forked_cli.py), `nproc` ranks are forked as gigatron_sequence forks them."""
     args = tuple(map(str, args))
     if nproc == 1:
-        result = run_forked_cli(args, kw.get("environment") or env(), timeout)
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"exit {result.returncode}: {' '.join(result.args)}\n"
-                f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-            )
-        return result
+        return _checked(run_forked_cli(args, kw.get("environment") or env(), timeout), check)
     with tempfile.TemporaryDirectory(prefix="gigatron-ranks-") as folder:
         out = Path(folder) / "stdout"
         result = _run_sequence([(out, args)], nproc, timeout, check=check, **kw)
@@ -112,13 +103,29 @@ def gigatron_sequence(
 
 
 def _run_sequence(
-    runs: Sequence[tuple[Path, Sequence[str]]], nproc: int, timeout: float, **kw
+    runs: Sequence[tuple[Path, Sequence[str]]],
+    nproc: int,
+    timeout: float,
+    check: bool = True,
+    environment: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """tests/gigatron_sequence.py over `runs` in a subprocess; `kw`: `run`'s."""
+    """tests/gigatron_sequence.py over `runs` in a forked child (tests/forked_cli.py); with
+    `check`, a non-zero exit fails the test with both streams."""
     spec = Path(runs[0][0]).parent / f"sequence-{os.getpid()}-{time.monotonic_ns()}.json"
     spec.write_text(json.dumps([[str(out), [str(a) for a in args]] for out, args in runs]))
-    script = Path(__file__).resolve().parent / "gigatron_sequence.py"
-    return run([sys.executable, str(script), str(spec), str(nproc)], timeout=timeout, **kw)
+    environment = environment or env()
+    result = run_forked("gigatron_sequence:main", [str(spec), str(nproc)], environment, timeout)
+    return _checked(result, check)
+
+
+def _checked(result: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
+    """`result`; with `check`, a non-zero exit fails the test with the command and both streams."""
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"exit {result.returncode}: {' '.join(map(str, result.args))}\n"
+            f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        )
+    return result
 
 
 def gigatron_runs(

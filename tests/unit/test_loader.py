@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 
 import numpy as np
 import pytest
@@ -76,6 +77,20 @@ def test_worker_processes_give_the_same_batches():
     plain = sample_ids(build_data_iterator(dataset, 2, 0, None, num_workers=0), 6)
     workers = sample_ids(build_data_iterator(dataset, 2, 0, None, num_workers=1), 6)
     assert plain == workers == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+
+
+def test_workers_are_forked_under_a_forkserver_default():
+    """Python 3.14 makes forkserver the default start method on Linux; the workers are still
+    forked from the main process, which they watch (gigatron/faults.py): under a forkserver
+    their parent would be the server and they would exit at once."""
+    previous = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+        iterator = build_data_iterator(IndexDataset(12), 2, 0, None, num_workers=1)
+        workers = sample_ids(iterator, 6)
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
+    assert workers == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
 
 
 def test_errors():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Iterator, Sized
 from typing import Any
 
@@ -62,6 +63,9 @@ class PretrainingBatchSampler:
             yield list(range(start + first, start + first + self.micro_batch_size))
 
 
+_LINUX = sys.platform.startswith("linux")
+
+
 class _Loader(DataLoader):
     """A DataLoader whose worker processes start with SIGTERM blocked in every thread, so that
     they can tell their main process's SIGTERM from torchrun's (faults.data_loader_worker_init)."""
@@ -96,6 +100,9 @@ def build_data_loader(
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
+        # Linux: forked from this process whatever the default start method (forkserver from
+        # Python 3.14), as a worker watches its parent's pid (data_loader_worker_init).
+        multiprocessing_context="fork" if num_workers > 0 and _LINUX else None,
         worker_init_fn=(
             functools.partial(data_loader_worker_init, os.getpid()) if num_workers > 0 else None
         ),
