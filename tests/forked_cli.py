@@ -19,6 +19,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from gigatron.parallel.context import FORKSERVER_PRELOAD
 
@@ -101,14 +102,8 @@ def run_forked(
     return subprocess.CompletedProcess(command, process.exitcode, stdout, stderr)
 
 
-def run_forked_cli(
-    args: Sequence[str],
-    environment: dict[str, str],
-    timeout: float,
-    cwd: str | os.PathLike | None = None,
-    stdin: str = "",
-) -> subprocess.CompletedProcess:
-    """`gigatron <args>` in a forked child; see `run_forked`."""
-    result = run_forked("gigatron.cli:main", args, environment, timeout, cwd, stdin)
+def run_forked_cli(args: Sequence[str], *rest: Any, **kw: Any) -> subprocess.CompletedProcess:
+    """`gigatron <args>` in a forked child; `rest`, `kw`: run_forked's after `args`."""
+    result = run_forked("gigatron.cli:main", args, *rest, **kw)
     result.args = ["gigatron", *args]
     return result
