@@ -11,6 +11,7 @@ ranks hold (same key and offsets) and checks that the pieces cover each tensor e
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import pickle
 import warnings
@@ -137,12 +138,22 @@ _METADATA_GLOBALS = {
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 
 
+def _enum_member(cls: Any, name: str) -> Any:
+    """`getattr` as Python 3.11.0-3.11.4 pickle enum members (`getattr(cls, name)`), limited to
+    a member of an enum class the unpickler already allowed."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"refused getattr of {name!r} on {cls!r}")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's metadata classes (plain dataclasses and enums) and nothing else."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == _METADATA_MODULE:
             value = super().find_class(module, name)
             if isinstance(value, type):
