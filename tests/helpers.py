@@ -4,8 +4,10 @@ model flag sets, tiny datasets and reading metrics.jsonl."""
 
 from __future__ import annotations
 
+import enum
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from forked_cli import run_forked, run_forked_cli
 
@@ -240,3 +243,25 @@ def eval_record(path: Path, split: str = "test") -> dict:
 def loss_on_test_split(path: Path, key: str = "lm_loss") -> float:
     """The test split's `key` of a metrics file (or of a run directory)."""
     return eval_record(path, "test")[key]
+
+
+# ---- pickles ----
+class GetattrOf:
+    """Pickled by EnumsByGetattr as getattr(cls, name): a reach a safe reader must refuse."""
+
+    def __init__(self, cls: type, name: str) -> None:
+        self.cls, self.name = cls, name
+
+
+class EnumsByGetattr(pickle.Pickler):
+    """Pickles enum members as Python 3.11.0-3.11.4 do: getattr(their class, their name), and
+    the global enums (signals) by their module's name (`signal.SIGTERM`)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, signal.Signals):
+            return obj.name
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        if isinstance(obj, GetattrOf):
+            return getattr, (obj.cls, obj.name)
+        return NotImplemented

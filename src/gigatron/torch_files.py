@@ -9,6 +9,7 @@ checkpoint formats (checkpoint/) read everything else.
 from __future__ import annotations
 
 import argparse
+import enum
 import io
 import pickle
 import signal
@@ -58,6 +59,17 @@ def _inert_class(qualified_name: str) -> type:
     return Inert
 
 
+def enum_member(cls: Any, name: str) -> Any:
+    """`builtins.getattr` for unpicklers: Python 3.11.0-3.11.4 pickle an enum member as
+    `getattr(its class, its name)`. Only a member of an enum class the unpickler admitted, or of
+    a Megatron class's inert stand-in (a StoredValue holding the member's name), is returned."""
+    if isinstance(cls, type) and issubclass(cls, StoredValue):
+        return cls(name)
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr of {name!r} on {cls!r} is not allowed")
+
+
 def _allowed_globals() -> dict[str, Any]:
     allowed = dict(_weights_only_unpickler._get_allowed_globals())
     numpy_core = getattr(np, "_core", None) or np.core
@@ -69,6 +81,7 @@ def _allowed_globals() -> dict[str, Any]:
             "builtins.frozenset": frozenset,
             "builtins.bytes": bytes,
             "builtins.slice": slice,
+            "builtins.getattr": enum_member,  # how Python 3.11.0-3.11.4 pickle enum members
             "numpy.ndarray": np.ndarray,
             "numpy.dtype": np.dtype,
             "numpy.core.multiarray._reconstruct": numpy_core.multiarray._reconstruct,
@@ -77,6 +90,8 @@ def _allowed_globals() -> dict[str, Any]:
             "numpy._core.multiarray.scalar": numpy_core.multiarray.scalar,
         }
     )
+    # Python 3.11's global enums pickle a signal as `signal.SIGTERM`, not `Signals(15)`
+    allowed.update({f"signal.{member.name}": member for member in signal.Signals})
     for dtype_class in vars(np.dtypes).values():
         if isinstance(dtype_class, type):
             allowed[f"numpy.dtypes.{dtype_class.__name__}"] = dtype_class

@@ -26,7 +26,9 @@ import torch
 from gigatron.checkpoint.torch_format import safe_load
 from gigatron.errors import GigatronError
 from gigatron.optim.optimizer import get_param_groups
+from gigatron.torch_files import load_megatron_file
 from gigatron.training.pretrain import parse_pretrain_config, pretrain
+from helpers import EnumsByGetattr, GetattrOf
 
 FLAGS = [
     "--mock-data", "--vocab-size", "96", "--num-layers", "2", "--hidden-size", "32",
@@ -287,6 +289,29 @@ def test_other_pickled_objects_are_still_refused(tmp_path, reference):
     _forget_megatron()
     with pytest.raises(GigatronError, match="refused to load"):
         safe_load(path)
+
+
+def test_enum_members_pickled_by_getattr_load(tmp_path):
+    """Python 3.11.0-3.11.4 pickle enum members as getattr(class, name): a Megatron enum (its
+    inert stand-in keeps the name) and a signal load; getattr of anything else is refused."""
+    model_type = _stub_megatron_enums()
+    args = argparse.Namespace(model_type=model_type.encoder_and_decoder, signal=signal.SIGTERM)
+    module = types.SimpleNamespace(**vars(pickle))
+    module.Pickler = EnumsByGetattr
+    for name, extra in (("ok", {}), ("reach", {"hook": GetattrOf(argparse.Namespace, "__init__")})):
+        torch.save({"args": args, "w": torch.ones(2), **extra}, tmp_path / name,
+                   pickle_module=module)  # fmt: skip
+    _forget_megatron()
+    assert b"getattr" in (tmp_path / "ok").read_bytes()
+    state = load_megatron_file(tmp_path / "ok")
+    assert state["args"].signal == signal.SIGTERM and torch.equal(state["w"], torch.ones(2))
+    stored = state["args"].model_type
+    assert (stored.qualified_name, stored.args) == (
+        "megatron.core.enums.ModelType",
+        ("encoder_and_decoder",),
+    )
+    with pytest.raises(pickle.UnpicklingError, match="getattr of '__init__' on"):
+        load_megatron_file(tmp_path / "reach")
 
 
 def _lenient():

@@ -11,7 +11,6 @@ ranks hold (same key and offsets) and checks that the pieces cover each tensor e
 from __future__ import annotations
 
 import contextlib
-import enum
 import io
 import pickle
 import warnings
@@ -41,6 +40,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from gigatron.checkpoint.global_view import Piece
 from gigatron.errors import GigatronError
+from gigatron.torch_files import enum_member
 
 
 def _index(pieces: list[Piece]) -> dict[tuple[str, tuple[int, ...]], Piece]:
@@ -138,14 +138,6 @@ _METADATA_GLOBALS = {
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 
 
-def _enum_member(cls: Any, name: str) -> Any:
-    """`getattr` as Python 3.11.0-3.11.4 pickle enum members (`getattr(cls, name)`), limited to
-    a member of an enum class the unpickler already allowed."""
-    if isinstance(cls, type) and issubclass(cls, enum.Enum) and name in cls.__members__:
-        return cls[name]
-    raise pickle.UnpicklingError(f"refused getattr of {name!r} on {cls!r}")
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's metadata classes (plain dataclasses and enums) and nothing else."""
 
@@ -153,7 +145,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
         if (module, name) == ("builtins", "getattr"):
-            return _enum_member
+            return enum_member  # Python 3.11.0-3.11.4's pickles of enum members
         if module == _METADATA_MODULE:
             value = super().find_class(module, name)
             if isinstance(value, type):
