@@ -3,8 +3,8 @@ over 1, in that many ranks forked from this process, all in the one launch (each
 fresh process group on a store shared by the launch, as a command destroys the group it ran in),
 so several configurations cost one launch. Started by helpers.gigatron_sequence (`main` in a
 child of tests/forked_cli.py's forkserver) or as `python gigatron_sequence.py SPEC [NPROC]`,
-SPEC a JSON file of [[stdout file, [command,
-args...]], ...]: each command's standard output goes to its file.
+SPEC a JSON file of [[stdout file, [command, args...]], ...]: each command's standard output
+goes to its file.
 
 Why fork instead of torchrun: a fresh interpreter spends about 2.5 s of CPU importing torch (and
 torch._dynamo, which AdamW pulls in) before its first step; the ranks forked here share this

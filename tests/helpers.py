@@ -100,7 +100,8 @@ def gigatron_sequence(
 ) -> list[str]:
     """Run each `gigatron <args>` in turn in one launch (one process, or `nproc` ranks forked
     from one process, with the environment torchrun gives its ranks) instead of one launch
-    each; `runs` pairs a file for the command's standard output with its args. The outputs, in order; a failing command fails the test."""
+    each; `runs` pairs a file for the command's standard output with its args. The outputs, in
+    order; a failing command fails the test."""
     _run_sequence(runs, nproc, timeout)
     return [Path(out).read_text(encoding="utf-8") for out, _ in runs]
 
