@@ -82,8 +82,8 @@ def start_server(load: Path, *flags: str, nproc: int = 1, timeout_s: float = 180
                     return process, url
         except OSError:
             time.sleep(0.5)
-    stop_server(process)
-    raise AssertionError("the server did not answer /health in time")
+    output = stop_server(process)
+    raise AssertionError(f"the server did not answer /health in {timeout_s:g} s:\n{output}")
 
 
 def stop_server(process: subprocess.Popen) -> str:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from safetensors import safe_open
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from gigatron.checkpoint.hf_convert import hf_to_gigatron
 from gigatron.checkpoint.torch_format import safe_load
@@ -22,7 +23,12 @@ from gigatron.config import config_from_dict
 from gigatron.data.indexed import write_dataset
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
-from gigatron.models.activation_quant import fake_quantize_tokens, quantize_linear_inputs
+from gigatron.models.activation_quant import (
+    fake_quantize_fp8,
+    fake_quantize_tokens,
+    quantize_kv_cache,
+    quantize_linear_inputs,
+)
 from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.awq import layer_error
 from gigatron.quantize.calibration import (
@@ -31,6 +37,7 @@ from gigatron.quantize.calibration import (
     collect_statistics,
 )
 from gigatron.quantize.checkpoint import read_packed
+from gigatron.quantize.export import kv_cache_scales
 from gigatron.quantize.folding import check_foldable
 from gigatron.quantize.methods import METHODS
 from gigatron.quantize.rtn import dequantize, quantize_weight, unpack_int4
@@ -72,6 +79,9 @@ def runs(tmp_path_factory):
         argv = [*base[:3], "--method", name, *base[7:], "--save", str(directory / name),
                 "--hf-save", str(directory / f"{name}-hf")]  # fmt: skip
         assert gigatron_main(argv) == 0
+    kv = [*base[:3], "--method", "fp8-tensor", *base[7:], "--kv-cache-dtype", "fp8"]
+    assert gigatron_main([*kv, "--save", str(directory / "fp8-kv"),
+                          "--hf-save", str(directory / "fp8-kv-hf")]) == 0  # fmt: skip
     return directory
 
 
@@ -270,6 +280,51 @@ def test_fp8_export_loads_in_transformers_with_gigatrons_logits(runs, name):
     assert (weights_only - ours).abs().max() > 1e-3  # the inputs are quantized too
 
 
+def _exported_tensors(folder):
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(_read_all(path))
+    return tensors
+
+
+def test_fp8_kv_cache_export_computes_gigatrons_logits(runs):
+    """The exported k_scale/v_scale, used by hand in transformers' attention (keys after RoPE
+    and values rounded to e4m3 before SDPA, as vLLM's fp8 cache stores them), give gigatron's
+    logits; transformers' own loader does not apply compressed-tensors' kv_cache_scheme."""
+    config = json.loads((runs / "fp8-kv-hf" / "config.json").read_text())["quantization_config"]
+    scheme = config["kv_cache_scheme"]
+    assert (scheme["num_bits"], scheme["type"], scheme["strategy"], scheme["dynamic"]) == (
+        8, "float", "tensor", False
+    )  # fmt: skip
+    _, info = read_packed(runs / "fp8-kv")
+    tensors = _exported_tensors(runs / "fp8-kv-hf")
+    scales = {}
+    for i in (0, 1):
+        key, value = info["kv_cache_scales"][f"decoder.layers.{i}.self_attention.core_attention"]
+        k, v = (tensors[f"model.layers.{i}.self_attn.{n}_scale"] for n in "kv")
+        assert k.shape == v.shape == (1,) and (k.item(), v.item()) == pytest.approx((key, value))
+        scales[i] = (k.item(), v.item())
+
+    def fp8_cache_attention(module, query, key, value, attention_mask, **kwargs):
+        k_scale, v_scale = scales[module.layer_idx]
+        key, value = fake_quantize_fp8(key, k_scale), fake_quantize_fp8(value, v_scale)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    transformers.AttentionInterface.register("test-fp8-kv-cache", fp8_cache_attention)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ).expand_as(tokens)
+    with torch.no_grad():
+        model, state = _model(runs / "fp8-kv", activations=True)
+        without_kv = model(tokens, positions)[..., :VOCAB]
+        assert quantize_kv_cache([model], state["quantization"]["kv_cache_scales"]) == 2
+        ours = model(tokens, positions)[..., :VOCAB]
+        exported = transformers.AutoModelForCausalLM.from_pretrained(
+            runs / "fp8-kv-hf", attn_implementation="test-fp8-kv-cache"
+        ).eval()
+        assert (exported(tokens).logits - ours).abs().max() < 1e-3
+    assert (without_kv - ours).abs().max() > 1e-3  # the cache's rounding shows
+
+
 # ---- TensorRT-LLM checkpoint ----------------------------------------------------------------
 def _trtllm_qkv(fused: torch.Tensor) -> torch.Tensor:
     """Megatron's fused QKV rows (per key-value group: its 4 query heads, its key head, its value
@@ -294,6 +349,8 @@ def test_trtllm_fp8_checkpoint_names_shapes_and_codes_by_hand(runs, capsys):
     assert {key: config[key] for key in expected} == expected
     assert config["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
     ours = _read_all(runs / "trt-fp8" / "rank0.safetensors")
+    assert config["quantization"]["kv_cache_quant_algo"] is None
+    assert not [name for name in ours if name.endswith("kv_cache_scaling_factor")]
     packed, _ = read_packed(runs / "fp8-tensor")
     state = _model(runs / "fp8-tensor")[1]["model"]
     for i in (0, 1):
@@ -323,6 +380,26 @@ def test_trtllm_fp8_checkpoint_names_shapes_and_codes_by_hand(runs, capsys):
     with pytest.raises(GigatronError, match="^--export-format trtllm: --method fp8-channel"):
         export_trtllm(runs / "fp8-channel", runs / "trt-refused")
     assert not (runs / "trt-refused").exists()
+
+
+def test_kv_cache_scales_of_an_attention_the_exports_do_not_name_are_refused():
+    info = {"kv_cache_scales": {"decoder.layers.0.mixer.attention": [0.1, 0.2]}}
+    with pytest.raises(GigatronError, match=r"^decoder\.layers\.0\.mixer\.attention: fp8 KV"):
+        kv_cache_scales(info)
+
+
+def test_trtllm_fp8_kv_cache_takes_the_larger_scale_of_each_layer(runs):
+    export_trtllm(runs / "fp8-kv", runs / "trt-fp8-kv", log=lambda _: None)
+    config = json.loads((runs / "trt-fp8-kv" / "config.json").read_text())
+    assert config["quantization"]["quant_algo"] == config["quantization"]["kv_cache_quant_algo"]
+    assert config["quantization"]["kv_cache_quant_algo"] == "FP8"
+    ours = _read_all(runs / "trt-fp8-kv" / "rank0.safetensors")
+    scales = read_packed(runs / "fp8-kv")[1]["kv_cache_scales"]
+    for i in (0, 1):
+        key, value = scales[f"decoder.layers.{i}.self_attention.core_attention"]
+        factor = ours[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"]
+        assert factor.dtype == torch.float32 and factor.shape == (1,)
+        assert factor.item() == pytest.approx(max(key, value)) and key != value
 
 
 def _nibbles_by_hand(packed: torch.Tensor) -> torch.Tensor:

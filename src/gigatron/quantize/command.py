@@ -112,10 +112,10 @@ def main(argv: Sequence[str]) -> int:
 
 def _check_export_flags(args: Any) -> bool:
     """Whether the export is TensorRT-LLM's; refuses flags that would go unused."""
-    if args.kv_cache_dtype and (args.calib_data is None or args.hf_save):
+    if args.kv_cache_dtype and args.calib_data is None:
         raise GigatronError(
             f"--kv-cache-dtype {args.kv_cache_dtype}: needs --calib-data (its scales come from "
-            "the calibration) and no --hf-save (the exports carry no KV-cache scales yet)"
+            "the calibration)"
         )
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     sizes = f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}"

@@ -2,8 +2,9 @@
 (transformers and vLLM read it): weight-only "pack-quantized" (int8: four codes per int32, int4:
 eight), one scale per group; W8A8 (SmoothQuant) "int-quantized" (int8 tensors), one scale per
 row, inputs quantized per token at run time; fp8 "float-quantized" (e4m3 tensors), one scale
-per row or tensor, a static input scale per layer; `quantization_config` in config.json,
-sharded safetensors.
+per row or tensor, a static input scale per layer; with an fp8 KV cache, each attention's static
+key and value scales (`self_attn.k_scale`, `v_scale`, [1]) and `kv_cache_scheme`, as vLLM reads
+them; `quantization_config` in config.json, sharded safetensors.
 
 The gigatron export (checkpoint/hf_convert.py) writes the fake-quantized weights under Hugging
 Face's names, and once more a checkpoint whose linear weights are their scales repeated over each
@@ -43,6 +44,7 @@ HF_MODULES = {
     "mlp.linear_fc2": ("mlp.down_proj",),
 }
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_ATTENTION = re.compile(r"decoder\.layers\.(\d+)\.self_attention\.core_attention")
 WEIGHT_FILES = (".safetensors", ".safetensors.index.json")
 
 
@@ -54,6 +56,49 @@ def require_export_libraries() -> None:
             f"--hf-save: needs {' and '.join(missing)}, not installed; "
             "pip install 'gigatron[quantize]'"
         )
+
+
+def kv_cache_scales(info: dict[str, Any]) -> dict[int, tuple[float, float]]:
+    """Each layer's (key scale, value scale) of the checkpoint's fp8 KV cache ({}: none)."""
+    scales = {}
+    for name, (key, value) in info.get("kv_cache_scales", {}).items():
+        match = _ATTENTION.fullmatch(name)
+        if match is None:
+            raise GigatronError(
+                f"{name}: fp8 KV-cache scales of an attention the export does not know (it takes "
+                "decoder.layers.N.self_attention.core_attention); quantize without "
+                "--kv-cache-dtype to export"
+            )
+        scales[int(match.group(1))] = (float(key), float(value))
+    return scales
+
+
+def _kv_cache_scheme() -> Any:
+    """compressed-tensors' description of a static per-tensor e4m3 KV cache (vLLM's fp8 one)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor",
+                            dynamic=False)  # fmt: skip
+
+
+def _set_kv_cache_scales(model: torch.nn.Module, scales: dict[int, tuple[float, float]]) -> None:
+    """`k_scale` and `v_scale` ([1], the attention's dtype) on each layer's self_attn, saved
+    with the weights (what vLLM loads into its fp8 cache)."""
+    for index, (key, value) in scales.items():
+        attention = model.model.layers[index].self_attn
+        dtype = attention.o_proj.weight.dtype
+        for name, scale in (("k_scale", key), ("v_scale", value)):
+            tensor = torch.tensor([scale], dtype=dtype)
+            attention.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+def _add_kv_cache_scheme(out: Path) -> None:
+    """config.json's quantization_config gets the KV cache's scheme (its scales are tensors)."""
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    scheme = _kv_cache_scheme().model_dump(mode="json", exclude_none=True)
+    config["quantization_config"]["kv_cache_scheme"] = scheme
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _scheme(info: dict[str, Any]) -> Any:
@@ -157,8 +202,12 @@ def _compress(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(plain, dtype="auto").eval()
+    # why not compressed-tensors' kv_cache_scheme here: whether it hooks transformers' attention
+    # depends on both libraries' versions; the scales are set and described by hand instead
     apply_quantization_config(model, _scheme(info), show_progress=False)
     _set_scales(model, scales, integer=info.get("number", "int") == "int")
+    kv_scales = kv_cache_scales(info)
+    _set_kv_cache_scales(model, kv_scales)
     if info.get("number") == "float":
         _set_input_scales(model, read_packed(load)[0])
         form = FP8_FORMAT
@@ -168,6 +217,8 @@ def _compress(
     compressor.compress_model(model)
     model.save_pretrained(out, max_shard_size=shard or "5GB")
     compressor.update_config(str(out))
+    if kv_scales:
+        _add_kv_cache_scheme(out)
 
 
 def export_compressed(

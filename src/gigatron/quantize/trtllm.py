@@ -15,6 +15,9 @@ pre-quant scales: `int4_linear`), which `trtllm-build` rearranges for its kernel
 for the GPU by its own operator (`trtllm-build` keeps int8 weights as given, and re-quantizes
 float ones with max |w| / 128 per output feature, another grid than gigatron's max |w| / 127),
 with `per_channel_scale` [out] in the model's dtype (docs/quantization.md).
+With an fp8 KV cache (`--kv-cache-dtype fp8`): `kv_cache_quant_algo` FP8 and each layer's
+`attention.kv_cache_scaling_factor` ([1], float32), one scale for keys and values, the larger of
+gigatron's two (TensorRT-LLM's cache has one per layer).
 The tensors come from gigatron's Hugging Face export (checkpoint/hf_convert.py), whose q/k/v and
 gate/up split undoes Megatron's interleaved fused layouts.
 """
@@ -37,7 +40,7 @@ from gigatron.checkpoint.safetensors_io import SafetensorsFolder
 from gigatron.errors import GigatronError
 from gigatron.models.activation_quant import E4M3_MAX
 from gigatron.quantize.checkpoint import check_new_directory, read_packed
-from gigatron.quantize.export import scales_folder
+from gigatron.quantize.export import kv_cache_scales, scales_folder
 from gigatron.quantize.rtn import pack_int4
 
 # TensorRT-LLM linear -> (the Hugging Face Llama modules fused into it, gigatron's layer).
@@ -59,8 +62,9 @@ DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "
 
 
 def trtllm_config(
-    hf: dict[str, Any], dtype: str, quant_algo: str | None, group_size: int | None = None
-) -> dict[str, Any]:
+    hf: dict[str, Any], dtype: str, quant_algo: str | None, group_size: int | None = None,
+    kv_cache_quant_algo: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """TensorRT-LLM's config.json of a Hugging Face Llama config."""
     heads = hf["num_attention_heads"]
     return {
@@ -73,7 +77,7 @@ def trtllm_config(
         "norm_epsilon": hf["rms_norm_eps"], "position_embedding_type": "rope_gpt_neox",
         "rotary_base": hf.get("rope_theta", 10000.0), "rotary_scaling": hf.get("rope_scaling"),
         "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
-        "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": None,
+        "quantization": {"quant_algo": quant_algo, "kv_cache_quant_algo": kv_cache_quant_algo,
                          "exclude_modules": ["lm_head"] if quant_algo else None,
                          **(INT4_FIELDS | {"group_size": group_size}
                             if quant_algo == "W4A16_AWQ" else {})},
@@ -182,10 +186,17 @@ def export_trtllm(load: str | Path, save: str | Path, log: Any = print) -> Path:
                 "writes Llama models (TensorRT-LLM's LlamaForCausalLM)"
             )
         tensors = _tensors(load, tmp, hf["num_hidden_layers"], packed, info)
+        kv_scales = kv_cache_scales(info)
+        for index, (key, value) in kv_scales.items():  # one scale for both: the larger
+            name = f"transformer.layers.{index}.attention.kv_cache_scaling_factor"
+            tensors[name] = torch.tensor([max(key, value)], dtype=torch.float32)
         dtype = DTYPES[tensors["transformer.ln_f.weight"].dtype]
         (tmp / "out").mkdir()
         save_file(tensors, str(tmp / "out" / "rank0.safetensors"))
-        config = trtllm_config(hf, dtype, ALGORITHMS.get(info["method"]), info["group_size"])
+        kv_algo = "FP8" if kv_scales else None
+        config = trtllm_config(
+            hf, dtype, ALGORITHMS.get(info["method"]), info["group_size"], kv_algo
+        )
         (tmp / "out" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         os.replace(tmp / "out", save)
     finally:
