@@ -1,5 +1,5 @@
 """`gigatron quantize` beyond dense GPT layers: grouped MoE expert weights ([experts, out, in],
-round-to-nearest per expert) and a hybrid Mamba model's mixer in_proj / out_proj (GPTQ on
+round-to-nearest or GPTQ per expert, each on the tokens routed to it) and a hybrid Mamba model's mixer in_proj / out_proj (GPTQ on
 calibration data); the fake-quantized checkpoints hold the codes' dequantization, and the
 combinations a method cannot take are refused naming the layer."""
 
@@ -16,7 +16,7 @@ from gigatron.models import build_model
 from gigatron.models.hybrid import build_model as build_hybrid
 from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.awq import layer_error
-from gigatron.quantize.calibration import calibration_samples, collect_hessians
+from gigatron.quantize.calibration import calibration_samples, collect_hessians, gptq_layer
 from gigatron.quantize.checkpoint import read_packed
 from gigatron.quantize.methods import METHODS
 from gigatron.quantize.rtn import dequantize, quantize_weight, unpack_int4
@@ -68,12 +68,84 @@ def test_grouped_expert_weights_round_to_nearest_per_expert(tmp_path, capsys):
                        original["decoder.layers.1.mlp.router.weight"])  # fmt: skip
     data = tmp_path / "calib"
     write_dataset(data, [[list(range(50, 50 + 200))]])
-    argv = [*base, "--save", str(tmp_path / "gptq"), "--calib-data", str(data), "--calib-size", "2"]
+    argv = [*base, "--save", str(tmp_path / "awq"), "--calib-data", str(data), "--calib-size", "2"]
+    argv[argv.index("int4-weight")] = "int4-awq"
     assert gigatron_main(argv) == 2
-    assert "decoder.layers.0.mlp.experts.linear_fc1: a weight of shape (4, 64, 64)" in (
-        capsys.readouterr().err
-    )  # fmt: skip
-    assert not (tmp_path / "gptq").exists()
+    assert "decoder.layers.0.mlp.experts.linear_fc1: a weight of shape (4, 64, 64); --method " \
+        "int4-awq quantizes 2-D" in capsys.readouterr().err  # fmt: skip
+    assert not (tmp_path / "awq").exists()
+
+
+def _routed_hessians(chunk, samples):
+    """By hand: each expert's fc1 and fc2 input Hessians 2 X^T X / n over the samples (X: the
+    tokens routed to it, and its activation of them)."""
+    inputs = {}
+
+    def keep(name, experts):
+        def hook(_module, args):
+            w1 = experts.linear_fc1.weight
+            for e, x in enumerate(args[0].split(args[1].tolist())):
+                fc2_input = experts.activation(x @ w1[e].T)
+                for layer, rows in (("linear_fc1", x), ("linear_fc2", fc2_input)):
+                    inputs.setdefault((f"{name}.{layer}", e), []).append(rows.double())
+
+        return hook
+
+    for name, module in chunk.named_modules():
+        if name.endswith("mlp.experts"):
+            module.register_forward_pre_hook(keep(name, module))
+    with torch.no_grad():
+        for row in samples:
+            chunk(row[None, :], None)
+    return {key: 2 * torch.cat(x).T @ torch.cat(x) / len(torch.cat(x)) for key, x in inputs.items()}
+
+
+def test_grouped_experts_take_gptq_per_expert_on_their_routed_tokens(tmp_path):
+    cfg = parse_pretrain_config(
+        model_flags() + ["--num-experts", "4", "--moe-ffn-hidden-size", "64"], world_size=1
+    )
+    (chunk,) = build_model(cfg, ParallelContext.single(), vocab_size=50257)
+    _save(tmp_path / "ckpt", cfg, chunk.eval(), "gpt")
+    generator = torch.Generator().manual_seed(0)
+    data = tmp_path / "calib"
+    write_dataset(data, [[torch.randint(0, 50257, (400,), generator=generator).tolist()]])
+    argv = ["quantize", "--load", str(tmp_path / "ckpt"), "--method", "int4-weight",
+            "--group-size", "32", "--calib-data", str(data), "--calib-size", "3"]  # fmt: skip
+    assert gigatron_main([*argv, "--save", str(tmp_path / "gptq")]) == 0
+    assert gigatron_main([*argv, "--save", str(tmp_path / "again")]) == 0
+    packed, info = read_packed(tmp_path / "gptq")
+    assert info["algorithm"] == "gptq"
+    assert all(torch.equal(t, read_packed(tmp_path / "again")[0][k]) for k, t in packed.items())
+    state, original = _saved(tmp_path / "gptq")["model"], chunk.state_dict()
+    samples = calibration_samples(str(data), None, cfg.model.seq_length, 3, 1234)
+    hessians = _routed_hessians(chunk, samples)
+    assert len(hessians) == 2 * 2 * 4  # every expert of both layers got tokens
+    collected = collect_hessians(chunk, samples)
+    for (layer, expert), hessian in hessians.items():
+        assert torch.allclose(collected[layer][expert], hessian, rtol=1e-9, atol=1e-12)
+    for (layer, expert), hessian in hessians.items():
+        weight = original[f"{layer}.weight"][expert]
+        codes = unpack_int4(packed[f"{layer}.weight_packed"][expert], 64)
+        ours = dequantize(codes, packed[f"{layer}.weight_scale"][expert], torch.float32)
+        assert torch.equal(state[f"{layer}.weight"][expert], ours)
+        rtn = dequantize(*quantize_weight(weight, METHODS["int4-weight"], 32), torch.float32)
+        errors = [layer_error(weight, w, hessian) for w in (ours, rtn)]
+        assert errors[0] < 0.9 * errors[1], (layer, expert)  # its own routed inputs' error
+
+
+def test_an_expert_no_calibration_token_reached_is_rounded_to_nearest():
+    torch.manual_seed(0)
+    weight, x = torch.randn(3, 8, 32), torch.randn(20, 32, dtype=torch.float64)
+    hessians = torch.stack(
+        [2 * x.T @ x / 20, torch.zeros(32, 32, dtype=torch.float64), 2 * x.T @ x / 20]
+    )
+    method = METHODS["int4-weight"]
+    codes, scales = gptq_layer(weight, hessians, method, 16)
+    assert codes.shape == (3, 8, 32) and scales.shape == (3, 8, 2)
+    rtn = quantize_weight(weight[1], method, 16)
+    assert torch.equal(codes[1], rtn[0]) and torch.equal(scales[1], rtn[1])
+    assert torch.equal(codes[0], gptq_layer(weight[0], hessians[0], method, 16)[0])
+    assert not torch.equal(codes[0], quantize_weight(weight[0], method, 16)[0])
 
 
 def test_mamba_mixer_projections_take_gptq_and_refuse_awq(tmp_path, capsys):

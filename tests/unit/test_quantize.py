@@ -81,10 +81,13 @@ def test_shapes_the_method_cannot_take_are_refused_naming_the_layer():
     with pytest.raises(GigatronError, match=r"^decoder.layers.1.mlp.linear_fc2: 96 input features"):
         check_shape("decoder.layers.1.mlp.linear_fc2", (64, 96), 64, method, False)
     check_shape("decoder.layers.1.mlp.linear_fc2", (64, 96), 32, method, False)
-    # Grouped expert weights: round-to-nearest only (a calibration sees no per-expert inputs).
-    check_shape("decoder.layers.0.mlp.experts.linear_fc1", (4, 64, 64), 32, method, False)
-    with pytest.raises(GigatronError, match=r"^decoder.layers.0.mlp.experts.linear_fc1: .*2-D"):
-        check_shape("decoder.layers.0.mlp.experts.linear_fc1", (4, 64, 64), 32, method, True)
+    # Grouped expert weights: weight-only methods (RTN or GPTQ per expert), not AWQ / fp8.
+    experts = "decoder.layers.0.mlp.experts.linear_fc1"
+    check_shape(experts, (4, 64, 64), 32, method, False)
+    check_shape(experts, (4, 64, 64), 32, method, True)
+    for name in ("int4-awq", "fp8-tensor"):
+        with pytest.raises(GigatronError, match=rf"^{experts}: .*--method {name} quantizes 2-D"):
+            check_shape(experts, (4, 64, 64), 32, METHODS[name], True)
     # A Mamba mixer: weight-only methods (GPTQ too), not AWQ / SmoothQuant / fp8.
     mixer = "decoder.layers.2.mixer.in_proj"
     assert quantized_layer(f"{mixer}.weight") == mixer

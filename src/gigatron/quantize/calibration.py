@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from gigatron.data.indexed import IndexedDataset, dataset_exists
 from gigatron.data.json_lines import json_lines
@@ -22,13 +23,14 @@ from gigatron.data.tokenizers import build_run_tokenizer
 from gigatron.errors import GigatronError
 from gigatron.families import get_family
 from gigatron.models.activation_quant import E4M3_MAX
+from gigatron.models.moe.experts import GroupedExperts
 from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.awq import awq
 from gigatron.quantize.folding import Calibrated, check_foldable
 from gigatron.quantize.fp8 import fp8_calibrated
 from gigatron.quantize.methods import Method
 from gigatron.quantize.reduction import ordered_sum
-from gigatron.quantize.rtn import quantized_layer
+from gigatron.quantize.rtn import quantize_weight, quantized_layer
 from gigatron.quantize.smoothquant import smoothquant
 from gigatron.quantize.split import SplitModel, is_split, largest_over_tp, stats_on_first
 
@@ -145,6 +147,41 @@ def _input_statistics(layer: str, whole: Any = None) -> Any:
     return record
 
 
+def _expert_statistics(name: str, experts: GroupedExperts) -> Any:
+    """A hook on grouped experts (`forward(x, tokens_per_expert)`, rows sorted by expert): the
+    statistics of each expert's fc1 input (the tokens routed to it) and fc2 input (its
+    activation of them), stacked [experts, ...]; an expert without tokens adds zeros."""
+    w1, b1 = experts.linear_fc1.weight, experts.linear_fc1.bias
+
+    def record(stats: Stats, inputs: tuple, _output: Any) -> None:
+        blocks = inputs[0].detach().split(inputs[1].tolist())
+        hidden = [
+            experts.activation(F.linear(x, w1[e], None if b1 is None else b1[e]))
+            for e, x in enumerate(blocks)
+        ]
+        for layer, xs in (("linear_fc1", blocks), ("linear_fc2", hidden)):
+            xs = [x.to(torch.float64) for x in xs]
+            key = f"{name}.{layer}"
+            _add(stats, f"{key}/xtx", torch.stack([x.T @ x for x in xs]))
+            _add(stats, f"{key}/abs", torch.stack([x.abs().sum(dim=0) for x in xs]))
+            _add(stats, f"{key}/absmax", torch.stack([_column_max(x) for x in xs]))
+            counts = torch.tensor([float(len(x)) for x in xs], dtype=torch.float64)
+            _add(stats, f"{key}/count", counts)
+
+    return record
+
+
+def _column_max(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().amax(dim=0) if len(x) else x.new_zeros(x.shape[1])
+
+
+def _per_input(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """A summed statistic over its number of inputs (per expert for grouped experts; an expert
+    without inputs keeps zeros)."""
+    count = count.clamp(min=1).reshape(*count.shape, *[1] * (total.dim() - count.dim()))
+    return total / count
+
+
 def collect_statistics(
     chunk: Any, samples: torch.Tensor, pctx: ParallelContext | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -159,13 +196,21 @@ def collect_statistics(
         for name, module in chunk.named_modules()
         if quantized_layer(f"{name}.weight") == name
     }
+    for name, module in chunk.named_modules():
+        if isinstance(module, GroupedExperts):
+            if split and chunk.pctx.tp_size > 1:
+                raise GigatronError(
+                    f"{name}: grouped experts are calibrated at tensor-parallel size 1 (each "
+                    "expert's whole input); drop --tensor-model-parallel-size"
+                )
+            hooks[name] = _expert_statistics(name, module)
     stats = sample_statistics(chunk, samples, hooks, "post", pctx)
     if split:
         stats = stats_on_first(stats, chunk.pctx)
     layers = [key[: -len("/xtx")] for key in stats if key.endswith("/xtx")]
     count = {layer: stats[f"{layer}/count"] for layer in layers}
-    hessians = {layer: 2 * stats[f"{layer}/xtx"] / count[layer] for layer in layers}
-    mean_abs = {layer: stats[f"{layer}/abs"] / count[layer] for layer in layers}
+    hessians = {layer: 2 * _per_input(stats[f"{layer}/xtx"], count[layer]) for layer in layers}
+    mean_abs = {layer: _per_input(stats[f"{layer}/abs"], count[layer]) for layer in layers}
     return hessians, mean_abs, {layer: stats[f"{layer}/absmax"] for layer in layers}
 
 
@@ -286,7 +331,21 @@ def _method_codes(
         return smoothquant(weights, input_max, list(hessians), method, gated_exact=exact)
     return Calibrated(
         layers={
-            layer: gptq(weights[f"{layer}.weight"], hessian, method, group_size)
+            layer: gptq_layer(weights[f"{layer}.weight"], hessian, method, group_size)
             for layer, hessian in hessians.items()
         }
     )
+
+
+def gptq_layer(
+    weight: torch.Tensor, hessian: torch.Tensor, method: Method, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's (codes, scales) of a 2-D weight, or of grouped experts [experts, out, in] each
+    with its own Hessian (an expert no calibration token reached: round-to-nearest)."""
+    if weight.dim() == 2:
+        return gptq(weight, hessian, method, group_size)
+    parts = [
+        gptq(w, h, method, group_size) if h.any() else quantize_weight(w, method, group_size)
+        for w, h in zip(weight, hessian)
+    ]
+    return torch.stack([c for c, _ in parts]), torch.stack([s for _, s in parts])

@@ -41,12 +41,11 @@ def check_shape(
     layer: str, shape: tuple[int, ...], group_size: int, method: Method, calibrating: bool
 ) -> None:
     """Refuse, naming the layer, a weight the method (or a calibration) cannot take."""
-    if len(shape) not in (2, 3) or (calibrating and len(shape) == 3):
+    if len(shape) not in (2, 3) or (method.calibration and len(shape) == 3):
         raise GigatronError(
-            f"{layer}: a weight of shape {tuple(shape)}; --method {method.name} "
-            f"{'with --calib-data ' if calibrating else ''}quantizes 2-D linear weights "
-            "(grouped [experts, out, in] expert weights by round-to-nearest only); quantize "
-            "with int8-weight or int4-weight without --calib-data"
+            f"{layer}: a weight of shape {tuple(shape)}; --method {method.name} quantizes 2-D "
+            "linear weights (grouped [experts, out, in] expert weights by int8-weight or "
+            "int4-weight: GPTQ per expert with --calib-data, else round-to-nearest)"
         )
     if calibrating and method.calibration and is_mamba_projection(layer):
         raise GigatronError(
