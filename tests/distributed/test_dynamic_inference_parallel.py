@@ -76,6 +76,9 @@ def _worker(rank: int, world_size: int, tp: int, pp: int) -> None:
             got = [c.output_ids for c in engine.generate(PROMPTS + PROMPTS[:2], params)]
         finally:
             engine.runner.stop_followers()
+        # Released once: a second call (serve's engine thread and main thread both release)
+        # sends nothing, or the followers' next loop would stop at once and this one wait.
+        engine.runner.stop_followers()
         assert got == expected + expected[:2], name
         assert len({tuple(t) for t in expected}) > 1, name
         stats = engine.stats()

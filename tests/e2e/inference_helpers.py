@@ -64,8 +64,19 @@ def free_port() -> int:
 
 
 def start_server(load: Path, *flags: str, nproc: int = 1, timeout_s: float = 180.0):
-    """(process, base url) of `gigatron serve` once /health answers; raises if it does not."""
-    port = free_port()
+    """(process, base url) of `gigatron serve` once /health answers; raises if it does not.
+    A port another process took after `free_port` chose it (torchrun's and Gloo's listening
+    sockets take ports too) is refused by the server at once: another port is tried."""
+    for _ in range(2):
+        try:
+            return _start_server_on(free_port(), load, flags, nproc, timeout_s)
+        except AssertionError as error:
+            if "cannot listen there" not in str(error):
+                raise
+    return _start_server_on(free_port(), load, flags, nproc, timeout_s)
+
+
+def _start_server_on(port: int, load: Path, flags: tuple, nproc: int, timeout_s: float):
     command = gigatron_command("serve", "--load", str(load), "--device", "cpu",
                                "--host", "127.0.0.1", "--port", str(port), *flags, nproc=nproc)  # fmt: skip
     process = subprocess.Popen(

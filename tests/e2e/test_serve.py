@@ -26,7 +26,7 @@ from inference_helpers import (
 )
 
 from gigatron.inference import SamplingParams
-from helpers import env, gigatron_command
+from helpers import env, gigatron, gigatron_command
 
 TIMEOUT = 60
 JSON = {"Content-Type": "application/json"}
@@ -388,6 +388,18 @@ def test_server_rejects_http_methods_and_paths(server):
 
 
 # ---- hardening: API keys, body limit, JSON only, unencodable prompts, disconnects -----------
+def test_a_port_in_use_is_refused_before_the_model_loads(checkpoint):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = gigatron("serve", "--load", str(checkpoint), "--device", "cpu",
+                          "--host", "127.0.0.1", "--port", str(port), check=False)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"--host 127.0.0.1 --port {port}: cannot listen there" in result.stderr
+    assert "Traceback" not in result.stderr and "gigatron serve:" not in result.stdout
+
+
 def test_api_keys_body_limit_json_only_and_openai_context_errors(checkpoint):
     process, url = start_server(checkpoint, "--api-key", "secret", "--max-request-bytes", "2000")
     try:

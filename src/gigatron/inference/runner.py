@@ -11,6 +11,7 @@ every rank (rank 0 needs it for the scheduler).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -109,12 +110,20 @@ class ModelRunner:
         self.device = self.cache.device
         grid = pctx.grid
         self.result_source = grid.rank_of(tp=0, cp=0, dp=0, pp=pctx.pp_size - 1)
+        # The server's engine thread and the main thread may both release the followers: one
+        # step's collectives at a time, and one stop plan (a second would wait forever).
+        self._step_lock = threading.Lock()
+        self._followers_released = False
 
     # ---- the step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan | None) -> StepResult | None:
         """Rank 0 passes the plan (broadcast to every rank); the others pass None and receive
         it. Returns the step's result on every rank (None for a `stop` plan)."""
+        with self._step_lock:
+            return self._execute(plan)
+
+    def _execute(self, plan: StepPlan | None) -> StepResult | None:
         plan = self._share(plan, source=0)
         if plan.stop:
             return None
@@ -142,9 +151,11 @@ class ModelRunner:
             pass
 
     def stop_followers(self) -> None:
-        """Rank 0: release the followers' loops."""
-        if self.pctx.world_size > 1:
-            self.execute(StepPlan(stop=True))
+        """Rank 0: release the followers' loops (once; later calls do nothing)."""
+        with self._step_lock:
+            if self.pctx.world_size > 1 and not self._followers_released:
+                self._followers_released = True
+                self._execute(StepPlan(stop=True))
 
     # ---- helpers --------------------------------------------------------------------------
     def _inputs(self, plan: StepPlan, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,9 @@ imported, so `--help` is quick); the application is inference/server.py's `creat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -57,13 +59,27 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(key.strip() for key in keys)
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use is refused at once
+    (and no other process can take it while the model loads)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise GigatronError(
+            f"--host {host} --port {port}: cannot listen there ({error.strerror or error}); "
+            "give a free --port, or an address of this machine as --host"
+        ) from None
+    return sock
+
+
 def main(argv: Sequence[str], attach: Attach | None = None) -> int:
     """`gigatron serve --load DIR [--port 5000]`; `attach` as in generate.main."""
     args = build_parser().parse_args(list(argv))
     check_engine_arguments(args, mtp=False)
-    # why here: torch-heavy modules load after the flags are parsed (a quick --help)
-    from gigatron.inference.load import load_for_inference, run_on_engine
-
     if not 0 < args.port < 65536:
         raise GigatronError(f"--port {args.port}: not a TCP port; use 1-65535")
     if args.max_request_bytes < 1:
@@ -71,11 +87,26 @@ def main(argv: Sequence[str], attach: Attach | None = None) -> int:
     keys = api_keys(args)
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError:
         raise GigatronError(
             "gigatron serve needs FastAPI and uvicorn: pip install 'gigatron[serve]'"
         ) from None
+    # Rank 0 serves (torchrun's RANK; one process: 0); its port is taken before the model loads.
+    sock = listening_socket(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
+    with sock or contextlib.nullcontext():
+        return _load_and_serve(args, keys, sock, attach)
+
+
+def _load_and_serve(
+    args: argparse.Namespace, keys: tuple[str, ...], sock: socket.socket | None,
+    attach: Attach | None,
+) -> int:  # fmt: skip
+    """Load the checkpoint; rank 0 serves HTTP on `sock`, the other ranks follow."""
+    # why here: torch-heavy modules load after the flags are parsed (a quick --help)
+    import uvicorn
+
+    from gigatron.inference.load import load_for_inference, run_on_engine
     from gigatron.parallel.context import destroy
 
     loaded = load_for_inference(args)
@@ -93,7 +124,8 @@ def main(argv: Sequence[str], attach: Attach | None = None) -> int:
             "POST /v1/chat/completions)",
             flush=True,
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.Server(config).run(sockets=[sock])
         return 0
 
     try:
