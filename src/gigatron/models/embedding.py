@@ -4,10 +4,10 @@ vocabulary size (computed here, once)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gigatron.errors import GigatronError
+from gigatron.models.dropout import dropout
 from gigatron.models.transformer import Norm
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.collectives import scatter_to_sequence_parallel_region
@@ -121,5 +121,5 @@ class LanguageModelEmbedding(nn.Module):
             x = self.embedding_norm(x)
         if self.sequence_parallel:
             with self.rng.fork():
-                return F.dropout(x, self.dropout, self.training)
-        return F.dropout(x, self.dropout, self.training)
+                return dropout(x, self.dropout, self.training)
+        return dropout(x, self.dropout, self.training)

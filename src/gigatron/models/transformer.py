@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from gigatron.errors import GigatronError
 from gigatron.models.activations import mlp_activation
+from gigatron.models.dropout import dropout, dropout_unscaled
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
 from gigatron.parallel.random import ModelParallelRNG, recompute
@@ -187,7 +188,8 @@ class CoreAttention(nn.Module):
 
     Paths: flash-attn (`--use-flash-attn`, causal masks only, no window or sinks), an explicit
     one when sinks, `--apply-query-key-layer-scaling` or `--attention-softmax-in-fp32` ask for
-    control of the softmax, and PyTorch's scaled_dot_product_attention otherwise.
+    control of the softmax (and on CPU with dropout, eager: docs/performance.md), and PyTorch's
+    scaled_dot_product_attention otherwise.
     """
 
     def __init__(
@@ -247,7 +249,7 @@ class CoreAttention(nn.Module):
             if self.window is not None:
                 attention_mask = self._windowed(attention_mask, seq, k.shape[0], q.device)
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
-            if self.explicit:
+            if self.explicit or _sdpa_falls_back(q, dropout_p):
                 out = self._explicit(qb, kb, vb, attention_mask, dropout_p)
             else:
                 out = F.scaled_dot_product_attention(
@@ -294,22 +296,30 @@ class CoreAttention(nn.Module):
         scores = torch.matmul(q * (self.scale / self.layer_coeff), k.transpose(-1, -2))
         if self.softmax_in_fp32:
             scores = scores.float()
-        scores = scores * self.layer_coeff
+        if self.layer_coeff != 1:
+            scores = scores * self.layer_coeff
         if attention_mask is None and self.causal:
             s_q, s_k = scores.shape[-2:]
             attention_mask = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).triu(1)
         if attention_mask is not None and attention_mask.is_floating_point():
             scores = scores + attention_mask.to(scores.dtype)
-        elif attention_mask is not None:
-            scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
+        elif attention_mask is not None:  # in place: the product's own buffer, not saved
+            scores = scores.masked_fill_(attention_mask, torch.finfo(scores.dtype).min)
         if self.softmax_offset is None:
             probs = scores.softmax(dim=-1)
         else:
             sink = self.softmax_offset.to(scores.dtype).view(1, -1, 1, 1)
             sink = sink.expand(*scores.shape[:-1], 1)
             probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        probs = F.dropout(probs.to(v.dtype), dropout_p, training=dropout_p > 0)
-        return torch.matmul(probs, v)
+        probs, scale = dropout_unscaled(probs.to(v.dtype), dropout_p, training=dropout_p > 0)
+        out = torch.matmul(probs, v)
+        return out if scale == 1.0 else out * scale  # the keep scale on [b, n, s, hn]
+
+
+def _sdpa_falls_back(q: torch.Tensor, dropout_p: float) -> bool:
+    """Whether SDPA would run its math fallback (CPU with dropout, eager), which also scans
+    the scores for fully masked rows: the explicit path computes the same, cheaper."""
+    return dropout_p > 0 and q.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _sdpa_mask(attention_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -544,7 +554,7 @@ class ResidualLayer(nn.Module):
         draws = self.training and self.hidden_dropout > 0 and not torch.compiler.is_compiling()
         fork = self.rng.fork() if self.sequence_parallel and draws else contextlib.nullcontext()
         with fork:
-            return residual + F.dropout(branch, self.hidden_dropout, self.training)
+            return residual + dropout(branch, self.hidden_dropout, self.training)
 
 
 class TransformerLayer(ResidualLayer):
