@@ -113,17 +113,19 @@ def test_neighbours_move_the_logits_from_the_first_position_that_sees_them(gener
 
 
 def test_serve_answers_with_the_generated_tokens(setup, generated, monkeypatch):
-    """`gigatron serve` in this process: its app runs on a uvicorn server in a thread."""
+    """`gigatron serve` in this process: its uvicorn server runs in a thread while the test
+    asks it, then is told to exit."""
     answers = {}
+    port, serve_forever = free_port(), uvicorn.Server.run
 
-    def run(app, host, port, log_level):
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port()))
-        thread = threading.Thread(target=server.run)
+    def run(server, sockets=None):
+        thread = threading.Thread(target=serve_forever, args=(server, sockets))
         thread.start()
         try:
-            while not server.started:
+            deadline = time.monotonic() + 120
+            while not server.started and thread.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            url = f"http://127.0.0.1:{server.config.port}"
+            url = f"http://127.0.0.1:{port}"
             body = {"prompts": PROMPTS, "tokens_to_generate": STEPS, "top_k": 1}
             answers["api"] = requests.put(url + "/api", json=body, timeout=120).json()
             body = {"prompt": PROMPTS[0], "max_tokens": STEPS, "temperature": 0}
@@ -132,8 +134,8 @@ def test_serve_answers_with_the_generated_tokens(setup, generated, monkeypatch):
             server.should_exit = True
             thread.join()
 
-    monkeypatch.setattr(uvicorn, "run", run)
-    assert cli(["serve", *setup.flags()]) == 0
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert cli(["serve", *setup.flags("--port", str(port))]) == 0
     for i, record in enumerate(generated):
         assert answers["api"]["tokens"][i] == record["prompt_tokens"] + record["tokens"]
     assert answers["openai"].json()["choices"][0]["text"] == generated[0]["text"]
