@@ -5,6 +5,7 @@ combinations a method cannot take are refused naming the layer."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from task_helpers import model_flags
 
@@ -12,7 +13,9 @@ from gigatron.checkpoint.torch_format import CHECKPOINT_FILENAME, safe_load, sav
 from gigatron.cli import main as gigatron_main
 from gigatron.config import parse_config
 from gigatron.data.indexed import write_dataset
+from gigatron.inference.load import _quantize_activations
 from gigatron.models import build_model
+from gigatron.models.activation_quant import fake_quantize_fp8
 from gigatron.models.hybrid import build_model as build_hybrid
 from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.awq import layer_error
@@ -79,6 +82,12 @@ def test_grouped_expert_weights_round_to_nearest_per_expert(tmp_path, capsys):
 def _routed_hessians(chunk, samples):
     """By hand: each expert's fc1 and fc2 input Hessians 2 X^T X / n over the samples (X: the
     tokens routed to it, and its activation of them)."""
+    inputs = _routed_inputs(chunk, samples)
+    return {key: 2 * x.T @ x / len(x) for key, x in inputs.items()}
+
+
+def _routed_inputs(chunk, samples):
+    """By hand: each (expert layer, expert)'s inputs over the samples, float64."""
     inputs = {}
 
     def keep(name, experts):
@@ -91,13 +100,17 @@ def _routed_hessians(chunk, samples):
 
         return hook
 
-    for name, module in chunk.named_modules():
-        if name.endswith("mlp.experts"):
-            module.register_forward_pre_hook(keep(name, module))
+    handles = [
+        module.register_forward_pre_hook(keep(name, module))
+        for name, module in chunk.named_modules()
+        if name.endswith("mlp.experts")
+    ]
     with torch.no_grad():
         for row in samples:
             chunk(row[None, :], None)
-    return {key: 2 * torch.cat(x).T @ torch.cat(x) / len(torch.cat(x)) for key, x in inputs.items()}
+    for handle in handles:
+        handle.remove()
+    return {key: torch.cat(x) for key, x in inputs.items()}
 
 
 def test_grouped_experts_take_gptq_per_expert_on_their_routed_tokens(tmp_path):
@@ -187,3 +200,71 @@ def test_mamba_mixer_projections_take_gptq_and_refuse_awq(tmp_path, capsys):
         capsys.readouterr().err
     )  # fmt: skip
     assert not (tmp_path / "awq").exists()
+
+
+def _experts_by_hand(scales):
+    """A forward hook giving grouped experts' output by hand: per expert block, fc1's input and
+    fc2's input rounded to e4m3 with that expert's static scale."""
+
+    def hook(module, args, _output):
+        w1, w2 = module.linear_fc1.weight, module.linear_fc2.weight
+        fc1, fc2 = scales(module)
+        outputs = []
+        for e, x in enumerate(args[0].split(args[1].tolist())):
+            h = module.activation(fake_quantize_fp8(x, fc1[e]) @ w1[e].T)
+            outputs.append(fake_quantize_fp8(h, fc2[e]) @ w2[e].T)
+        return torch.cat(outputs)
+
+    return hook
+
+
+def test_grouped_experts_in_fp8_with_a_static_input_scale_per_expert(tmp_path):
+    cfg = parse_pretrain_config(
+        model_flags()
+        + ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--disable-bias-linear"],
+        world_size=1,
+    )
+    (chunk,) = build_model(cfg, ParallelContext.single(), vocab_size=50257)
+    _save(tmp_path / "ckpt", cfg, chunk.eval(), "gpt")
+    generator = torch.Generator().manual_seed(0)
+    data = tmp_path / "calib"
+    write_dataset(data, [[torch.randint(0, 50257, (400,), generator=generator).tolist()]])
+    argv = ["quantize", "--load", str(tmp_path / "ckpt"), "--method", "fp8-tensor",
+            "--calib-data", str(data), "--calib-size", "3", "--save", str(tmp_path / "fp8")]  # fmt: skip
+    assert gigatron_main(argv) == 0
+    packed, info = read_packed(tmp_path / "fp8")
+    original = chunk.state_dict()
+    samples = calibration_samples(str(data), None, cfg.model.seq_length, 3, 1234)
+    inputs = _routed_inputs(chunk, samples)
+    for layer in (
+        "decoder.layers.1.mlp.experts.linear_fc1",
+        "decoder.layers.0.mlp.experts.linear_fc2",
+    ):
+        weight = original[f"{layer}.weight"]
+        assert torch.equal(packed[f"{layer}.weight_scale"], weight.abs().amax((1, 2), True) / 448)
+        by_hand = [inputs[(layer, e)].abs().max().item() / 448 for e in range(4)]
+        assert info["input_scales"][layer] == pytest.approx(by_hand, rel=1e-6)
+        assert len(set(by_hand)) > 1  # each expert its own (top-2: a token reaches two)
+    loaded = build_model(cfg, ParallelContext.single(), vocab_size=50257)[0].eval()
+    loaded.load_state_dict(_saved(tmp_path / "fp8")["model"])
+    hand = build_model(cfg, ParallelContext.single(), vocab_size=50257)[0].eval()
+    hand.load_state_dict(loaded.state_dict())
+    _quantize_activations([loaded], tmp_path / "fp8", None, 1)  # what evaluate/generate do
+    scales = info["input_scales"]
+    for name, module in hand.named_modules():
+        if name.endswith("mlp.experts"):
+            module.register_forward_hook(_experts_by_hand(
+                lambda m, n=name: (scales[f"{n}.linear_fc1"], scales[f"{n}.linear_fc2"])
+            ))  # fmt: skip
+    for layer in info["layers"]:
+        if "experts" not in layer:
+            hand.get_submodule(layer).register_forward_pre_hook(
+                lambda _, x, s=scales[layer]: (fake_quantize_fp8(x[0], s),)
+            )
+    tokens = samples[:2]
+    with torch.no_grad():
+        ours = loaded(tokens, None)
+        weights_only = build_model(cfg, ParallelContext.single(), vocab_size=50257)[0].eval()
+        weights_only.load_state_dict(loaded.state_dict())
+        torch.testing.assert_close(ours, hand(tokens, None), rtol=1e-5, atol=1e-5)
+        assert (ours - weights_only(tokens, None)).abs().max() > 1e-3

@@ -81,11 +81,13 @@ def test_shapes_the_method_cannot_take_are_refused_naming_the_layer():
     with pytest.raises(GigatronError, match=r"^decoder.layers.1.mlp.linear_fc2: 96 input features"):
         check_shape("decoder.layers.1.mlp.linear_fc2", (64, 96), 64, method, False)
     check_shape("decoder.layers.1.mlp.linear_fc2", (64, 96), 32, method, False)
-    # Grouped expert weights: weight-only methods (RTN or GPTQ per expert), not AWQ / fp8.
+    # Grouped expert weights: weight-only methods (RTN or GPTQ per expert) and fp8, not AWQ or
+    # SmoothQuant (scales folded into a norm every expert shares).
     experts = "decoder.layers.0.mlp.experts.linear_fc1"
     check_shape(experts, (4, 64, 64), 32, method, False)
     check_shape(experts, (4, 64, 64), 32, method, True)
-    for name in ("int4-awq", "fp8-tensor"):
+    check_shape(experts, (4, 64, 64), 64, METHODS["fp8-channel"], True)
+    for name in ("int4-awq", "int8-smoothquant"):
         with pytest.raises(GigatronError, match=rf"^{experts}: .*--method {name} quantizes 2-D"):
             check_shape(experts, (4, 64, 64), 32, METHODS[name], True)
     # A Mamba mixer: weight-only methods (GPTQ too), not AWQ / SmoothQuant / fp8.

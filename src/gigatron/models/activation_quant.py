@@ -7,6 +7,7 @@ static scale per layer (`fp8-*`), x / scale clamped to +-448 and rounded to e4m3
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,8 +28,8 @@ def fake_quantize_tokens(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (torch.round(values / safe).clamp(-top, top - 1) * safe).to(x.dtype)
 
 
-def fake_quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x rounded to e4m3 values times a static scale."""
+def fake_quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 values times a static scale (a tensor: broadcast, e.g. per row)."""
     values = (x.to(torch.float32) / scale).clamp(-E4M3_MAX, E4M3_MAX)
     return (values.to(torch.float8_e4m3fn).to(torch.float32) * scale).to(x.dtype)
 
@@ -48,6 +49,10 @@ def quantize_linear_inputs(
             "--target-tensor-parallel-size 1"
         )
     wanted = set(layers)
+    experts = {layer for layer in wanted if is_grouped_experts(layer)}
+    if experts:
+        _quantize_expert_inputs(chunks, experts, static_scales)
+        wanted -= experts
 
     def hook(layer: str) -> Any:
         def quantize(_module: Any, inputs: tuple) -> tuple:
@@ -58,6 +63,52 @@ def quantize_linear_inputs(
         return quantize
 
     return _hook_modules(chunks, wanted, hook, "quantizes the inputs of layers")
+
+
+def is_grouped_experts(layer: str) -> bool:
+    """Whether a quantized layer is grouped experts' stacked weight ([experts, out, in])."""
+    return re.fullmatch(r".*\.experts\.linear_fc[12]", layer) is not None
+
+
+def expert_input_quantizer(fc1: torch.Tensor, fc2: torch.Tensor) -> Any:
+    """GroupedExperts' `input_quantizer` for per-expert static fp8 scales of fc1's and fc2's
+    inputs ([experts] each)."""
+    scales = (fc1, fc2)
+
+    def quantize(x: torch.Tensor, experts: Any, which: int) -> torch.Tensor:
+        own = scales[which].to(x.device)
+        if isinstance(experts, int):  # one expert's block
+            return fake_quantize_fp8(x, own[experts])
+        rows = own.repeat_interleave(experts.to(x.device), output_size=x.shape[0])
+        return fake_quantize_fp8(x, rows[:, None])
+
+    return quantize
+
+
+def _quantize_expert_inputs(
+    chunks: Iterable[nn.Module], layers: set[str], static_scales: dict[str, Any] | None
+) -> None:
+    """Each grouped experts module whose fc1 and fc2 have per-expert fp8 input scales."""
+    if static_scales is None:
+        raise GigatronError(
+            f"--load: {min(layers)}: grouped experts take static fp8 input scales only; "
+            "quantize them with int8-weight, int4-weight or fp8-*"
+        )
+    modules = {name: m for chunk in chunks for name, m in chunk.named_modules()}
+    for name in sorted({layer.rsplit(".", 1)[0] for layer in layers}):
+        module = modules.get(name)
+        if module is None:
+            continue  # another pipeline stage's
+        fc1, fc2 = (
+            torch.tensor(static_scales[f"{name}.{w}"]) for w in ("linear_fc1", "linear_fc2")
+        )
+        if len(fc1) != module.linear_fc1.weight.shape[0]:
+            raise GigatronError(
+                f"--load: {name}: {len(fc1)} experts' input scales for "
+                f"{module.linear_fc1.weight.shape[0]} local experts; run at expert-parallel "
+                "size 1"
+            )
+        module.input_quantizer = expert_input_quantizer(fc1, fc2)
 
 
 def quantize_kv_cache(chunks: Iterable[nn.Module], scales: dict[str, list[float]]) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from gigatron.checkpoint.pipeline import Target, read_gigatron, write_gigatron
 from gigatron.errors import GigatronError
+from gigatron.models.activation_quant import is_grouped_experts
 from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.calibration import calibrate
 from gigatron.quantize.folding import Calibrated
@@ -193,7 +194,11 @@ def _header(
             "weight_scales": method.weight_scales, **(calibration or {}), "layers": layers}  # fmt: skip
     extra = calibrated.extra if calibrated else {}
     if method.number == "float":  # static input scales, read at load time
-        info["input_scales"] = {layer: extra[f"{layer}.input_scale"].item() for layer in layers}
+        info["input_scales"] = {  # grouped experts: one per expert
+            layer: (extra[f"{layer}.input_scale"].tolist() if is_grouped_experts(layer)
+                    else extra[f"{layer}.input_scale"].item())
+            for layer in layers
+        }  # fmt: skip
     if calibrated and calibrated.kv_cache:  # static fp8 KV-cache scales, read at load time
         info["kv_cache_scales"] = calibrated.kv_cache
     return info

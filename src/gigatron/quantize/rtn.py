@@ -41,11 +41,11 @@ def check_shape(
     layer: str, shape: tuple[int, ...], group_size: int, method: Method, calibrating: bool
 ) -> None:
     """Refuse, naming the layer, a weight the method (or a calibration) cannot take."""
-    if len(shape) not in (2, 3) or (method.calibration and len(shape) == 3):
+    if len(shape) not in (2, 3) or (method.calibration not in (None, "fp8") and len(shape) == 3):
         raise GigatronError(
             f"{layer}: a weight of shape {tuple(shape)}; --method {method.name} quantizes 2-D "
             "linear weights (grouped [experts, out, in] expert weights by int8-weight or "
-            "int4-weight: GPTQ per expert with --calib-data, else round-to-nearest)"
+            "int4-weight: GPTQ per expert with --calib-data, else round-to-nearest; or fp8-*)"
         )
     if calibrating and method.calibration and is_mamba_projection(layer):
         raise GigatronError(
@@ -76,13 +76,13 @@ def quantize_weight(
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes x scales, each scale repeated over its group, in `dtype`."""
+    """codes x scales, each scale repeated over its group (a per-tensor scale [..., 1, 1] over
+    its tensor's rows too), in `dtype`."""
     *lead, cols = codes.shape
-    group_size = cols // scales.shape[-1]
-    flat = scales.reshape(-1, scales.shape[-1])
-    rows = math.prod(lead)
-    groups = codes.to(torch.float32).reshape(rows, -1, group_size) * flat[..., None]
-    return groups.reshape(*lead, cols).to(dtype)
+    groups = scales.shape[-1]
+    scales = scales.expand(*lead, groups)
+    values = codes.to(torch.float32).reshape(*lead, groups, cols // groups) * scales[..., None]
+    return values.reshape(*lead, cols).to(dtype)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,9 @@ product, computed with the loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +132,10 @@ class GroupedExperts(nn.Module):
         # Probed here, not in forward: a probe inside a checkpointed forward would save tensors
         # that its recomputation does not.
         self.grouped_gemm_used = grouped_gemm and self._grouped_gemm_available(device)
+        # `input_quantizer(x, experts, which)`: fc1's (which 0) or fc2's (1) input rounded as a
+        # quantized checkpoint's experts compute (models/activation_quant.py); `experts` is
+        # tokens_per_expert (rows sorted by expert) or one expert's index. None: not quantized.
+        self.input_quantizer: Callable[[torch.Tensor, Any, int], torch.Tensor] | None = None
 
     def _grouped_gemm_available(self, device: torch.device) -> bool:
         # `device`, not the weight's: weights built on meta (--init-model-with-meta-device) are
@@ -147,13 +153,14 @@ class GroupedExperts(nn.Module):
             return self._forward_adapted(x, tokens_per_expert)
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         b1, b2 = self.linear_fc1.bias, self.linear_fc2.bias
+        x = self._quantized(x, tokens_per_expert, 0)
         # guard_or_false: a data-dependent row count (capacity drops, compiled) takes the loop.
         if self.grouped_gemm_used and _grouped_mm_traceable(x) and guard_or_false(x.shape[0] > 0):
             offsets = tokens_per_expert.cumsum(0).to(torch.int32)
             h = _ContiguousGrad.apply(torch._grouped_mm(x, w1.transpose(1, 2), offs=offsets))
             if b1 is not None:
                 h = h + _rows_of_experts(b1, tokens_per_expert, x.shape[0])
-            h = self._activate(h)
+            h = self._quantized(self._activate(h), tokens_per_expert, 1)
             y = _ContiguousGrad.apply(torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets))
             if b2 is not None:
                 y = y + _rows_of_experts(b2, tokens_per_expert, x.shape[0])
@@ -161,7 +168,9 @@ class GroupedExperts(nn.Module):
         blocks = x.split(tokens_per_expert.tolist())
         outputs = [
             F.linear(
-                self._activate(F.linear(block, w1[e], None if b1 is None else b1[e])),
+                self._quantized(
+                    self._activate(F.linear(block, w1[e], None if b1 is None else b1[e])), e, 1
+                ),
                 w2[e],
                 None if b2 is None else b2[e],
             )
@@ -184,9 +193,10 @@ class GroupedExperts(nn.Module):
         """The loop over the experts' blocks (the reference path), each weight's product plus
         its adapter's output."""
         counts = tokens_per_expert.tolist()
-        for holder in self._weights():
+        for which, holder in enumerate(self._weights()):
             if holder is self.linear_fc2:
                 x = self._activate(x)
+            x = self._quantized(x, tokens_per_expert, which)
             w, b = holder.weight, holder.bias
             blocks = x.split(counts)
             y = torch.cat(
@@ -195,6 +205,9 @@ class GroupedExperts(nn.Module):
             adapter = getattr(holder, "adapter", None)
             x = y if adapter is None else y + adapter(x, tokens_per_expert)
         return x
+
+    def _quantized(self, x: torch.Tensor, experts: Any, which: int) -> torch.Tensor:
+        return x if self.input_quantizer is None else self.input_quantizer(x, experts, which)
 
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         if self.recompute_activation and self.training and torch.is_grad_enabled():
