@@ -113,15 +113,21 @@ def _routed_inputs(chunk, samples):
     return {key: torch.cat(x) for key, x in inputs.items()}
 
 
-def test_grouped_experts_take_gptq_per_expert_on_their_routed_tokens(tmp_path):
-    cfg = parse_pretrain_config(
-        model_flags() + ["--num-experts", "4", "--moe-ffn-hidden-size", "64"], world_size=1
-    )
+def _moe_checkpoint(tmp_path, *flags: str):
+    """(cfg, model, calibration data prefix): a 4-expert GPT saved as tmp_path/ckpt, and 400
+    random tokens."""
+    moe = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", *flags]
+    cfg = parse_pretrain_config(model_flags() + moe, world_size=1)
     (chunk,) = build_model(cfg, ParallelContext.single(), vocab_size=50257)
     _save(tmp_path / "ckpt", cfg, chunk.eval(), "gpt")
     generator = torch.Generator().manual_seed(0)
     data = tmp_path / "calib"
     write_dataset(data, [[torch.randint(0, 50257, (400,), generator=generator).tolist()]])
+    return cfg, chunk, data
+
+
+def test_grouped_experts_take_gptq_per_expert_on_their_routed_tokens(tmp_path):
+    cfg, chunk, data = _moe_checkpoint(tmp_path)
     argv = ["quantize", "--load", str(tmp_path / "ckpt"), "--method", "int4-weight",
             "--group-size", "32", "--calib-data", str(data), "--calib-size", "3"]  # fmt: skip
     assert gigatron_main([*argv, "--save", str(tmp_path / "gptq")]) == 0
@@ -219,16 +225,7 @@ def _experts_by_hand(scales):
 
 
 def test_grouped_experts_in_fp8_with_a_static_input_scale_per_expert(tmp_path):
-    cfg = parse_pretrain_config(
-        model_flags()
-        + ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--disable-bias-linear"],
-        world_size=1,
-    )
-    (chunk,) = build_model(cfg, ParallelContext.single(), vocab_size=50257)
-    _save(tmp_path / "ckpt", cfg, chunk.eval(), "gpt")
-    generator = torch.Generator().manual_seed(0)
-    data = tmp_path / "calib"
-    write_dataset(data, [[torch.randint(0, 50257, (400,), generator=generator).tolist()]])
+    cfg, chunk, data = _moe_checkpoint(tmp_path, "--disable-bias-linear")
     argv = ["quantize", "--load", str(tmp_path / "ckpt"), "--method", "fp8-tensor",
             "--calib-data", str(data), "--calib-size", "3", "--save", str(tmp_path / "fp8")]  # fmt: skip
     assert gigatron_main(argv) == 0
