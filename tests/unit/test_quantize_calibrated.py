@@ -470,11 +470,14 @@ def test_trtllm_smoothquant_checkpoint_by_hand(runs):
         assert torch.equal(ours[f"{theirs}.{norm}.scale_to_int"], torch.ones(1))
 
 
-def test_trtllm_checkpoint_of_int8_weights_holds_the_fake_quantized_weights(runs):
+def test_trtllm_checkpoint_of_int8_weights_holds_the_fake_quantized_weights(runs, capsys):
     assert gigatron_main(["quantize", "--load", str(runs / "ckpt"), "--method", "int8-weight",
                           "--group-size", str(GROUP), "--save", str(runs / "int8"),
                           "--hf-save", str(runs / "trt-int8"), "--export-format",
                           "trtllm"]) == 0  # fmt: skip
+    assert "note: int8-weight is stored as its fake-quantized weights in float32" in (
+        capsys.readouterr().out
+    )  # fmt: skip
     config = json.loads((runs / "trt-int8" / "config.json").read_text())
     assert config["quantization"]["quant_algo"] is None
     ours = _read_all(runs / "trt-int8" / "rank0.safetensors")

@@ -202,6 +202,12 @@ def export_trtllm(load: str | Path, save: str | Path, log: Any = print) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"exported {load} ({info['method']}) as a TensorRT-LLM checkpoint to {save}")
+    if info["method"] not in ALGORITHMS:
+        log(
+            f"note: {info['method']} is stored as its fake-quantized weights in {dtype} "
+            "(quant_algo null): TensorRT-LLM's int8 weight-only layout needs its own CUDA "
+            "preprocessing (docs/quantization.md, 'Export to TensorRT-LLM')"
+        )
     return save
 
 
