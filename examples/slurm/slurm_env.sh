@@ -17,7 +17,9 @@ export LOCAL_WORLD_SIZE="${SLURM_NTASKS_PER_NODE:-1}"
 LOCAL_WORLD_SIZE="${LOCAL_WORLD_SIZE%%(*}"  # "8(x2)" -> 8
 export LOCAL_WORLD_SIZE
 if [[ -z "${MASTER_ADDR:-}" ]]; then
-  MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | head -n 1)"
+  # sed reads every line: head would exit early and, under pipefail, scontrol's SIGPIPE
+  # would end this script (exit 141)
+  MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | sed -n 1p)"
 fi
 export MASTER_ADDR
 export MASTER_PORT="${MASTER_PORT:-29500}"

@@ -66,7 +66,8 @@ def test_the_slurm_script_sets_the_torchrun_environment(tmp_path):
     """examples/slurm/slurm_env.sh: what srun gives a task becomes what gigatron reads."""
     script = str(ROOT / "examples" / "slurm" / "slurm_env.sh")
     scontrol = tmp_path / "scontrol"  # Slurm's node-list expansion, as on a cluster
-    scontrol.write_text("#!/bin/sh\necho node-a\necho node-b\n")
+    # A long node list: a reader that stops at the first line would SIGPIPE it (pipefail).
+    scontrol.write_text("#!/bin/sh\necho node-a\nseq -f 'node-%g' 1 200000\n")
     scontrol.chmod(0o755)
     slurm = env(SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1",
                 SLURM_NTASKS_PER_NODE="4(x2)", SLURM_JOB_NODELIST="node-[a-b]",
