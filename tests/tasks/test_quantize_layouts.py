@@ -10,16 +10,21 @@ Under torchrun (one launch of 4 processes, two commands) the calibration's model
 - `--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2`: a row-parallel layer adds
   its partial products over tp in another order, so the inputs of the layers after it differ in
   the last bits: at least 99% of the codes equal, the others off by one code, scales within
-  1e-5 relative (measured here: all codes equal, scales within 3e-7)."""
+  1e-5 relative (measured here: all codes equal, scales within 3e-7). The same for a 4-expert
+  MoE model at `--tensor-model-parallel-size 2` (its experts split over expert tensor
+  parallelism: fc2's input features gathered before its statistics)."""
 
 from __future__ import annotations
 
 import torch
-from task_helpers import lambada_texts, save, tiny_model
+from task_helpers import lambada_texts, model_flags, save, tiny_model
 
 from gigatron.cli import main as gigatron_main
+from gigatron.models import build_model
+from gigatron.parallel.context import ParallelContext
 from gigatron.quantize.checkpoint import read_packed
 from gigatron.quantize.rtn import unpack_int4
+from gigatron.training.pretrain import parse_pretrain_config
 from helpers import gigatron_runs, write_jsonl
 
 SPLIT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -39,11 +44,16 @@ def test_gptq_codes_of_a_tp2_pp2_checkpoint_and_split_calibrations(tmp_path):
                 "--method", "int4-weight", "--group-size", "32", "--calib-data", str(data),
                 "--calib-size", "6", "--seed", "3", "--kv-cache-dtype", "fp8", *split]  # fmt: skip
 
+    moe_flags = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--disable-bias-linear"]
+    moe_cfg = parse_pretrain_config(model_flags() + moe_flags, world_size=1)
+    (moe,) = build_model(moe_cfg, ParallelContext.single(), vocab_size=50257)
+    save(tmp_path / "moe", moe_cfg, moe.eval())
     gigatron_runs(tmp_path, {
         "pp2": (4, argv("tp2pp2", "pp2-q", *SPLIT[2:])),
         "tp2pp2": (4, argv("tp2pp2", "split-q", *SPLIT)),
+        "moe-tp2": (4, argv("moe", "moe-tp2-q", *SPLIT[:2])),
     })  # fmt: skip
-    for name in ("tp1", "tp2pp2"):
+    for name in ("tp1", "tp2pp2", "moe"):
         assert gigatron_main(argv(name, f"{name}-q")) == 0
     single, info = read_packed(tmp_path / "tp1-q")
     assert info["algorithm"] == "gptq" and len(info["kv_cache_scales"]) == 2
@@ -54,6 +64,10 @@ def test_gptq_codes_of_a_tp2_pp2_checkpoint_and_split_calibrations(tmp_path):
     ranks = sorted(p.name for p in (tmp_path / "tp2pp2-q").glob("iter_*/mp_rank_*"))
     assert ranks == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     _assert_close_to_one_process(single, info, *read_packed(tmp_path / "split-q"))
+    # Grouped experts at tp 2: fc2's input slices are gathered over expert tensor parallelism.
+    single, info = read_packed(tmp_path / "moe-q")
+    assert "decoder.layers.0.mlp.experts.linear_fc2" in info["layers"]
+    _assert_close_to_one_process(single, info, *read_packed(tmp_path / "moe-tp2-q"))
 
 
 def _assert_close_to_one_process(single: dict, info: dict, split: dict, split_info: dict) -> None:

@@ -147,18 +147,22 @@ def _input_statistics(layer: str, whole: Any = None) -> Any:
     return record
 
 
-def _expert_statistics(name: str, experts: GroupedExperts) -> Any:
+def _expert_statistics(name: str, experts: GroupedExperts, whole: Any = None) -> Any:
     """A hook on grouped experts (`forward(x, tokens_per_expert)`, rows sorted by expert): the
     statistics of each expert's fc1 input (the tokens routed to it) and fc2 input (its
-    activation of them), stacked [experts, ...]; an expert without tokens adds zeros."""
+    activation of them), stacked [experts, ...]; an expert without tokens adds zeros.
+    `whole(h)`: the activation's features gathered over expert tensor parallelism (split)."""
     w1, b1 = experts.linear_fc1.weight, experts.linear_fc1.bias
 
     def record(stats: Stats, inputs: tuple, _output: Any) -> None:
-        blocks = inputs[0].detach().split(inputs[1].tolist())
+        counts = inputs[1].tolist()
+        blocks = inputs[0].detach().split(counts)
         hidden = [
             experts.activation(F.linear(x, w1[e], None if b1 is None else b1[e]))
             for e, x in enumerate(blocks)
         ]
+        if whole is not None:  # one gather for every expert's rows
+            hidden = list(whole(torch.cat(hidden)).split(counts))
         for layer, xs in (("linear_fc1", blocks), ("linear_fc2", hidden)):
             xs = [x.to(torch.float64) for x in xs]
             key = f"{name}.{layer}"
@@ -198,12 +202,8 @@ def collect_statistics(
     }
     for name, module in chunk.named_modules():
         if isinstance(module, GroupedExperts):
-            if split and chunk.pctx.tp_size > 1:
-                raise GigatronError(
-                    f"{name}: grouped experts are calibrated at tensor-parallel size 1 (each "
-                    "expert's whole input); drop --tensor-model-parallel-size"
-                )
-            hooks[name] = _expert_statistics(name, module)
+            gather = chunk.gather_expert_features if split else None
+            hooks[name] = _expert_statistics(name, module, gather)
     stats = sample_statistics(chunk, samples, hooks, "post", pctx)
     if split:
         stats = stats_on_first(stats, chunk.pctx)

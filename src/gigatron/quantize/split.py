@@ -90,6 +90,17 @@ class SplitModel:
         dist.all_gather(parts, x.contiguous(), group=self.pctx.group("tp"))
         return merge_partitions(parts, x.dim() - 1, module.weight.partition_stride)
 
+    def gather_expert_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Grouped experts' fc2 input [rows, ffn / etp] as [rows, ffn]: each expert-tp rank's
+        slice of the features, in rank order (fc2's weight is split along them contiguously);
+        every rank holds all the rows (no sequence parallelism here)."""
+        pctx = self.pctx
+        if pctx.etp_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(pctx.etp_size)]
+        dist.all_gather(parts, x.contiguous(), group=pctx.group("expert_tp"))
+        return torch.cat(parts, dim=-1)
+
 
 def check_split(model: Any, tp: int, pp: int) -> None:
     """Refuse, with quantize's flag names, a layout the model does not split into."""
