@@ -169,8 +169,8 @@ def _expert_statistics(name: str, experts: GroupedExperts, whole: Any = None) ->
             _add(stats, f"{key}/xtx", torch.stack([x.T @ x for x in xs]))
             _add(stats, f"{key}/abs", torch.stack([x.abs().sum(dim=0) for x in xs]))
             _add(stats, f"{key}/absmax", torch.stack([_column_max(x) for x in xs]))
-            counts = torch.tensor([float(len(x)) for x in xs], dtype=torch.float64)
-            _add(stats, f"{key}/count", counts)
+            rows = torch.tensor([float(len(x)) for x in xs], dtype=torch.float64)
+            _add(stats, f"{key}/count", rows)
 
     return record
 
