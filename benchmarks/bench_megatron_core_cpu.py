@@ -233,7 +233,7 @@ def ablate(args: argparse.Namespace) -> None:
 
         from gigatron.parallel import tensor_parallel
 
-        def torch_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        def torch_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, _overwrite=False):
             flat = logits.float().reshape(-1, logits.shape[-1])
             return F.cross_entropy(flat, labels.reshape(-1), reduction="none").view(labels.shape)
 

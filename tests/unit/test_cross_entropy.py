@@ -88,3 +88,27 @@ def test_logits_are_left_untouched():
     for fn in FUNCTIONS.values():
         fn(logits, labels).sum().backward()
         assert torch.equal(logits.detach(), before)
+
+
+def test_overwritten_logits_give_the_same_losses_and_gradients():
+    """`overwrite_logits`: an output layer's float32 product becomes the log-probabilities in
+    place (its matmul's backward reads the inputs only); bf16 logits are left alone."""
+    labels = torch.randint(0, VOCAB, (SEQ, BATCH))
+    weights = torch.rand(SEQ, BATCH)
+    results = []
+    for overwrite in (False, True):
+        hidden = torch.linspace(-1, 1, SEQ * BATCH * 16).view(SEQ, BATCH, 16).requires_grad_()
+        weight = torch.linspace(-2, 2, VOCAB * 16).view(VOCAB, 16).requires_grad_()
+        logits = hidden @ weight.t()
+        before = logits.detach().clone()
+        pctx = ParallelContext.single()
+        loss = vocab_parallel_cross_entropy(logits, labels, pctx, overwrite_logits=overwrite)
+        expected = before.log_softmax(-1) if overwrite else before
+        torch.testing.assert_close(logits.detach(), expected)
+        (loss * weights).sum().backward()
+        results.append((loss.detach(), hidden.grad, weight.grad))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+    bf16 = torch.randn(SEQ, BATCH, VOCAB).bfloat16()
+    before = bf16.clone()
+    vocab_parallel_cross_entropy(bf16, labels, ParallelContext.single(), overwrite_logits=True)
+    assert torch.equal(bf16, before)

@@ -1,6 +1,6 @@
 """models/dropout.py: the CPU dropout mask from 16-bit random lanes (its rate, scale, gradient and
-determinism), `F.dropout` where it is not used, and the core attention's dropout on CPU equal to
-softmax by hand with the same mask."""
+determinism), where it is not used, the same mask inside a compiled graph
+(the core attention's: test_cpu_attention.py)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,9 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from test_transformer import tiny_config
+from torch.utils.checkpoint import checkpoint
 
-from gigatron.models import build_model
 from gigatron.models.dropout import LANES, dropout, keep_mask
-from gigatron.parallel.context import ParallelContext
-from gigatron.parallel.random import ModelParallelRNG
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.03])
@@ -49,29 +45,26 @@ def test_f_dropout_where_the_cheap_mask_does_not_apply():
     assert torch.equal(dropout(x, 0.5, training=False), x)
     assert torch.equal(dropout(x, 0.0), x)
     assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
-    torch.manual_seed(0)
-    compiled = torch.compile(lambda t: dropout(t, 0.5), backend="eager")(x)
-    torch.manual_seed(0)
-    assert torch.equal(compiled, F.dropout(x, 0.5))  # inside a graph: F.dropout's draw
 
 
-def test_core_attention_dropout_on_cpu_is_softmax_by_hand_with_the_mask():
-    cfg = tiny_config(attention_dropout=0.3)
-    (model,) = build_model(cfg, ParallelContext.single())
-    core = model.get_submodule("decoder.layers.0.self_attention.core_attention").train()
-    s, b, heads, dim = 16, 2, 4, 16
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(s, b, heads, dim, generator=g) for _ in range(3))
-    state = core.rng.get_state()
-    out = core(q, k, v, None)
-    rng = ModelParallelRNG(0)
-    rng.set_state(state)
-    with rng.fork():  # the model-parallel stream the attention draws from
-        keep, scale = keep_mask(torch.Size((b, heads, s, s)), 0.3)
-    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    scores = qb @ kb.transpose(-1, -2) / math.sqrt(dim)
-    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    by_hand = (torch.where(keep, scores.softmax(-1), 0.0) @ vb) * scale
-    torch.testing.assert_close(out, by_hand.permute(2, 0, 1, 3).reshape(s, b, -1))
-    core.eval()
-    assert not torch.allclose(core(q, k, v, None), out)  # dropout really acted
+def _dropout_and_grads(fn, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.linspace(-1, 1, 4097).view(17, 241).requires_grad_()
+    torch.manual_seed(seed)
+    y = fn(x)
+    (y * y.detach().cos()).sum().backward()
+    return y.detach(), x.grad
+
+
+def _checkpointed(x: torch.Tensor) -> torch.Tensor:
+    return checkpoint(lambda t: dropout(t.sin(), 0.3).exp(), x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("fn", [lambda t: dropout(t.sin(), 0.3).exp(), _checkpointed])
+def test_a_compiled_graph_draws_the_same_cpu_mask_as_eager(fn):
+    """Inside a compiled graph (inductor) the operator draws the eager mask from the default
+    generator, also when dynamo's checkpoint recomputes it in backward."""
+    eager = _dropout_and_grads(fn)
+    torch._dynamo.reset()
+    compiled = _dropout_and_grads(torch.compile(fn, backend="inductor"))
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(_dropout_and_grads(fn, seed=1)[0], eager[0])  # the mask acts

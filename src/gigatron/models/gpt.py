@@ -118,7 +118,9 @@ class GPTModel(LanguageModelStage):
         fused = self.config.kernels.linear_cross_entropy
         if fused is None:
             logits = self.output_layer(hidden, self.output_weight())
-            return vocab_parallel_cross_entropy(logits, labels.t(), self.pctx).t()
+            return vocab_parallel_cross_entropy(
+                logits, labels.t(), self.pctx, overwrite_logits=True
+            ).t()
         seq, batch, size = hidden.shape
         losses = fused(hidden.reshape(-1, size), self.output_weight(), labels.t().reshape(-1))
         return losses.view(seq, batch).t()

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from gigatron.errors import GigatronError
 from gigatron.models.activations import mlp_activation
+from gigatron.models.cpu_attention import causal_attention_with_dropout
 from gigatron.models.dropout import dropout, dropout_unscaled
 from gigatron.models.transformer_config import TransformerConfig
 from gigatron.parallel.context import ParallelContext
@@ -188,8 +189,9 @@ class CoreAttention(nn.Module):
 
     Paths: flash-attn (`--use-flash-attn`, causal masks only, no window or sinks), an explicit
     one when sinks, `--apply-query-key-layer-scaling` or `--attention-softmax-in-fp32` ask for
-    control of the softmax (and on CPU with dropout, eager: docs/performance.md), and PyTorch's
-    scaled_dot_product_attention otherwise.
+    control of the softmax (and on CPU with dropout and a data mask, eager), causal attention
+    with dropout on CPU block by block (models/cpu_attention.py; docs/performance.md), and
+    PyTorch's scaled_dot_product_attention otherwise.
     """
 
     def __init__(
@@ -249,7 +251,10 @@ class CoreAttention(nn.Module):
             if self.window is not None:
                 attention_mask = self._windowed(attention_mask, seq, k.shape[0], q.device)
             qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, hn]
-            if self.explicit or _sdpa_falls_back(q, dropout_p):
+            if plain and attention_mask is None and self._cpu_blocks(q, k, dropout_p):
+                kb, vb = _repeat_groups(qb, kb, vb)
+                out = causal_attention_with_dropout(qb, kb, vb, dropout_p, self.scale)
+            elif self.explicit or _sdpa_falls_back(q, dropout_p):
                 out = self._explicit(qb, kb, vb, attention_mask, dropout_p)
             else:
                 out = F.scaled_dot_product_attention(
@@ -263,6 +268,17 @@ class CoreAttention(nn.Module):
                     enable_gqa=kb.shape[1] != qb.shape[1],
                 )
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+
+    def _cpu_blocks(self, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
+        """Whether causal attention with dropout takes models/cpu_attention.py's operator (on
+        CPU, as many queries as keys, without the explicit path's options), eager or compiled."""
+        return (
+            self.causal
+            and dropout_p > 0
+            and q.device.type == "cpu"
+            and q.shape[0] == k.shape[0]
+            and not self.explicit
+        )
 
     def _dropout_stream(self, dropout_p: float) -> contextlib.AbstractContextManager:
         """The model-parallel stream while dropout draws: heads are split over tp, so masks
@@ -287,10 +303,7 @@ class CoreAttention(nn.Module):
         return band if mask is None else mask | band
 
     def _explicit(self, q, k, v, attention_mask, dropout_p):
-        repeats = q.shape[1] // k.shape[1]
-        if repeats > 1:
-            k = k.repeat_interleave(repeats, dim=1)
-            v = v.repeat_interleave(repeats, dim=1)
+        k, v = _repeat_groups(q, k, v)
         # Dividing by layer_number before the product and multiplying back inside the fp32
         # softmax keeps fp16 scores in range (query-key layer scaling).
         scores = torch.matmul(q * (self.scale / self.layer_coeff), k.transpose(-1, -2))
@@ -314,6 +327,16 @@ class CoreAttention(nn.Module):
         probs, scale = dropout_unscaled(probs.to(v.dtype), dropout_p, training=dropout_p > 0)
         out = torch.matmul(probs, v)
         return out if scale == 1.0 else out * scale  # the keep scale on [b, n, s, hn]
+
+
+def _repeat_groups(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v [b, groups, s, h] with each query group's heads repeated to q's heads."""
+    repeats = q.shape[1] // k.shape[1]
+    if repeats == 1:
+        return k, v
+    return k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
 
 
 def _sdpa_falls_back(q: torch.Tensor, dropout_p: float) -> bool:

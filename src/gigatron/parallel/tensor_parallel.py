@@ -336,11 +336,17 @@ class _CrossEntropy(torch.autograd.Function):
     backward turns it into the gradient in place (exp, minus the one-hot, times the incoming
     gradient), where torch's cross entropy allocates and fills two more of that size. A second
     backward through the same graph fails autograd's check on the modified saved tensor.
+    `overwrite`: float32 logits that nothing else reads become the log-probabilities in place
+    (no second buffer of the logits' size: on a CPU, fresh pages of that size cost as much as
+    the pass that fills them).
     """
 
     @staticmethod
-    def forward(ctx, logits, labels):
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
+    def forward(ctx, logits, labels, overwrite=False):
+        if overwrite and logits.dtype == torch.float32:
+            log_probs = torch.log_softmax(logits, -1, out=logits)
+        else:
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
         loss = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1).neg()
         ctx.save_for_backward(log_probs, labels)
         ctx.logits_dtype = logits.dtype
@@ -351,7 +357,7 @@ class _CrossEntropy(torch.autograd.Function):
         log_probs, labels = ctx.saved_tensors
         grad = _subtract_one_at_labels(log_probs.exp_(), labels, torch.ones_like(grad_loss))
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None
+        return grad.to(ctx.logits_dtype), None, None
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -396,12 +402,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, pctx: ParallelContext
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    pctx: ParallelContext,
+    overwrite_logits: bool = False,
 ) -> torch.Tensor:
     """Per-token cross entropy (float32) of logits whose last dimension is this rank's slice of
-    the vocabulary; only [..]-shaped statistics cross ranks, never the logits."""
+    the vocabulary; only [..]-shaped statistics cross ranks, never the logits.
+    `overwrite_logits`: the caller made the logits for this loss alone (an output layer's
+    product, which its backward does not read), so at tp = 1 they may hold the
+    log-probabilities."""
     if pctx.tp_size == 1:
-        return _CrossEntropy.apply(logits, labels)
+        return _CrossEntropy.apply(logits, labels, overwrite_logits)
     vocab_start = pctx.tp_rank * logits.shape[-1]
     group = pctx.group("tp") if pctx.tp_size > 1 else None
     return _VocabParallelCrossEntropy.apply(logits, labels, group, pctx.tp_size, vocab_start)
