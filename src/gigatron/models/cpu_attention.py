@@ -141,6 +141,7 @@ def _setup_context(ctx, inputs, output) -> None:
     _, probs, keep = output
     ctx.save_for_backward(q, k, v, probs, keep)
     ctx.dropout_p, ctx.scale = dropout_p, scale
+    ctx.set_materialize_grads(False)  # no zero tensors for the saved buffers' gradients
 
 
 def _backward(ctx, grad_out, _grad_probs, _grad_keep):
