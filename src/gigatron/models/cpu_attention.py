@@ -145,6 +145,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out, _grad_probs, _grad_keep):
+    if grad_out is None:  # only the saved buffers were used (never by the model)
+        return None, None, None, None, None
     q, k, v, probs, keep = ctx.saved_tensors
     grads = cpu_causal_attention_backward(
         grad_out.contiguous(), q, k, v, probs, keep, ctx.dropout_p, ctx.scale

@@ -17,6 +17,7 @@ from gigatron.models import mup
 from gigatron.models.build import build_model_chunks, layer_parts_for_run
 from gigatron.models.embedding import LanguageModelEmbedding
 from gigatron.models.language_model import LanguageModelStage
+from gigatron.models.logits_buffer import LogitsBuffer
 from gigatron.models.mla import MLASelfAttention
 from gigatron.models.moe.layer import moe_layer_parts
 from gigatron.models.mtp import MultiTokenPredictionBlock
@@ -53,6 +54,7 @@ class GPTModel(LanguageModelStage):
             self.mtp = MultiTokenPredictionBlock(config, pctx, self.rng, parts or LayerParts())
         if post_process:
             self.add_output_layer(False, self.share_embeddings, pre_process or mtp)
+            self.logits_buffer = LogitsBuffer()
         # Copies of the word embedding on the first and last stages: gradients summed over the
         # embedding group (the tied output weight, or the MTP stage's embedding).
         if pctx.pp_size > 1 and (self.share_embeddings or config.mtp_num_layers):
@@ -113,14 +115,24 @@ class GPTModel(LanguageModelStage):
             self.output_layer(h, weight).transpose(0, 1) for h in depths
         ]
 
+    def _logits_into_buffer(self, hidden: torch.Tensor) -> bool:
+        """Whether the output layer's product goes into `logits_buffer` (models/logits_buffer.py):
+        on CPU in float32 at tp = 1 (the layer itself keeps bias and fp8 products to itself)."""
+        return (
+            hidden.device.type == "cpu" and hidden.dtype == torch.float32 and self.pctx.tp_size == 1
+        )
+
     def token_losses(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross entropy [b, s] of the output layer on `hidden` [s, b, h]."""
         fused = self.config.kernels.linear_cross_entropy
         if fused is None:
-            logits = self.output_layer(hidden, self.output_weight())
-            return vocab_parallel_cross_entropy(
+            product = self.logits_buffer.linear if self._logits_into_buffer(hidden) else None
+            logits = self.output_layer(hidden, self.output_weight(), plain_product=product)
+            losses = vocab_parallel_cross_entropy(
                 logits, labels.t(), self.pctx, overwrite_logits=True
             ).t()
+            self.logits_buffer.done(logits)
+            return losses
         seq, batch, size = hidden.shape
         losses = fused(hidden.reshape(-1, size), self.output_weight(), labels.t().reshape(-1))
         return losses.view(seq, batch).t()

@@ -274,7 +274,7 @@ class CoreAttention(nn.Module):
         CPU, as many queries as keys, without the explicit path's options), eager or compiled."""
         return (
             self.causal
-            and dropout_p > 0
+            and 0 < dropout_p < 1
             and q.device.type == "cpu"
             and q.shape[0] == k.shape[0]
             and not self.explicit

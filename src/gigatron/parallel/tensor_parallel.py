@@ -215,13 +215,24 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        plain_product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`plain_product(x, weight)`: computes x W^T in place of F.linear where that is all
+        the layer computes (no bias, no fp8); the GPT's output layer passes one on CPU
+        (models/logits_buffer.py)."""
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.pctx)
         else:
             x = copy_to_tp_region(x, self.pctx)
-        y = self.matmul(x, weight, self.bias)
+        if plain_product is not None and self.bias is None and self.matmul is F.linear:
+            y = plain_product(x, weight)
+        else:
+            y = self.matmul(x, weight, self.bias)
         if self.gather_output:
             y = gather_from_tp_region(y, self.pctx)
         return y
