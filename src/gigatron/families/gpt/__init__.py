@@ -116,7 +116,8 @@ def forward_step(
     model_inputs: tuple[str, ...] = (),
 ) -> tuple[torch.Tensor, Callable]:
     """One micro-batch through one model chunk (schedule contract). `loss_in_model`: the last
-    stage computes the per-token losses itself (`--cross-entropy-loss-fusion`). `model_inputs`:
+    stage computes the per-token losses itself (GPT without MTP, or Retro with
+    `--cross-entropy-loss-fusion`). `model_inputs`:
     more batch keys the model takes by name (Retro's `neighbour_tokens`)."""
     batch = get_batch(data_iterator, pctx, (*BATCH_KEYS, *model_inputs))
     inputs = {name: batch[name] for name in model_inputs}
@@ -137,7 +138,10 @@ def make_forward_step(cfg, pctx: ParallelContext):
         forward_step,
         pctx,
         mtp_scaling_factor=m.mtp_loss_scaling_factor,
-        loss_in_model=m.cross_entropy_loss_fusion and not m.mtp_num_layers,
+        # The last stage's model computes the per-token losses from its labels (as
+        # Megatron-Core's GPTModel does): the logits never leave it, so the loss may write over
+        # them (GPTModel.token_losses); with MTP the model returns every depth's logits.
+        loss_in_model=not m.mtp_num_layers,
     )
 
 
