@@ -2,7 +2,9 @@
 
 One `GPTModel` is one model chunk: the first chunk holds the embedding (`pre_process`), the last
 the final norm and output layer (`post_process`), and each holds a range of layers named by
-their global index. The model returns logits; the loss is the family's (families/gpt/).
+their global index. Given labels (training without multi-token prediction) the last chunk returns
+the per-token losses, computed over the logits it alone holds; otherwise it returns logits and
+the loss is the family's (families/gpt/).
 `build_model(cfg, pctx)` returns this rank's chunks.
 """
 

@@ -21,7 +21,7 @@ class LogitsBuffer:
 
     def __init__(self) -> None:
         self._free: Tensor | None = None
-        self._lent_untracked: int | None = None
+        self._lent_untracked: Tensor | None = None
 
     def take(self, shape: torch.Size, dtype: torch.dtype) -> Tensor:
         """The free buffer if it has this shape and dtype, else a new one."""
@@ -38,9 +38,9 @@ class LogitsBuffer:
     def done(self, logits: Tensor) -> None:
         """The caller has read `logits`: if they are the buffer `linear` lent without a graph,
         it is free again (with a graph, the product's backward frees it)."""
-        if logits.grad_fn is None and logits.data_ptr() == self._lent_untracked:
-            self.give_back(logits)
-        self._lent_untracked = None
+        lent, self._lent_untracked = self._lent_untracked, None
+        if lent is not None and logits.grad_fn is None and logits.data_ptr() == lent.data_ptr():
+            self.give_back(lent)
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         """x @ weight^T (no bias) into the buffer, differentiable in x and weight. Without a
@@ -49,7 +49,7 @@ class LogitsBuffer:
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return _LinearIntoBuffer.apply(x, weight, self)
         out = self.take(torch.Size((*x.shape[:-1], weight.shape[0])), x.dtype)
-        self._lent_untracked = out.data_ptr()
+        self._lent_untracked = out
         return torch.matmul(x, weight.t(), out=out)
 
 
@@ -57,7 +57,9 @@ class _LinearIntoBuffer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, buffers):
         out = buffers.take(torch.Size((*x.shape[:-1], weight.shape[0])), x.dtype)
-        ctx.buffers, ctx.lent = buffers, out.data_ptr()
+        # The memory, held until backward (detached: no cycle through the graph), so that no
+        # other tensor can take its address meanwhile.
+        ctx.buffers, ctx.lent = buffers, out.detach()
         ctx.save_for_backward(x, weight)
         return torch.matmul(x, weight.t(), out=out)
 
@@ -69,6 +71,7 @@ class _LinearIntoBuffer(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             flat_grad = grad.reshape(-1, grad.shape[-1])
             grad_weight = flat_grad.t().matmul(x.reshape(-1, x.shape[-1]))
-        if grad.data_ptr() == ctx.lent:  # the cross entropy's gradient, over the lent buffer
-            ctx.buffers.give_back(grad)
+        lent, ctx.lent = ctx.lent, None
+        if lent is not None and grad.data_ptr() == lent.data_ptr():
+            ctx.buffers.give_back(lent)  # the cross entropy's gradient, over the lent buffer
         return grad_x, grad_weight, None
